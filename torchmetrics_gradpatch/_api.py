@@ -1,0 +1,221 @@
+"""The public patch API: ``patch``, ``unpatch``, ``is_patched``, ``patched`` and ``status``.
+
+The state model, in one sentence: the patch is in force while ``patch()`` is on **or** any ``patched()``
+block is open. ``import torchmetrics_gradpatch`` calls ``patch()`` unless ``TORCHMETRICS_GRADPATCH_AUTOPATCH``
+is ``0``. Blocks are counted, not stacked, so they nest, may be closed in any order and from any thread, and
+each one's exit undoes exactly its own entry -- also when the block raises. Calling ``patch()`` or
+``unpatch()`` inside a block changes only the ``patch()`` switch: it takes effect once the blocks are closed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import wrapt
+
+from torchmetrics_gradpatch import _engine
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+AUTOPATCH_ENV = "TORCHMETRICS_GRADPATCH_AUTOPATCH"
+_TRUE = {"", "1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def patch() -> None:
+    """Put the graph-preserving gather in force until :func:`unpatch`. Idempotent.
+
+    On a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed. If torchmetrics is
+    not imported yet, the patch lands the moment ``torchmetrics.utilities.distributed`` is imported.
+    """
+    _engine.set_manual(True)
+
+
+def unpatch() -> None:
+    """Switch off what :func:`patch` switched on (open ``patched()`` blocks stay in force). Idempotent.
+
+    Once nothing holds the patch in force, torchmetrics' gather gets back its original code object.
+    """
+    _engine.set_manual(False)
+
+
+def is_patched() -> bool:
+    """Whether the patch is in force: :func:`patch` is on or a :func:`patched` block is open.
+
+    On native torchmetrics (1.6.0 and newer) the patch can be "in force" without anything being replaced;
+    :func:`status` tells the two apart.
+    """
+    return _engine.in_force()
+
+
+class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@patched()``
+    """Context manager and decorator that keeps the patch in force for a block or a call.
+
+    ``with patched(): ...`` and ``@patched()`` nest, are thread-safe and, on exit, undo only their own entry
+    (also when the block raises), so the state found at entry is restored unless the block itself called
+    :func:`patch` or :func:`unpatch`. As a decorator, each call of the function opens its own block; coroutine
+    functions are supported (the block spans the awaited call). Generator functions are refused, because a
+    block around a suspended generator would leak into the code that iterates it.
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+
+    def __enter__(self) -> patched:
+        _engine.enter_block()
+        self._depth += 1
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._depth -= 1
+        _engine.exit_block()
+
+    def __call__(self, function: F) -> F:
+        if inspect.isgeneratorfunction(function) or inspect.isasyncgenfunction(function):
+            raise TypeError(
+                f"@patched() cannot decorate the generator function {function.__qualname__}: the block would "
+                "stay open while the generator is suspended. Use `with patched():` inside it instead."
+            )
+        if inspect.iscoroutinefunction(function):
+
+            @functools.wraps(function)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                with patched():
+                    return await function(*args, **kwargs)
+
+            return cast(F, run_async)
+
+        @wrapt.decorator
+        def run(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            with patched():
+                return wrapped(*args, **kwargs)
+
+        return cast(F, run(function))
+
+
+@dataclass(frozen=True)
+class Status:
+    """What a person debugging a cluster job needs to know about the patch in this process."""
+
+    torch_version: str
+    torchmetrics_version: str
+    native: bool  #: this torchmetrics keeps the local graph itself (1.6.0+)
+    in_force: bool  #: patch() is on or a patched() block is open
+    graph_preserving: bool  #: a gather called now keeps the local rank's graph
+    torchmetrics_imported: bool
+    applied_to: tuple[str, ...]  #: where our code is installed (empty when native or not in force)
+    references: dict[str, bool]  #: known paths into the gather and whether each reaches the patched function
+    autopatch: bool  #: what TORCHMETRICS_GRADPATCH_AUTOPATCH asked of the import
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        data = asdict(self)
+        data["applied_to"] = list(self.applied_to)
+        return data
+
+    def to_json(self) -> str:
+        """The status as indented JSON."""
+        return json.dumps(self.as_dict(), indent=2, sort_keys=True)
+
+    def __str__(self) -> str:
+        if self.native:
+            mode = "native (torchmetrics keeps the graph itself; nothing patched)"
+        elif self.in_force and self.torchmetrics_imported:
+            mode = "patched"
+        elif self.in_force:
+            mode = "patched as soon as torchmetrics is imported"
+        else:
+            mode = "not patched"
+        lines = [
+            f"torch:            {self.torch_version}",
+            f"torchmetrics:     {self.torchmetrics_version}",
+            f"gather:           {mode}",
+            f"graph preserved:  {'yes' if self.graph_preserving else 'NO'}",
+            f"autopatch:        {'on' if self.autopatch else 'off'} ({AUTOPATCH_ENV})",
+        ]
+        lines += [f"applied to:       {where}" for where in self.applied_to]
+        lines += [
+            f"reference:        {path}: {'reaches it' if ok else 'DOES NOT reach it'}"
+            for path, ok in self.references.items()
+        ]
+        return "\n".join(lines)
+
+
+def _unwrap(obj: Any) -> Any:
+    return inspect.unwrap(obj) if callable(obj) else obj
+
+
+def _references(function: Any) -> dict[str, bool]:
+    """Check the paths torchmetrics itself uses to reach its gather (see ``../shared/FACTS.md``)."""
+    found: dict[str, bool] = {}
+    distributed = sys.modules.get(_engine.TARGET_MODULE)
+    if distributed is not None:
+        found[f"{_engine.TARGET_MODULE}.{_engine.TARGET_NAME}"] = (
+            _unwrap(getattr(distributed, _engine.TARGET_NAME, None)) is function
+        )
+    metric_module = sys.modules.get("torchmetrics.metric")
+    if metric_module is not None:
+        found[f"torchmetrics.metric.{_engine.TARGET_NAME}"] = (
+            _unwrap(getattr(metric_module, _engine.TARGET_NAME, None)) is function
+        )
+        sync_dist = getattr(getattr(metric_module, "Metric", None), "_sync_dist", None)
+        defaults = getattr(sync_dist, "__defaults__", None) or ()
+        if defaults:
+            found["torchmetrics.Metric._sync_dist default dist_sync_fn"] = _unwrap(defaults[0]) is function
+    return found
+
+
+def status() -> Status:
+    """Report versions, native/patched, whether the graph is kept, and where the patch is applied."""
+    state = _engine.snapshot()
+    installed = _engine.installed()
+    applied: tuple[str, ...] = ()
+    if installed and state.function is not None:
+        applied = (
+            f"{_engine.TARGET_MODULE}.{_engine.TARGET_NAME}.__code__ (function object at "
+            f"{id(state.function):#x}; every reference to that object sees the patch)",
+        )
+    in_force = state.manual or state.blocks > 0
+    return Status(
+        torch_version=_versions()[0],
+        torchmetrics_version=state.torchmetrics_version,
+        native=state.native,
+        in_force=in_force,
+        graph_preserving=state.native or installed or (in_force and state.function is None),
+        torchmetrics_imported=state.function is not None,
+        applied_to=applied,
+        references=_references(state.function) if state.function is not None else {},
+        autopatch=autopatch_requested(),
+    )
+
+
+def _versions() -> tuple[str, str]:
+    from torchmetrics_gradpatch._version import installed_version
+
+    return installed_version("torch") or "not installed", installed_version("torchmetrics") or "not installed"
+
+
+def autopatch_requested() -> bool:
+    """Read ``TORCHMETRICS_GRADPATCH_AUTOPATCH``; raise ``ValueError`` naming the variable if it is not a flag."""
+    raw = os.environ.get(AUTOPATCH_ENV, "1")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{AUTOPATCH_ENV}={raw!r} is not understood; use 0 to import without patching or 1 (the default) to patch."
+    )

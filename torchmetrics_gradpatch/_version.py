@@ -1,0 +1,93 @@
+"""Version gate: decide, before anything is touched, whether this pair of torch and torchmetrics is supported.
+
+Why a separate module: the gate must run first and must not import torch or torchmetrics. On a refused
+version the package raises before any object in torchmetrics has been looked at, so "refuse without touching
+anything" holds by construction. Versions are read from the installed distributions' metadata (cheap, no
+import) unless the module is already imported, in which case its own ``__version__`` wins (it is what runs).
+
+Versions are parsed with :mod:`packaging`, so local labels (``2.13.0+cpu``) and pre-releases
+(``2.16.0.dev20261101``) compare the way pip compares them. For the minimum torch we compare the *release*
+part: ``2.0.0rc1`` and ``2.0.0.dev...`` builds are the 2.0 line and are accepted.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+from packaging.version import InvalidVersion, Version
+
+#: Upstream documents the graph-preserving gather for PyTorch 2.0 and newer only.
+MIN_TORCH = Version("2.0")
+#: torchmetrics keeps the local rank's graph natively from this release on (upstream PR #2754).
+NATIVE_TORCHMETRICS = Version("1.6.0")
+
+
+class UnsupportedVersionError(ImportError):
+    """The installed torch or torchmetrics cannot be patched safely; nothing was changed.
+
+    A subclass of :class:`ImportError` because it is raised by ``import torchmetrics_gradpatch``; deliberately
+    not a :class:`ModuleNotFoundError`, so code that treats "not installed" as optional does not swallow it.
+    """
+
+
+def installed_version(distribution: str, module: str | None = None) -> str | None:
+    """The version string of ``distribution``, or ``None`` when it is not installed.
+
+    When ``module`` is already imported its ``__version__`` is preferred: that is the code actually running,
+    even if the metadata on disk has since changed.
+    """
+    loaded = sys.modules.get(module or distribution)
+    version = getattr(loaded, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def parse(version: str, what: str) -> Version:
+    """Parse ``version`` with :mod:`packaging`, naming ``what`` in the error if it is not a valid version."""
+    try:
+        return Version(version)
+    except InvalidVersion:
+        raise UnsupportedVersionError(
+            f"torchmetrics_gradpatch cannot parse the installed {what} version {version!r}; "
+            f"install a released {what} (see `pip show {what}`)."
+        ) from None
+
+
+def check_torch(version: str | None) -> Version:
+    """Return the parsed torch version, or raise :class:`UnsupportedVersionError` when it is below 2.0."""
+    if version is None:
+        raise UnsupportedVersionError(
+            "torchmetrics_gradpatch needs PyTorch >= 2.0, and PyTorch is not installed: pip install 'torch>=2.0'."
+        )
+    parsed = parse(version, "torch")
+    if Version(parsed.base_version) < MIN_TORCH:
+        raise UnsupportedVersionError(
+            f"torchmetrics_gradpatch supports PyTorch >= {MIN_TORCH} only, and torch {version} is installed. "
+            "The graph-preserving gather it installs (torchmetrics PR #2754) is defined for PyTorch 2.0 and newer; "
+            "nothing was patched. Upgrade torch (pip install 'torch>=2.0') or do not import torchmetrics_gradpatch."
+        )
+    return parsed
+
+
+def check_torchmetrics(version: str | None) -> Version:
+    """Return the parsed torchmetrics version; raise :class:`UnsupportedVersionError` when it is missing."""
+    if version is None:
+        raise UnsupportedVersionError(
+            "torchmetrics_gradpatch patches torchmetrics, which is not installed: pip install torchmetrics."
+        )
+    return parse(version, "torchmetrics")
+
+
+def is_native(torchmetrics_version: Version) -> bool:
+    """Whether this torchmetrics already returns the local rank's tensor, graph and all, from its gather.
+
+    Pre-releases and dev builds of 1.6.0 count as *not* native. That errs on the safe side: patching a
+    torchmetrics that already keeps the graph gives the same result, while skipping one that does not would
+    silently drop gradients.
+    """
+    return torchmetrics_version >= NATIVE_TORCHMETRICS
