@@ -1,0 +1,290 @@
+"""Functions that run inside spawned ranks (module-level, so ``spawn`` can import them).
+
+Each rank runs a whole batch of cases and returns plain data (detached tensors, booleans, strings); the
+assertions live in ``tests/test_ddp.py``, in the parent, where the single-process references are computed.
+Batching keeps the suite fast: a spawn costs seconds, a case milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torchmetrics.utilities.distributed as tm_dist
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.utilities import dim_zero_cat
+from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # noqa: N812 - imported like users do
+
+import torchmetrics_gradpatch
+
+# Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
+CAT_ROWS = (3, 5, 4)
+SUM_ROWS = (4, 4, 4)
+
+
+class SumSquaredError(Metric):
+    """MSE with sum states (``dist_reduce_fx="sum"``)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("sse", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("n", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.sse = self.sse + ((preds - target) ** 2).sum()
+        self.n = self.n + preds.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.sse / self.n
+
+
+class CatSquaredError(Metric):
+    """MSE with a list state (``dist_reduce_fx="cat"``): per-rank lengths differ, so the uneven path runs."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("errors", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.errors.append((preds - target) ** 2)
+
+    def compute(self) -> torch.Tensor:
+        return dim_zero_cat(self.errors).mean()
+
+
+def inputs(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic preds/target for ``rank``; the parent rebuilds them for the single-process reference."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    preds = torch.randn(rows, generator=gen, dtype=torch.float64)
+    target = torch.randn(rows, generator=gen, dtype=torch.float64)
+    return preds, target
+
+
+# --------------------------------------------------------------------------------------------------- gather
+
+
+def gather_inputs(case: str, rank: int) -> tuple[torch.Tensor, bool]:
+    """The tensor rank ``rank`` contributes in gather ``case``, and whether the call runs under no_grad."""
+    f64 = torch.float64
+    if case == "equal":
+        return ((rank + 1) * torch.arange(6, dtype=f64).reshape(2, 3)).requires_grad_(), False
+    if case == "uneven_rows":  # includes a rank with zero rows
+        rows = (2, 0, 3)[rank % 3]
+        return (torch.arange(rows * 2, dtype=f64).reshape(rows, 2) + 10 * rank).requires_grad_(), False
+    if case == "uneven_all_dims":
+        return (torch.ones(rank % 3 + 1, 3 - rank % 3, dtype=f64) * (rank + 1)).requires_grad_(), False
+    if case == "scalar":
+        return torch.tensor(rank + 0.5, dtype=f64, requires_grad=True), False
+    if case == "non_contiguous":
+        base = torch.arange(12, dtype=f64).reshape(3, 4) * (rank + 1)
+        return base.t().requires_grad_(), False
+    if case == "integer":
+        return torch.arange(rank + 2, dtype=torch.int64) * 7, False
+    if case == "no_requires_grad":
+        return torch.full((2, rank + 1), float(rank), dtype=torch.float32), False
+    if case == "under_no_grad":
+        return torch.arange(3, dtype=f64).requires_grad_(), True
+    raise ValueError(case)
+
+
+GATHER_CASES = (
+    "equal",
+    "uneven_rows",
+    "uneven_all_dims",
+    "scalar",
+    "non_contiguous",
+    "integer",
+    "no_requires_grad",
+    "under_no_grad",
+)
+
+
+@contextmanager
+def record_collectives() -> Iterator[list[str]]:
+    """Record, in order, every barrier/all_gather the code inside issues (name and tensor shapes)."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("barrier", "all_gather")}
+
+    def recorder(name: str) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            shapes = [tuple(t.shape) for t in args[0]] if name == "all_gather" else []
+            calls.append(f"{name}{shapes}")
+            return originals[name](*args, **kwargs)
+
+        return record
+
+    for name in originals:
+        setattr(dist, name, recorder(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _unpatched_gather(x: torch.Tensor, group: Any) -> tuple[list[torch.Tensor], list[str]]:
+    """torchmetrics' own gather, with the patch switched off for the call."""
+    torchmetrics_gradpatch.unpatch()
+    try:
+        with warnings.catch_warnings(), record_collectives() as calls:
+            warnings.simplefilter("ignore")  # torchmetrics < 1.6 on torch >= 2.8 warns on uneven shapes
+            return [t.detach().clone() for t in tm_dist.gather_all_tensors(x.detach(), group)], calls
+    finally:
+        torchmetrics_gradpatch.patch()
+
+
+def run_gather_case(case: str, group: Any = None) -> dict[str, Any]:
+    """Patched gather (through torchmetrics' own module attribute) vs the unpatched one, and the gradient."""
+    rank = dist.get_rank(group)
+    x, no_grad = gather_inputs(case, dist.get_rank())
+    reference, reference_calls = _unpatched_gather(x, group)
+    with warnings.catch_warnings(record=True) as caught, record_collectives() as calls:
+        warnings.simplefilter("always")
+        if no_grad:
+            with torch.no_grad():
+                out = tm_dist.gather_all_tensors(x, group)
+        else:
+            out = tm_dist.gather_all_tensors(x, group)
+    grad = None
+    if x.requires_grad and not no_grad:
+        # d/dx of sum_j (j + 1) * out[j].sum() is (rank + 1) everywhere: only the local entry has a graph.
+        loss = sum((j + 1) * entry.sum() for j, entry in enumerate(out))
+        loss.backward()  # type: ignore[union-attr]
+        grad = x.grad
+    return {
+        "group_rank": rank,
+        "input": x.detach().clone(),
+        "patched": [t.detach().clone() for t in out],
+        "reference": reference,
+        "local_is_input": out[rank] is x,
+        "requires_grad": [t.requires_grad for t in out],
+        "grad": grad,
+        "warnings": [str(w.message) for w in caught],
+        "collectives": calls,
+        "reference_collectives": reference_calls,
+    }
+
+
+# --------------------------------------------------------------------------------------------------- metrics
+
+
+def _sum_metric(**kwargs: Any) -> SumSquaredError:
+    return SumSquaredError(**kwargs).to(torch.float64)
+
+
+def rows_for(case: str) -> tuple[int, ...]:
+    """Per-rank batch sizes of a Metric case: uneven wherever a list ("cat") state is synced."""
+    return SUM_ROWS if case.endswith("sum") else CAT_ROWS
+
+
+def _metric_case(case: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one Metric path on this rank; return (the synced loss value, d loss / d preds)."""
+    rows = rows_for(case)[rank]
+    preds, target = inputs(rank, rows)
+    preds.requires_grad_()
+    if case == "forward_sum":
+        loss = SumSquaredError(dist_sync_on_step=True)(preds, target)
+    elif case == "forward_cat":
+        loss = CatSquaredError(dist_sync_on_step=True)(preds, target)
+    elif case == "collection":
+        collection = MetricCollection(
+            {"sum": SumSquaredError(dist_sync_on_step=True), "cat": CatSquaredError(dist_sync_on_step=True)}
+        )
+        values = collection(preds, target)
+        loss = values["sum"] + values["cat"]
+    elif case == "compositional":
+        loss = (SumSquaredError(dist_sync_on_step=True) + CatSquaredError(dist_sync_on_step=True))(preds, target)
+    elif case in ("sync_sum", "sync_cat", "sync_dist_default_sum", "sync_dist_default_cat"):
+        metric: Metric = SumSquaredError() if case.endswith("sum") else CatSquaredError()
+        metric._enable_grad = True  # what forward does, so update() records a graph
+        metric.update(preds, target)
+        if case.startswith("sync_dist_default"):
+            metric._sync_dist()  # the default argument bound when Metric was created
+        else:
+            metric.sync()  # looks the global name up in torchmetrics.metric
+        if isinstance(metric, SumSquaredError):
+            loss = metric.sse / metric.n
+        else:
+            errors = metric.errors
+            loss = (errors if isinstance(errors, torch.Tensor) else dim_zero_cat(errors)).mean()
+    elif case in ("alias", "partial_before_patch", "dist_sync_fn_before_patch"):
+        torchmetrics_gradpatch.unpatch()
+        if case == "alias":
+            sync_fn: Callable[..., Any] = ALIAS
+        elif case == "partial_before_patch":
+            sync_fn = functools.partial(tm_dist.gather_all_tensors)
+        else:
+            sync_fn = tm_dist.gather_all_tensors
+        metric = CatSquaredError(dist_sync_on_step=True, dist_sync_fn=sync_fn)
+        torchmetrics_gradpatch.patch()
+        loss = metric(preds, target)
+    else:
+        raise ValueError(case)
+    loss.backward()
+    assert preds.grad is not None
+    return loss.detach(), preds.grad
+
+
+METRIC_CASES = (
+    "forward_sum",
+    "forward_cat",
+    "collection",
+    "compositional",
+    "sync_sum",
+    "sync_cat",
+    "sync_dist_default_sum",
+    "sync_dist_default_cat",
+    "alias",
+    "partial_before_patch",
+    "dist_sync_fn_before_patch",
+)
+
+
+def _unpatched_forward_keeps_graph(rank: int) -> bool:
+    """Control: with the patch off, does a synced Metric loss still have a graph? (Only on native torchmetrics.)"""
+    torchmetrics_gradpatch.unpatch()
+    try:
+        preds, target = inputs(rank, CAT_ROWS[rank])
+        preds.requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = CatSquaredError(dist_sync_on_step=True)(preds, target)
+        return bool(loss.requires_grad)
+    finally:
+        torchmetrics_gradpatch.patch()
+
+
+def run_all(subgroup_ranks: list[int] | None = None) -> dict[str, Any]:
+    """Everything one rank checks: every gather case, every Metric path, rank identity, and the control."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "native": torchmetrics_gradpatch.status().native,
+        "status_in_force": torchmetrics_gradpatch.is_patched(),
+    }
+    # Rank identity: every rank's pid, gathered; index j must hold the pid of the process that is rank j.
+    pids = tm_dist.gather_all_tensors(torch.tensor([os.getpid(), rank]))
+    out["gathered_pids"] = [tuple(int(v) for v in p) for p in pids]
+    out["gather"] = {case: run_gather_case(case) for case in GATHER_CASES}
+    out["metric"] = {}
+    for case in METRIC_CASES:
+        value, grad = _metric_case(case, rank)
+        out["metric"][case] = {"value": value, "grad": grad}
+    out["unpatched_keeps_graph"] = _unpatched_forward_keeps_graph(rank)
+    if subgroup_ranks is not None:
+        group = dist.new_group(subgroup_ranks)  # every rank must take part in creating it
+        if rank in subgroup_ranks:
+            out["subgroup"] = {case: run_gather_case(case, group) for case in ("equal", "uneven_rows", "scalar")}
+        dist.barrier()
+    return out
