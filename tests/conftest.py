@@ -1,0 +1,51 @@
+"""Shared pytest configuration.
+
+Do not import torch or torchmetrics_gradpatch at module level here: the torch1.13 tox environment loads this file
+too, and there ``import torchmetrics_gradpatch`` refuses by design.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import pytest
+
+# --- machine-readable result of a tox environment (issue 3) ------------------------------------------------------
+# tox.ini sets TMGP_RESULT_JSON=results/raw/<env>.json; scripts/compat_table.py turns those files into the README's
+# compatibility table. Without the variable nothing is written.
+_started = time.monotonic()
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    target = os.environ.get("TMGP_RESULT_JSON")
+    if not target or hasattr(session.config, "workerinput"):  # xdist workers: only the controller writes
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    stats = getattr(reporter, "stats", {}) if reporter is not None else {}
+    counts = {key: len(stats.get(key, [])) for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")}
+    result = {
+        "env": os.environ.get("TOX_ENV_NAME"),
+        "torch": _dist_version("torch"),
+        "torchmetrics": _dist_version("torchmetrics"),
+        "python": platform.python_version(),
+        "exitstatus": int(exitstatus),
+        "outcome": "passed" if int(exitstatus) == 0 else "failed",
+        "counts": counts,
+        "duration_s": round(time.monotonic() - _started, 1),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
