@@ -1,0 +1,41 @@
+"""Run a Python snippet in a fresh interpreter: for behaviour that depends on import order or on a clean start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(
+    code: str, *, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` with this interpreter, the repository on ``sys.path`` and ``env`` added to the environment."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def ok(code: str, **kwargs: object) -> str:
+    """Run ``code``; fail with its output unless it exits 0; return its stdout."""
+    proc = run_python(code, **kwargs)  # type: ignore[arg-type]
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    return proc.stdout
+
+
+# A one-process gloo group, enough to call the gather in a fresh interpreter.
+WORLD_OF_ONE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+"""

@@ -1,0 +1,230 @@
+"""The version gate: refuse torch < 2.0 and unrecognised torchmetrics without touching anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests._subprocess import WORLD_OF_ONE, ok
+from torchmetrics_gradpatch import UnsupportedVersionError, _version
+
+
+def test_error_type_is_an_import_error_but_not_module_not_found() -> None:
+    assert issubclass(UnsupportedVersionError, ImportError)
+    assert not issubclass(UnsupportedVersionError, ModuleNotFoundError)
+
+
+@pytest.mark.parametrize("version", ["1.13.1", "1.13.1+cu117", "1.9.0", "0.4.1"])
+def test_torch_below_2_is_refused_naming_both_versions(version: str) -> None:
+    with pytest.raises(UnsupportedVersionError) as info:
+        _version.check_torch(version)
+    assert f"torch {version} is installed" in str(info.value)
+    assert ">= 2.0" in str(info.value)
+
+
+@pytest.mark.parametrize("version", ["2.0.0", "2.0.0rc1", "2.13.0+cpu", "2.16.0.dev20261101", "3.0.0a1"])
+def test_torch_2_and_newer_pass_including_local_labels_and_prereleases(version: str) -> None:
+    assert str(_version.check_torch(version)) == version
+
+
+def test_missing_or_unparsable_versions_are_clear_errors() -> None:
+    with pytest.raises(UnsupportedVersionError, match="PyTorch is not installed"):
+        _version.check_torch(None)
+    with pytest.raises(UnsupportedVersionError, match="torchmetrics, which is not installed"):
+        _version.check_torchmetrics(None)
+    with pytest.raises(UnsupportedVersionError, match="cannot parse the installed torch version 'banana'"):
+        _version.check_torch("banana")
+
+
+@pytest.mark.parametrize(
+    ("version", "native"),
+    [("0.11.4", False), ("1.5.2", False), ("1.6.0rc1", False), ("1.6.0.dev20241001", False),
+     ("1.6.0", True), ("1.6.0+local", True), ("1.9.0", True), ("2.0.0", True)],
+)  # fmt: skip
+def test_native_from_1_6_0(version: str, native: bool) -> None:
+    assert _version.is_native(_version.parse(version, "torchmetrics")) is native
+
+
+# What a refused import must leave exactly as it found it, checked in a fresh interpreter.
+SNAPSHOT = """
+import sys
+import torchmetrics, torchmetrics.metric as tm_metric, torchmetrics.utilities.distributed as tm_dist
+def state():
+    function = getattr(tm_dist, "gather_all_tensors", None)
+    return (function, getattr(function, "__code__", None), dict(getattr(function, "__dict__", {})),
+            tm_metric.gather_all_tensors, tm_metric.Metric._sync_dist.__defaults__, list(sys.meta_path))
+before = state()
+def unchanged():
+    now = state()
+    return all(a is b for a, b in zip(now[:2], before[:2])) and now[2] == before[2] and all(
+        a is b for a, b in zip(now[3:5], before[3:5])) and now[5] == before[5]
+def import_refused():
+    try:
+        import torchmetrics_gradpatch
+    except ImportError as err:
+        assert type(err).__name__ == "UnsupportedVersionError", repr(err)
+        assert not [n for n in sys.modules if n.split(".")[0] == "torchmetrics_gradpatch"], "left in sys.modules"
+        return str(err)
+    raise SystemExit("import did not refuse")
+"""
+
+
+def test_old_torch_refused_twice_and_nothing_touched() -> None:
+    out = ok(
+        SNAPSHOT
+        + """
+import torch
+torch.__version__ = "1.13.1"  # the gate reads the running torch's version
+first, second = import_refused(), import_refused()
+assert first == second and unchanged()
+print(first)
+"""
+    )
+    assert "torch 1.13.1 is installed" in out and ">= 2.0" in out
+
+
+MUTATIONS = {
+    "extra parameter": (
+        "def gather_all_tensors(result, group=None, extra=1): pass",
+        "unrecognised signature gather_all_tensors(result, group=None, extra=1)",
+    ),
+    "renamed parameter": (
+        "def gather_all_tensors(tensor, group=None): pass",
+        "unrecognised signature gather_all_tensors(tensor, group=None)",
+    ),
+    "missing": ("gather_all_tensors = None", "the function does not exist"),
+    "not a Python function": (
+        "gather_all_tensors = len",
+        "expected a Python function, found builtin_function_or_method",
+    ),
+}
+
+
+def test_unrecognised_torchmetrics_gather_refused_naming_why() -> None:
+    """Each mutation of torchmetrics' gather is refused, with torchmetrics' version and the reason."""
+    out = ok(
+        SNAPSHOT
+        + f"""
+import json
+original = tm_dist.gather_all_tensors
+messages = {{}}
+for name, (source, _) in {dict((k, v) for k, v in MUTATIONS.items())!r}.items():
+    scope = {{}}
+    exec(source, scope)
+    if scope["gather_all_tensors"] is None:
+        del tm_dist.gather_all_tensors
+    else:
+        tm_dist.gather_all_tensors = scope["gather_all_tensors"]
+    before = state()
+    messages[name] = import_refused()
+    assert unchanged(), name
+    tm_dist.gather_all_tensors = original
+print(json.dumps(messages))
+"""
+    )
+    messages = json.loads(out)
+    for name, (_, reason) in MUTATIONS.items():
+        assert f"torchmetrics {_version.installed_version('torchmetrics')}" in messages[name], name
+        assert reason in messages[name], name
+
+
+def test_native_torchmetrics_is_left_alone() -> None:
+    out = ok(
+        SNAPSHOT
+        + """
+torchmetrics.__version__ = "1.6.0"  # the gate reads the running torchmetrics' version
+import torchmetrics_gradpatch as tg
+status = tg.status()
+assert status.native and status.in_force and status.applied_to == () and status.graph_preserving
+with tg.patched():
+    tg.patch(); tg.unpatch()
+assert unchanged()
+print(status)
+"""
+    )
+    assert "native" in out
+
+
+def test_import_before_torchmetrics_patches_on_import() -> None:
+    ok(
+        """
+import sys
+import torchmetrics_gradpatch as tg
+assert "torchmetrics" not in sys.modules and tg.is_patched()
+assert tg.status().applied_to == ()
+import torchmetrics.utilities.distributed as tm_dist
+assert tg.status().applied_to, tg.status()
+"""
+        + WORLD_OF_ONE
+        + """
+x = torch.arange(3.0, requires_grad=True)
+assert tm_dist.gather_all_tensors(x)[0] is x
+"""
+    )
+
+
+def test_alias_imported_before_the_shim_is_reached() -> None:
+    ok(
+        """
+from torchmetrics.utilities.distributed import gather_all_tensors as user_alias
+"""
+        + WORLD_OF_ONE
+        + """
+x = torch.arange(3.0, requires_grad=True)
+assert user_alias(x)[0] is not x and not user_alias(x)[0].requires_grad
+import torchmetrics_gradpatch
+out = user_alias(x)
+assert out[0] is x
+out[0].sum().backward()
+assert x.grad.tolist() == [1.0, 1.0, 1.0]
+"""
+    )
+
+
+def test_autopatch_off_applies_nothing_but_keeps_the_gate() -> None:
+    ok(
+        """
+import torchmetrics.utilities.distributed as tm_dist
+code = tm_dist.gather_all_tensors.__code__
+import torchmetrics_gradpatch as tg
+assert not tg.is_patched() and tm_dist.gather_all_tensors.__code__ is code and not tg.status().autopatch
+tg.patch()
+assert tm_dist.gather_all_tensors.__code__ is not code
+tg.unpatch()
+assert tm_dist.gather_all_tensors.__code__ is code
+""",
+        env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"},
+    )
+    ok(
+        """
+import torch
+torch.__version__ = "1.13.1"
+try:
+    import torchmetrics_gradpatch
+except ImportError as err:
+    assert "1.13.1" in str(err)
+else:
+    raise SystemExit("the gate must run even with autopatch off")
+""",
+        env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"},
+    )
+
+
+def test_bad_autopatch_value_is_a_clear_error_and_leaves_nothing() -> None:
+    ok(
+        """
+import sys
+import torchmetrics.utilities.distributed as tm_dist
+code = tm_dist.gather_all_tensors.__code__
+try:
+    import torchmetrics_gradpatch
+except ValueError as err:
+    assert "TORCHMETRICS_GRADPATCH_AUTOPATCH='maybe'" in str(err) and "use 0" in str(err), err
+else:
+    raise SystemExit("accepted a bad flag")
+assert tm_dist.gather_all_tensors.__code__ is code
+assert not [n for n in sys.modules if n.startswith("torchmetrics_gradpatch")]
+""",
+        env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "maybe"},
+    )
