@@ -1,0 +1,32 @@
+"""Property tests of the patched gather against the unpatched one, on real spawned ranks.
+
+Hypothesis runs *inside* every rank (derandomized, no example database), so all ranks draw the same examples
+in the same order and issue the same collectives; each example ends with a consensus step, so a failure on one
+rank makes every rank fail (and shrink) together. Spawning costs seconds, so one spawn runs many examples.
+See ``tests/_reliability_ranks.py`` for what is drawn and checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import _reliability_ranks as ranks
+from torchmetrics_gradpatch.testing import spawn_ranks
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_patched_gather_properties(world_size: int) -> None:
+    seen = spawn_ranks(ranks.run_properties, world_size, args=(50,), timeout=150)
+    assert seen[0]["examples"] >= 50
+    # the draws must actually cover the interesting cases, on every rank alike
+    assert all(s == seen[0] for s in seen)
+    assert seen[0]["uneven"] and seen[0]["zero_size"] and seen[0]["grad"] and seen[0]["subgroup"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_patched_gather_properties_many(world_size: int) -> None:
+    seen = spawn_ranks(ranks.run_properties, world_size, args=(600,), timeout=800)
+    assert seen[0]["examples"] >= 600
+    assert all(s == seen[0] for s in seen)
