@@ -1,0 +1,268 @@
+"""Patch engine, in this process: every reference kind, exact restore, foreign patches, threads, errors.
+
+The process imported ``torchmetrics_gradpatch`` (so the patch is on); each test starts from ``unpatch()``
+and the fixture puts the import-time state back. A one-rank gloo group lets the gather actually run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+import threading
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchmetrics.metric as tm_metric
+import torchmetrics.utilities.distributed as tm_dist
+import wrapt
+
+import torchmetrics_gradpatch as tg
+from torchmetrics_gradpatch import _engine
+
+FUNCTION = tm_dist.gather_all_tensors
+
+
+def original_code() -> types.CodeType:
+    code = _engine._state.original_code
+    assert code is not None
+    assert code.co_name == "gather_all_tensors"
+    assert code.co_filename.replace("\\", "/").endswith("torchmetrics/utilities/distributed.py")
+    return code
+
+
+def snapshot() -> tuple[Any, ...]:
+    """Everything ``unpatch()`` must give back: objects by identity, the function's dict by value."""
+    return (
+        tm_dist.gather_all_tensors,
+        FUNCTION.__code__,
+        dict(FUNCTION.__dict__),
+        FUNCTION.__defaults__,
+        tm_metric.gather_all_tensors,
+        tm_metric.Metric._sync_dist.__defaults__,
+    )
+
+
+def assert_pristine(before: tuple[Any, ...]) -> None:
+    after = snapshot()
+    assert after[1] is original_code()
+    assert [a is b for a, b in zip(after, before, strict=True)] == [True, True, False, True, True, True]
+    assert after[2] == before[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def from_unpatched() -> Iterator[tuple[Any, ...]]:
+    tg.unpatch()
+    assert _engine._state.blocks == 0 and not _engine.installed()
+    yield snapshot()
+    while _engine._state.blocks:
+        _engine.exit_block()
+    tg.patch()
+
+
+def keeps_graph(gather: Any) -> bool:
+    x = torch.arange(3.0, requires_grad=True)
+    out = gather(x)
+    return out[0] is x and out[0].requires_grad
+
+
+def test_unpatch_restores_the_original_objects_exactly(from_unpatched: tuple[Any, ...]) -> None:
+    assert not keeps_graph(FUNCTION)
+    tg.patch()
+    assert _engine.installed() and FUNCTION.__code__ is not original_code()
+    assert tm_dist.gather_all_tensors is FUNCTION  # never replaced, only its code
+    assert keeps_graph(FUNCTION)
+    tg.unpatch()
+    assert_pristine(from_unpatched)
+    assert not keeps_graph(FUNCTION)
+
+
+def test_patch_and_unpatch_are_idempotent(from_unpatched: tuple[Any, ...]) -> None:
+    tg.patch()
+    tg.patch()
+    assert tg.is_patched() and keeps_graph(FUNCTION)
+    tg.unpatch()
+    tg.unpatch()
+    assert not tg.is_patched()
+    assert_pristine(from_unpatched)
+
+
+def test_every_reference_captured_before_the_patch_sees_it(from_unpatched: tuple[Any, ...]) -> None:
+    alias = tm_dist.gather_all_tensors
+    partial = functools.partial(tm_dist.gather_all_tensors, group=None)
+    default = tm_metric.Metric._sync_dist.__defaults__[0]  # type: ignore[index]
+    global_name = tm_metric.gather_all_tensors
+    references = [alias, partial, default, global_name]
+    assert not any(keeps_graph(ref) for ref in references)
+    with tg.patched():
+        assert all(keeps_graph(ref) for ref in references)
+    assert not any(keeps_graph(ref) for ref in references)
+    assert_pristine(from_unpatched)
+
+
+def test_patched_blocks_nest_and_restore_on_exceptions(from_unpatched: tuple[Any, ...]) -> None:
+    with tg.patched():
+        with tg.patched():
+            assert tg.is_patched()
+        assert tg.is_patched() and keeps_graph(FUNCTION)
+    assert not tg.is_patched()
+    with pytest.raises(KeyError), tg.patched():
+        raise KeyError("inside")
+    assert not tg.is_patched()
+    assert_pristine(from_unpatched)
+    tg.patch()
+    with tg.patched():
+        pass
+    assert tg.is_patched(), "a block restores the state found at entry: patch() stays on"
+
+
+def test_the_state_model_patch_or_any_open_block(from_unpatched: tuple[Any, ...]) -> None:
+    block = tg.patched()
+    block.__enter__()
+    tg.unpatch()
+    assert tg.is_patched(), "an open block keeps the patch in force"
+    tg.patch()
+    block.__exit__(None, None, None)
+    assert tg.is_patched(), "patch() called inside a block stays on after it"
+    tg.unpatch()
+    assert_pristine(from_unpatched)
+    with pytest.raises(RuntimeError, match="exited more often"):
+        _engine.exit_block()
+
+
+def test_patched_as_a_decorator(from_unpatched: tuple[Any, ...]) -> None:
+    @tg.patched()
+    def plain(x: int) -> tuple[int, bool]:
+        """Doc."""
+        return x, tg.is_patched()
+
+    class Model:
+        @tg.patched()
+        def method(self) -> bool:
+            return keeps_graph(FUNCTION)
+
+    @tg.patched()
+    async def coroutine() -> bool:
+        await asyncio.sleep(0)
+        return tg.is_patched()
+
+    assert plain(3) == (3, True) and plain.__name__ == "plain" and plain.__doc__ == "Doc."
+    assert Model().method()
+    assert asyncio.run(coroutine())
+    assert not tg.is_patched()
+    with pytest.raises(TypeError, match="generator function"):
+
+        @tg.patched()
+        def generator() -> Iterator[int]:
+            yield 1
+
+    assert_pristine(from_unpatched)
+
+
+def test_a_foreign_wrapper_on_top_stays_and_sees_the_patch(from_unpatched: tuple[Any, ...]) -> None:
+    calls = []
+
+    def spy(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        calls.append(args[0].shape)
+        return wrapped(*args, **kwargs)
+
+    tg.patch()
+    foreign = wrapt.FunctionWrapper(FUNCTION, spy)
+    tm_dist.gather_all_tensors = foreign
+    try:
+        assert keeps_graph(tm_dist.gather_all_tensors)
+        tg.unpatch()
+        assert tm_dist.gather_all_tensors is foreign, "unpatch() must not remove what it did not install"
+        assert not keeps_graph(tm_dist.gather_all_tensors)
+        assert FUNCTION.__code__ is original_code() and len(calls) == 2
+        assert tg.status().references[f"{_engine.TARGET_MODULE}.{_engine.TARGET_NAME}"] is True
+    finally:
+        tm_dist.gather_all_tensors = FUNCTION
+    assert_pristine(from_unpatched)
+
+
+def test_a_foreign_code_swap_on_top_is_left_alone(from_unpatched: tuple[Any, ...]) -> None:
+    def other(result: Any, group: Any = None) -> list[Any]:
+        return ["foreign"]
+
+    tg.patch()
+    FUNCTION.__code__ = other.__code__
+    try:
+        with pytest.warns(RuntimeWarning, match="another tool has replaced the code"):
+            tg.unpatch()
+        assert FUNCTION.__code__ is other.__code__
+        with pytest.raises(RuntimeError, match="modified in place by another tool"):
+            tg.patch()
+        assert not tg.is_patched(), "a failed patch() leaves the state as it was"
+        assert FUNCTION.__code__ is other.__code__
+    finally:
+        FUNCTION.__code__ = original_code()
+        FUNCTION.__dict__.pop(_engine._ORIGINAL_ATTR, None)
+    assert_pristine(from_unpatched)
+
+
+def test_eight_threads_toggling_leave_the_exact_original(from_unpatched: tuple[Any, ...]) -> None:
+    errors: list[BaseException] = []
+    lost: list[int] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(400):
+                choice = rng.random()
+                if choice < 0.6:
+                    with tg.patched():
+                        if not _engine.installed():
+                            lost.append(seed)
+                elif choice < 0.8:
+                    tg.patch()
+                else:
+                    tg.unpatch()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and lost == []
+    tg.unpatch()
+    assert_pristine(from_unpatched)
+
+
+def test_status_says_where_the_patch_is(from_unpatched: tuple[Any, ...]) -> None:
+    off = tg.status()
+    assert not off.in_force and not off.graph_preserving and off.applied_to == ()
+    with tg.patched():
+        on = tg.status()
+    assert on.in_force and on.graph_preserving and not on.native and on.torchmetrics_imported
+    assert on.torch_version == torch.__version__
+    assert "gather_all_tensors.__code__" in on.applied_to[0]
+    assert on.references and all(on.references.values())
+    assert '"in_force": true' in on.to_json()
+    assert "graph preserved:  yes" in str(on)
+
+
+def test_the_direct_gather_never_warns() -> None:
+    x = torch.ones(2, 2, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tg.gather_all_tensors(x)[0] is x
+
+
+def test_errors_are_the_unpatched_ones() -> None:
+    with pytest.raises(AttributeError, match="'int' object has no attribute 'contiguous'"):
+        tg.gather_all_tensors(3)  # type: ignore[arg-type]
