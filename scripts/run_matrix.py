@@ -1,0 +1,164 @@
+"""Run tox environments one after another in bounded disk, recording what happened to each.
+
+    python scripts/run_matrix.py              # every environment of `tox -m matrix`
+    python scripts/run_matrix.py -m ci        # another label
+    python scripts/run_matrix.py -e torch2.4-tm1.5 -e lint
+
+Why: every torch version that uv installs from PyPI brings its CUDA wheels (2-6 GB in uv's cache); the whole
+matrix cached at once needs about 58 GB. Here environments run in order of their torch version, sharing one uv
+cache (``UV_CACHE_DIR``) per torch version; when the next environment needs another torch, the previous cache and
+environment directories are deleted. The peak is then one torch version's footprint.
+
+Per environment it writes ``results/raw/<env>.run.json``: tox's exit code, the stage that failed ("install" when
+an install command failed: the cell is "not installable"), wall time and peak disk (uv cache plus environment
+directory, sampled every 2 s). The test outcome itself is in ``results/raw/<env>.json`` (written by the pytest
+hook in tests/conftest.py). ``results/raw/run.json`` describes the whole run. Then ``scripts/compat_table.py``
+turns these into the README's compatibility table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+RAW = ROOT / "results" / "raw"
+
+
+def tox_command() -> list[str]:
+    return [sys.executable, "-m", "tox"] if shutil.which("tox") is None else ["tox"]
+
+
+def environments(label: str | None, names: list[str]) -> list[tuple[str, str]]:
+    """(env name, torch version or "") for the selected environments, from `tox config`."""
+    selector = ["-e", ",".join(names)] if names else ["-m", label or "matrix"]
+    out = subprocess.run(
+        [*tox_command(), "config", *selector, "-k", "set_env", "deps"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    found: list[tuple[str, str]] = []
+    for block in re.split(r"^\[testenv:", out, flags=re.M)[1:]:
+        name = block.split("]", 1)[0]
+        torch = re.search(r"TMGP_TORCH=(\S+)", block) or re.search(r"^\s*torch==(\S+)", block, flags=re.M)
+        found.append((name, torch.group(1) if torch else ""))
+    return found
+
+
+def du_kb(*paths: Path) -> int:
+    """Disk use of ``paths`` together (hard links counted once), in KiB."""
+    existing = [str(p) for p in paths if p.exists()]
+    if not existing:
+        return 0
+    out = subprocess.run(["du", "-sk", *existing], capture_output=True, text=True, check=False).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if line.strip())
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self, *paths: Path) -> None:
+        super().__init__(daemon=True)
+        self.paths, self.peak_kb, self._stop = paths, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kb = max(self.peak_kb, du_kb(*self.paths))
+            self._stop.wait(2)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self.join()
+        self.peak_kb = max(self.peak_kb, du_kb(*self.paths))
+        return self.peak_kb
+
+
+def failed_stage(journal: Path, env: str) -> str | None:
+    """Which stage failed, from tox's --result-json: "install" (setup commands) or "test"; None if unknown."""
+    try:
+        data = json.loads(journal.read_text())["testenvs"][env]
+    except (OSError, ValueError, KeyError):
+        return None
+    for stage in ("setup", "test"):
+        if any(entry.get("retcode", 0) != 0 for entry in data.get(stage, [])):
+            return "install" if stage == "setup" else "test"
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--label", default="matrix", help="tox label to run (default: matrix)")
+    parser.add_argument("-e", "--env", action="append", default=[], help="run these environments instead")
+    parser.add_argument("--keep", action="store_true", help="keep caches and environments (needs much more disk)")
+    args = parser.parse_args()
+
+    # grouped by torch version (one uv cache each); environments without torch last
+    envs = sorted(environments(args.label, args.env), key=lambda item: (not item[1], Version(item[1] or "0")))
+    RAW.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tmgp-matrix-"))
+    started, wall0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.monotonic()
+    run_peak, cache, cache_torch, failures = 0, None, None, 0
+    command = "python scripts/run_matrix.py " + " ".join(sys.argv[1:])
+    print(f"{len(envs)} environments, uv caches under {work}", flush=True)
+    try:
+        for env, torch in envs:
+            if cache is None or torch != cache_torch:
+                if cache is not None and not args.keep:
+                    shutil.rmtree(cache, ignore_errors=True)
+                cache, cache_torch = work / f"uv-cache-{torch or 'none'}", torch
+            env_dir = ROOT / ".tox" / env
+            for stale in (RAW / f"{env}.json", RAW / f"{env}.run.json"):
+                stale.unlink(missing_ok=True)
+            journal = work / f"{env}.tox.json"
+            sampler = PeakSampler(cache, env_dir, ROOT / ".tox" / ".pkg")
+            sampler.start()
+            t0 = time.monotonic()
+            proc = subprocess.run(
+                [*tox_command(), "-e", env, "--result-json", str(journal)],
+                cwd=ROOT, env={**os.environ, "UV_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL, check=False,
+            )  # fmt: skip
+            wall = time.monotonic() - t0
+            peak = sampler.stop()
+            run_peak = max(run_peak, peak)
+            stage = failed_stage(journal, env) if proc.returncode else None
+            record = {
+                "env": env,
+                "tox_exit": proc.returncode,
+                "failed_stage": stage,
+                "wall_s": round(wall, 1),
+                "peak_disk_gb": round(peak / 2**20, 2),
+            }
+            (RAW / f"{env}.run.json").write_text(json.dumps(record, indent=2) + "\n")
+            failures += proc.returncode != 0
+            print(f"== {env}: exit {proc.returncode} ({stage or 'ok'}), {wall:.0f} s, peak {peak / 2**20:.1f} GB",
+                  flush=True)  # fmt: skip
+            if not args.keep:
+                shutil.rmtree(env_dir, ignore_errors=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        summary = {
+            "command": command.strip(),
+            "label": None if args.env else args.label,
+            "started_at": started,
+            "wall_min": round((time.monotonic() - wall0) / 60, 1),
+            "peak_disk_gb": round(run_peak / 2**20, 2),
+            "environments": [env for env, _ in envs],
+            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
+        }
+        (RAW / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(json.dumps(summary, indent=2))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
