@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torchmetrics.utilities.distributed as tm_dist
 from torchmetrics import Metric, MetricCollection
-from torchmetrics.utilities import dim_zero_cat
+from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # noqa: N812 - imported like users do
 
 import torchmetrics_gradpatch
