@@ -66,12 +66,8 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
     block around a suspended generator would leak into the code that iterates it.
     """
 
-    def __init__(self) -> None:
-        self._depth = 0
-
     def __enter__(self) -> patched:
         _engine.enter_block()
-        self._depth += 1
         return self
 
     def __exit__(
@@ -80,7 +76,6 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._depth -= 1
         _engine.exit_block()
 
     def __call__(self, function: F) -> F:

@@ -155,8 +155,10 @@ def _adopt(module: types.ModuleType) -> None:
 
 
 def _on_import(module: types.ModuleType) -> None:
-    """wrapt post-import hook for ``torchmetrics.utilities.distributed``."""
-    _adopt(module)
+    """wrapt post-import hook for ``torchmetrics.utilities.distributed`` (wrapt fires each hook once)."""
+    with _lock:
+        _state.hook_registered = False
+        _adopt(module)
 
 
 def _wanted() -> bool:
@@ -200,8 +202,15 @@ def _sync() -> None:
 
 
 def _ensure_hook() -> None:
-    """Register (once) the post-import hook that patches torchmetrics when it is imported."""
-    if not _state.hook_registered:
+    """Adopt torchmetrics now if it is imported, else register (once) a hook that adopts it on import.
+
+    If the hook refused an unrecognised torchmetrics, that import failed; should torchmetrics be imported
+    after all, the next state change lands here and refuses again instead of silently doing nothing.
+    """
+    module = sys.modules.get(TARGET_MODULE)
+    if module is not None:
+        _adopt(module)
+    elif not _state.hook_registered:
         _state.hook_registered = True
         wrapt.register_post_import_hook(_on_import, TARGET_MODULE)
 
@@ -211,11 +220,7 @@ def configure(*, native: bool, torchmetrics_version: str) -> None:
     with _lock:
         _state.native = native
         _state.torchmetrics_version = torchmetrics_version
-        module = sys.modules.get(TARGET_MODULE)
-        if module is not None:
-            _adopt(module)
-        else:
-            _ensure_hook()
+        _ensure_hook()
 
 
 def set_manual(on: bool) -> None:
