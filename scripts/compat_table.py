@@ -26,6 +26,7 @@ RAW = ROOT / "results" / "raw"
 RECORD = ROOT / "results" / "matrix.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
+COST_BEGIN, COST_END = "<!-- matrix-cost:begin -->", "<!-- matrix-cost:end -->"
 ENV_RE = re.compile(r"^(?:py(?P<py>3\.\d+)-)?torch(?P<torch>[\d.]+)-tm(?P<tm>[\d.]+)$")
 
 
@@ -105,6 +106,24 @@ def _pinned(factor: str) -> str:
     return found.group(1) if found else pins.get(factor, factor)
 
 
+def cost(record: dict[str, Any]) -> str:
+    run = record["run"]
+    return (
+        f"Measured here ({run.get('host', {}).get('cpus', '?')} CPUs shared with other work, "
+        f"{run.get('started_at', '?')[:10]}): `{run.get('command', '?')}` ran {len(record['environments'])} "
+        f"environments in {run.get('wall_min', '?')} min with a peak of {run.get('peak_disk_gb', '?')} GB "
+        "(uv cache plus environment), so 25 GB free is ample."
+    )
+
+
+def replace_between(text: str, begin: str, end: str, body: str) -> str:
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise SystemExit(f"README.md needs exactly one {begin} ... {end} pair")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--from", dest="source", type=Path, help="a results/matrix.json record instead of results/raw")
@@ -115,12 +134,9 @@ def main() -> int:
         print("no results: run scripts/run_matrix.py first", file=sys.stderr)
         return 2
     readme = README.read_text()
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1:
-        print(f"README.md needs exactly one {BEGIN} ... {END} pair", file=sys.stderr)
-        return 2
-    head, rest = readme.split(BEGIN)
-    _, tail = rest.split(END)
-    new = f"{head}{BEGIN}\n{table(record)}\n{END}{tail}"
+    new = replace_between(readme, BEGIN, END, table(record))
+    if record["run"].get("label") == "matrix":
+        new = replace_between(new, COST_BEGIN, COST_END, cost(record))
     if args.check:
         return 0 if new == readme else 1
     if not args.source:
