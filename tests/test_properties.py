@@ -21,6 +21,8 @@ def test_patched_gather_properties(world_size: int) -> None:
     # the draws must actually cover the interesting cases, on every rank alike
     assert all(s == seen[0] for s in seen)
     assert seen[0]["uneven"] and seen[0]["zero_size"] and seen[0]["grad"] and seen[0]["subgroup"]
+    # the same spawn also checks that a non-tensor gives the unpatched error inside an initialised group
+    assert seen[0]["non_tensor_problems"] == []
 
 
 @pytest.mark.slow

@@ -1,0 +1,39 @@
+"""Stress: thousands of patch()/unpatch()/patched() calls from 8 threads while ranks keep gathering.
+
+Each rank starts from torchmetrics as shipped (``TORCHMETRICS_GRADPATCH_AUTOPATCH=0``), records the exact
+original state (the gather's ``__code__`` object, its ``__dict__`` and defaults, both torchmetrics module
+namespaces, ``Metric._sync_dist``'s default), then toggles from 8 threads while the main thread gathers --
+inside ``patched()`` blocks, where the graph must never be lost, and outside them, where the values must be
+right whichever state the other threads left. At the end, after ``unpatch()``, the state must be the original,
+object for object.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import _reliability_ranks as ranks
+from torchmetrics_gradpatch.testing import spawn_ranks
+
+
+def _check(results: list[dict[str, object]], gathers: int, min_ops: int) -> None:
+    for result in results:
+        assert result["errors"] == [], result
+        assert result["state_differences"] == [], result
+        assert result["patched_at_end"] is False
+        assert result["ops"] >= min_ops  # type: ignore[operator]
+        assert result["graphs_kept"] == sum(1 for step in range(gathers) if step % 3 != 2)
+
+
+def test_toggling_from_8_threads_while_gathering(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
+    results = spawn_ranks(ranks.run_stress, 2, args=(60, 3000), timeout=150)
+    _check(results, 60, 3000)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_toggling_from_8_threads_while_gathering_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
+    results = spawn_ranks(ranks.run_stress, 3, args=(1500, 50000), timeout=800)
+    _check(results, 1500, 50000)
