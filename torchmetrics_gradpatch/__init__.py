@@ -57,6 +57,14 @@ try:
     _engine.configure(native=_version.is_native(_tm_version), torchmetrics_version=str(_tm_version))
     if _autopatch:
         patch()
-except BaseException:
-    _forget_this_package()
+except BaseException as _error:
+    try:
+        if isinstance(_error, UnsupportedVersionError):
+            # `python -m torchmetrics_gradpatch` and the console script import this package before any CLI code
+            # runs; there (only there) the refusal is one message and exit status 3, not a traceback.
+            from torchmetrics_gradpatch._cli import exit_if_cli
+
+            exit_if_cli(_error)
+    finally:
+        _forget_this_package()
     raise

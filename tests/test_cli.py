@@ -1,0 +1,302 @@
+"""The command line: ``python -m torchmetrics_gradpatch`` and the ``torchmetrics-gradpatch`` console script.
+
+Every run of the CLI happens in a fresh interpreter, exactly as a user types it. Nothing here imports the package at
+module level, so this file also runs on torch below 2.0, where the refusal tests use the real installed torch and
+the rest is skipped; on a supported torch the refusal is exercised with a fake ``torch`` distribution (metadata
+only) placed first on ``PYTHONPATH``, which is what the version gate reads.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from tests._subprocess import ROOT
+
+TORCH = Version(importlib.metadata.version("torch"))
+TORCHMETRICS = Version(importlib.metadata.version("torchmetrics"))
+BELOW_MINIMUM = Version(TORCH.base_version) < Version("2.0")
+NATIVE = Version("1.6.0") <= TORCHMETRICS
+
+needs_supported_torch = pytest.mark.skipif(BELOW_MINIMUM, reason=f"torch {TORCH} is below 2.0: the CLI refuses")
+
+
+def cli(
+    *args: str,
+    env: dict[str, str] | None = None,
+    pythonpath: list[str] | None = None,
+    command: list[str] | None = None,
+    timeout: float = 180,
+) -> subprocess.CompletedProcess[str]:
+    """Run the CLI (``python -m torchmetrics_gradpatch`` unless ``command`` says otherwise) in a fresh process."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([*(pythonpath or []), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [*(command or [sys.executable, "-m", "torchmetrics_gradpatch"]), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def show(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+
+
+# --- the refusal on torch < 2.0 --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def old_torch(tmp_path: Path) -> list[str]:
+    """``PYTHONPATH`` entries that make the installed torch look like 1.13.1 to the version gate.
+
+    On a real torch below 2.0 nothing needs faking. Otherwise a ``torch-1.13.1.dist-info`` holding only metadata is
+    put first on the path: ``importlib.metadata`` finds it before the real distribution, the gate reads "1.13.1"
+    and refuses before anything imports torch.
+    """
+    if BELOW_MINIMUM:
+        return []
+    dist_info = tmp_path / "fake-torch" / "torch-1.13.1.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 1.13.1\n")
+    return [str(dist_info.parent)]
+
+
+def old_version() -> str:
+    return str(TORCH) if BELOW_MINIMUM else "1.13.1"
+
+
+def console_script(tmp_path: Path) -> list[str]:
+    """The installed ``torchmetrics-gradpatch`` script, or one written the way pip and uv write it."""
+    installed = shutil.which("torchmetrics-gradpatch", path=str(Path(sys.executable).parent))
+    if installed:
+        return [sys.executable, installed]
+    script = tmp_path / "bin" / "torchmetrics-gradpatch"
+    script.parent.mkdir()
+    script.write_text(
+        "import sys\nfrom torchmetrics_gradpatch._cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    return [sys.executable, str(script)]
+
+
+def assert_clean_refusal(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 3, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert proc.stdout == "", show(proc)
+    first = proc.stderr.splitlines()[0]
+    assert first == (
+        f"torchmetrics-gradpatch: cannot run with torch {old_version()} and torchmetrics {TORCHMETRICS}."
+    ), show(proc)
+    assert "PyTorch >= 2.0" in proc.stderr, show(proc)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        ["-m", "torchmetrics_gradpatch", "check"],
+        ["-m", "torchmetrics_gradpatch", "status", "--json"],
+        ["-m", "torchmetrics_gradpatch.__main__", "check", "--world-size", "2"],
+        ["-X", "dev", "-W", "default", "-m", "torchmetrics_gradpatch", "check"],
+        ["-Im", "torchmetrics_gradpatch", "check"],  # -I drops PYTHONPATH: only meaningful when installed
+    ],
+    ids=["m-check", "m-status", "m-__main__", "m-with-options", "m-combined-flags"],
+)
+def test_python_m_refuses_old_torch_with_one_message(old_torch: list[str], how: list[str]) -> None:
+    if "-Im" in how and not BELOW_MINIMUM:
+        pytest.skip("-I ignores PYTHONPATH, so the faked torch version cannot be seen")
+    if "-Im" in how and importlib.util.find_spec("torchmetrics_gradpatch") is None:
+        pytest.skip("the package is not installed, and -I ignores PYTHONPATH")
+    assert_clean_refusal(cli(pythonpath=old_torch, command=[sys.executable, *how]))
+
+
+def test_console_script_refuses_old_torch_with_one_message(old_torch: list[str], tmp_path: Path) -> None:
+    assert_clean_refusal(cli("check", pythonpath=old_torch, command=console_script(tmp_path)))
+
+
+IMPORT_STILL_RAISES = """
+import sys
+for attempt in (1, 2):
+    try:
+        import torchmetrics_gradpatch
+    except ImportError as err:
+        assert type(err).__name__ == "UnsupportedVersionError", repr(err)
+        assert not [n for n in sys.modules if n.split(".")[0] == "torchmetrics_gradpatch"], sorted(sys.modules)
+    else:
+        raise AssertionError("the import did not refuse")
+print("refused twice, nothing left in sys.modules")
+"""
+
+
+def test_plain_import_still_raises_on_old_torch(old_torch: list[str]) -> None:
+    """Only the CLI turns the refusal into a message; a program's import raises, every time, and leaves nothing."""
+    proc = cli(pythonpath=old_torch, command=[sys.executable, "-c", IMPORT_STILL_RAISES])
+    assert proc.returncode == 0, show(proc)
+
+
+def test_another_programs_python_m_still_gets_the_exception(old_torch: list[str], tmp_path: Path) -> None:
+    """``python -m someone_elses_tool`` whose package imports ours: the exception, not our CLI's exit."""
+    package = tmp_path / "pkgs" / "someone_elses_tool"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("import torchmetrics_gradpatch\n")
+    (package / "__main__.py").write_text("print('ran')\n")
+    proc = cli(pythonpath=[*old_torch, str(package.parent)], command=[sys.executable, "-m", "someone_elses_tool"])
+    assert proc.returncode == 1, show(proc)
+    assert "Traceback" in proc.stderr and "UnsupportedVersionError" in proc.stderr, show(proc)
+
+
+# --- recognising how the process was started (unit) ------------------------------------------------------------------
+
+
+@needs_supported_torch
+@pytest.mark.parametrize(
+    ("orig_argv", "target"),
+    [
+        (["python", "-m", "torchmetrics_gradpatch", "check"], "torchmetrics_gradpatch"),
+        (["python", "-mtorchmetrics_gradpatch"], "torchmetrics_gradpatch"),
+        (["python", "-Im", "torchmetrics_gradpatch.__main__"], "torchmetrics_gradpatch.__main__"),
+        (["python", "-X", "dev", "-Wdefault", "-W", "error", "-m", "x"], "x"),
+        (["python", "--check-hash-based-pycs", "always", "-m", "x"], "x"),
+        (["python", "-X", "-m", "-m", "y"], "y"),  # "-m" as the value of -X is not the -m option
+        (["python", "-c", "code", "-m", "x"], None),
+        (["python", "script.py", "-m", "x"], None),
+        (["python"], None),
+    ],
+)
+def test_module_target(orig_argv: list[str], target: str | None) -> None:
+    from torchmetrics_gradpatch._cli import _module_target
+
+    assert _module_target(orig_argv) == target
+
+
+@needs_supported_torch
+@pytest.mark.parametrize(
+    ("argv0", "orig_argv", "expected"),
+    [
+        ("-m", ["python", "-m", "torchmetrics_gradpatch"], True),
+        ("-m", ["python", "-m", "pytest"], False),
+        ("/venv/bin/torchmetrics-gradpatch", ["python", "/venv/bin/torchmetrics-gradpatch"], True),
+        ("C:\\venv\\Scripts\\torchmetrics-gradpatch.exe", [], os.sep == "\\"),
+        ("/venv/bin/pytest", ["python", "/venv/bin/pytest"], False),
+        ("train.py", ["python", "train.py"], False),
+    ],
+)
+def test_launched_as_cli(monkeypatch: pytest.MonkeyPatch, argv0: str, orig_argv: list[str], expected: bool) -> None:
+    from torchmetrics_gradpatch import _cli
+
+    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert _cli.launched_as_cli() is expected
+
+
+# --- status -------------------------------------------------------------------------------------------------------
+
+
+@needs_supported_torch
+def test_status_prints_versions_and_mode() -> None:
+    proc = cli("status")
+    assert proc.returncode == 0, show(proc)
+    assert f"torchmetrics:     {TORCHMETRICS}" in proc.stdout, show(proc)
+    assert ("native" if NATIVE else "gather:           patched") in proc.stdout, show(proc)
+
+
+@needs_supported_torch
+def test_status_json_without_autopatch() -> None:
+    proc = cli("status", "--json", env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"})
+    assert proc.returncode == 0, show(proc)
+    data = json.loads(proc.stdout)
+    assert data["torchmetrics_version"] == str(TORCHMETRICS)
+    assert data["autopatch"] is False and data["in_force"] is False
+    assert data["graph_preserving"] is NATIVE
+
+
+@needs_supported_torch
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from torchmetrics_gradpatch._cli import main
+
+    for argv in ([], ["check", "--world-size", "0"], ["check", "--timeout", "-1"], ["frobnicate"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2, argv
+    assert "at least 1" in capsys.readouterr().err
+
+
+# --- check (spawns real gloo ranks) ----------------------------------------------------------------------------------
+
+CHECK_TITLES = [
+    "gather, equal shapes",
+    "gather, uneven shapes",
+    "Metric loss, sum state (MeanSquaredError)",
+    "Metric loss, cat state, uneven batches",
+]
+
+
+def result_of(stdout: str, title: str) -> str:
+    for line in stdout.splitlines():
+        if line.strip().startswith(title):
+            return line[len(line) - len(line.lstrip()) + len(title) :].split()[0]
+    raise AssertionError(f"no row {title!r} in\n{stdout}")
+
+
+@needs_supported_torch
+def test_check_passes_on_this_install() -> None:
+    proc = cli("check")
+    assert proc.returncode == 0, show(proc)
+    assert f"torch         {TORCH}" in proc.stdout and f"torchmetrics  {TORCHMETRICS}" in proc.stdout, show(proc)
+    assert ("native" if NATIVE else "patched") in proc.stdout, show(proc)
+    assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
+    assert "starting 2 gloo ranks" in proc.stderr, show(proc)  # the progress line
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, show(proc)
+
+
+@needs_supported_torch
+@pytest.mark.skipif(NATIVE, reason=f"torchmetrics {TORCHMETRICS} keeps the graph natively: nothing to show")
+def test_check_without_the_patch_shows_the_failures() -> None:
+    """On an old torchmetrics, the same checks without the patch fail: this is what the package fixes."""
+    proc = cli("check", env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"})
+    assert proc.returncode == 1, show(proc)
+    assert "NOT patched" in proc.stdout, show(proc)
+    assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["FAIL"] * 4, show(proc)
+    assert "does not require grad" in proc.stdout, show(proc)
+    assert "Warning" not in proc.stderr, show(proc)
+
+
+@needs_supported_torch
+def test_check_reports_ranks_that_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank that dies or hangs is reported with the runner's details and exit status 3, not a traceback."""
+    from torchmetrics_gradpatch import testing
+    from torchmetrics_gradpatch._cli import main
+
+    def failing_runner(*args: object, **kwargs: object) -> None:
+        raise testing.RankError(1, "timed out", "--- rank 1, still running at the deadline")
+
+    monkeypatch.setattr(testing, "spawn_ranks", failing_runner)
+    assert main(["check"]) == 3
+    err = capsys.readouterr().err
+    assert "the checks could not run: rank 1 timed out" in err and "starting 2 gloo ranks" in err
+
+
+@needs_supported_torch
+def test_checks_compare_against_a_reference_that_catches_a_wrong_gradient() -> None:
+    """The parent's comparison is not vacuous: the reference differs between ranks, and a wrong gradient fails."""
+    from torchmetrics_gradpatch import _checks
+
+    for name in _checks.CHECKS:
+        r0, r1 = _checks.reference(name, 0, 2), _checks.reference(name, 1, 2)
+        assert _checks.matches(r0, r0) and not _checks.matches(None, r0)
+        assert not _checks.matches([g * 1.001 for g in r0], r0), name
+        assert not _checks.matches([g * 0.5 for g in r0], r0), name
+        if name.startswith("metric"):
+            assert not _checks.matches(r1, r0), name  # the ranks' gradients differ: a swap would be caught

@@ -1,0 +1,194 @@
+"""The self-checks behind ``torchmetrics-gradpatch check``: what each rank runs, and the reference it must match.
+
+Each check builds deterministic inputs (the same on every process, so the parent can rebuild them), runs one
+path into torchmetrics' gather on every rank and backpropagates. The parent then recomputes, in one process and
+without any gather, the gradient each rank must receive: the gradient of the *same global loss* with respect to
+that rank's own tensors, the other ranks' contributions held constant (torchmetrics 1.6.0 semantics: each rank
+backpropagates through its own entry of the gathered list only).
+
+* ``gather_equal`` / ``gather_uneven``: ``torchmetrics.utilities.distributed.gather_all_tensors`` called
+  directly, on tensors of one shape and on tensors with a different number of rows per rank. The loss weighs
+  each gathered entry by its index, so an entry put back at the wrong index fails the check.
+* ``metric_sum``: ``torchmetrics.MeanSquaredError(dist_sync_on_step=True)`` (sum states) used as the loss of a
+  linear model, with a different batch size on each rank.
+* ``metric_cat``: a list-state (``dist_reduce_fx="cat"``) mean squared error used the same way.
+
+Everything here imports torch and torchmetrics: it is loaded by the ``check`` command and by the spawned ranks
+only (rank functions must live in an importable module for the ``spawn`` start method).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchmetrics import MeanSquaredError, Metric
+from torchmetrics.utilities.data import dim_zero_cat
+
+CHECKS: dict[str, str] = {
+    "gather_equal": "gather, equal shapes",
+    "gather_uneven": "gather, uneven shapes",
+    "metric_sum": "Metric loss, sum state (MeanSquaredError)",
+    "metric_cat": "Metric loss, cat state, uneven batches",
+}
+
+_DTYPE = torch.float64
+_FEATURES = 3
+
+
+@dataclass
+class Outcome:
+    """What one rank saw for one check: its gradients (or the error it hit) and how long the check took."""
+
+    grads: list[torch.Tensor] | None
+    error: str | None
+    seconds: float
+
+
+class CatMeanSquaredError(Metric):
+    """Mean squared error kept as list (``cat``) states, so every rank's batch travels through the gather."""
+
+    is_differentiable = True
+    higher_is_better = False
+    full_state_update = False
+
+    preds: list[torch.Tensor]
+    target: list[torch.Tensor]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("preds", default=[], dist_reduce_fx="cat")
+        self.add_state("target", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.preds.append(preds)
+        self.target.append(target)
+
+    def compute(self) -> torch.Tensor:
+        return torch.mean((dim_zero_cat(self.preds) - dim_zero_cat(self.target)) ** 2)
+
+
+# --- deterministic inputs, identical in the parent and in every rank ----------------------------------------
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _gather_input(name: str, rank: int) -> torch.Tensor:
+    rows = 2 if name == "gather_equal" else 2 * rank + 1
+    return torch.randn(rows, _FEATURES, generator=_generator(100 + rank), dtype=_DTYPE)
+
+
+def _gather_loss(entries: list[torch.Tensor]) -> torch.Tensor:
+    """A loss that depends on every entry and on its index (an entry at the wrong index changes it)."""
+    weighted = sum((index + 1) * (entry**2).sum() for index, entry in enumerate(entries))
+    total = torch.cat([entry.reshape(-1) for entry in entries]).sum()
+    return weighted + total**2
+
+
+def _batch_size(name: str, rank: int) -> int:
+    return 4 + rank if name == "metric_sum" else 3 + 2 * rank
+
+
+def _batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = _generator(200 + rank)
+    x = torch.randn(_batch_size(name, rank), _FEATURES, generator=generator, dtype=_DTYPE)
+    y = torch.randn(_batch_size(name, rank), generator=generator, dtype=_DTYPE)
+    return x, y
+
+
+def _model() -> torch.nn.Linear:
+    model = torch.nn.Linear(_FEATURES, 1, dtype=_DTYPE)
+    generator = _generator(7)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=_DTYPE))
+    return model
+
+
+def _metric(name: str) -> Metric:
+    metric: Metric = (
+        MeanSquaredError(dist_sync_on_step=True)
+        if name == "metric_sum"
+        else CatMeanSquaredError(dist_sync_on_step=True)
+    )
+    return metric.set_dtype(_DTYPE)
+
+
+# --- what each rank runs ----------------------------------------------------------------------------------------
+
+
+def _run_one(name: str, rank: int) -> list[torch.Tensor]:
+    if name.startswith("gather"):
+        from torchmetrics.utilities import distributed
+
+        x = _gather_input(name, rank).requires_grad_(True)
+        torch.autograd.backward(_gather_loss(distributed.gather_all_tensors(x)))
+        assert x.grad is not None
+        return [x.grad]
+    model = _model()
+    x, y = _batch(name, rank)
+    torch.autograd.backward(_metric(name)(model(x).squeeze(-1), y))
+    return [parameter.grad.detach().clone() for parameter in model.parameters() if parameter.grad is not None]
+
+
+def rank_main() -> tuple[dict[str, Any], dict[str, Outcome]]:
+    """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check."""
+    import torch.distributed as dist
+
+    from torchmetrics_gradpatch import status
+
+    # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (FACTS.md); that noise would bury the
+    # table when the checks run unpatched. The patched gather does not warn.
+    warnings.filterwarnings("ignore", message="Using a non-tuple sequence", category=UserWarning)
+    rank = dist.get_rank()
+    outcomes: dict[str, Outcome] = {}
+    for name in CHECKS:
+        dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
+        start = time.perf_counter()
+        try:
+            grads: list[torch.Tensor] | None = _run_one(name, rank)
+            error = None
+        except Exception as err:  # reported per check; a failing check must not hide the others
+            grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()
+        outcomes[name] = Outcome(grads, error, time.perf_counter() - start)
+    return status().as_dict(), outcomes
+
+
+# --- what the parent computes -------------------------------------------------------------------------------------
+
+
+def reference(name: str, rank: int, world_size: int) -> list[torch.Tensor]:
+    """Single-process gradient of the global loss with respect to ``rank``'s own tensors (others held fixed)."""
+    if name.startswith("gather"):
+        entries = [_gather_input(name, q) for q in range(world_size)]
+        entries[rank].requires_grad_(True)
+        torch.autograd.backward(_gather_loss(entries))
+        grad = entries[rank].grad
+        assert grad is not None
+        return [grad]
+    model = _model()
+    preds, targets = [], []
+    for q in range(world_size):
+        x, y = _batch(name, q)
+        out = model(x).squeeze(-1)
+        preds.append(out if q == rank else out.detach())
+        targets.append(y)
+    torch.autograd.backward(torch.mean((torch.cat(preds) - torch.cat(targets)) ** 2))
+    return [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+
+
+def matches(got: list[torch.Tensor] | None, want: list[torch.Tensor]) -> bool:
+    """Whether a rank's gradients equal the reference (float64; rounding differences only)."""
+    return (
+        got is not None
+        and len(got) == len(want)
+        and all(
+            g.shape == w.shape and torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want, strict=True)
+        )
+    )
