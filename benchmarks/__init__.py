@@ -1,0 +1,1 @@
+"""Benchmarks of torchmetrics_gradpatch (see run_all.py); a package so spawned ranks can import them."""

@@ -1,0 +1,142 @@
+"""Code that runs inside spawned benchmark ranks (module-level, so the spawn start method can import it).
+
+Every rank runs the same loops with the same fixed call counts: the number of collectives never depends on a
+clock, so the ranks stay in lockstep. Timings are taken on every rank and returned; the parent reports rank 0
+(each gather ends in a collective, so the ranks' times agree closely).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: name -> (shape for rank r, calls per timed block). Uneven: every rank a different number of rows.
+CASES: dict[str, tuple[Any, int]] = {
+    "scalar": (lambda r: (), 60),
+    "1k": (lambda r: (1000,), 40),
+    "64k": (lambda r: (65536,), 20),
+    "1M": (lambda r: (1_000_000,), 4),
+    "uneven": (lambda r: (4096 + 1000 * r, 16), 15),
+}
+
+
+def _gather() -> Any:
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    return gather_all_tensors
+
+
+def _block(gather: Any, tensor: torch.Tensor, calls: int) -> float:
+    """Seconds per call over ``calls`` back-to-back gathers."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        gather(tensor)
+    return (time.perf_counter() - start) / calls
+
+
+def patched_vs_unpatched(rounds: int, case_names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """torchmetrics' own gather, patch off (A) and on (B), interleaved A B A B, ``rounds`` blocks each."""
+    import torchmetrics_gradpatch as tmgp
+
+    warnings.simplefilter("ignore")  # torchmetrics < 1.6 warns at every uneven gather on torch >= 2.8
+    rank = dist.get_rank()
+    gather = _gather()
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in case_names:
+        shape_of, calls = CASES[name]
+        tensor = torch.randn(shape_of(rank))
+        times: dict[str, list[float]] = {"unpatched": [], "patched": []}
+        for warm in (tmgp.unpatch, tmgp.patch):
+            warm()
+            _block(gather, tensor, 2)
+        for _ in range(rounds):
+            tmgp.unpatch()
+            times["unpatched"].append(_block(gather, tensor, calls))
+            tmgp.patch()
+            times["patched"].append(_block(gather, tensor, calls))
+        out[name] = times
+    tmgp.patch()
+    return out
+
+
+def as_shipped(rounds: int, case_names: list[str]) -> dict[str, Any]:
+    """torchmetrics' gather as this environment ships it (patched by the import where not native)."""
+    import torchmetrics
+
+    import torchmetrics_gradpatch as tmgp
+
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    gather = _gather()
+    out: dict[str, Any] = {"torchmetrics": torchmetrics.__version__, "status": str(tmgp.status().native)}
+    for name in case_names:
+        shape_of, calls = CASES[name]
+        tensor = torch.randn(shape_of(rank))
+        _block(gather, tensor, 2)
+        out[name] = [_block(gather, tensor, calls) for _ in range(rounds)]
+    return out
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:  # "5" resets VmHWM (peak RSS) to the current RSS
+        refs.write("5")
+
+
+def memory(rounds: int, rows: int, cols: int) -> dict[str, list[dict[str, float]]]:
+    """Peak and retained RSS of one uneven gather, patch off (A) and on (B), interleaved.
+
+    Rank r holds ``rows - r * rows // 4`` rows. "retained" is RSS while the returned list is still held,
+    minus RSS before the call, measured after one more barrier (gloo frees its staging copy of the gathered
+    data only when the next collective runs; that copy is the same with or without the patch); "peak" is the
+    high-water mark during the call minus RSS before it. MiB. One unmeasured warm-up call per mode first.
+    """
+    import torchmetrics_gradpatch as tmgp
+
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    gather = _gather()
+    x = torch.randn(rows - rank * (rows // 4), cols)
+    out: dict[str, list[dict[str, float]]] = {"unpatched": [], "patched": []}
+    for warm in (tmgp.unpatch, tmgp.patch):
+        warm()
+        del_me = gather(x)
+        del del_me
+        dist.barrier()
+    for _ in range(rounds):
+        for mode in ("unpatched", "patched"):
+            (tmgp.patch if mode == "patched" else tmgp.unpatch)()
+            gc.collect()
+            dist.barrier()
+            before = _rss_kib("VmRSS")
+            _reset_peak()
+            result = gather(x)
+            peak = _rss_kib("VmHWM")
+            dist.barrier()
+            held = _rss_kib("VmRSS")
+            local_is_caller = result[rank] is x
+            del result
+            gc.collect()
+            out[mode].append(
+                {
+                    "retained_mib": (held - before) / 1024,
+                    "peak_mib": (peak - before) / 1024,
+                    "local_entry_is_callers_tensor": float(local_is_caller),
+                }
+            )
+    out["tensor_mib"] = [{"rank": rank, "mib": x.numel() * x.element_size() / 2**20, "pid": os.getpid()}]
+    tmgp.patch()
+    return out

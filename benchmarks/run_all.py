@@ -1,0 +1,433 @@
+"""Run every benchmark; write ``benchmarks/results/latest.json``, ``latest.md`` and ``latest.png``.
+
+    python benchmarks/run_all.py            # everything (about 5-8 minutes on 2 idle cores)
+    python benchmarks/run_all.py --quick    # fewer rounds, for a smoke test
+    python benchmarks/run_all.py --skip-native   # without the second environment
+
+Every comparison is a ratio measured side by side in this one run, interleaved A B A B, and reported as the
+median with its spread (25th-75th percentile of the per-round ratios, and min-max). Each target is checked
+against the median and the verdict is written as measured -- a missed target says MISSED, and nothing here is
+tuned to make a number pass.
+
+* ``gather``: torchmetrics' own ``gather_all_tensors`` with the patch off (A) and on (B), on 2 and 3 spawned
+  gloo ranks, for a scalar, 1k, 64k and 1M float32 elements and an uneven (rows differ per rank) shape.
+  Target B/A <= 1.02.
+* ``native``: torchmetrics 1.5.x patched (this environment) against native torchmetrics >= 1.6 on the same torch
+  (a second environment, created by ``_envs.py``), whole runs alternated A B A B. Target <= 1.02.
+* ``toggle``: ``with patched(): pass`` against one scan of every loaded module's namespace (what freezegun
+  does at each start). Target <= 1 %.
+* ``import``: ``import torchmetrics_gradpatch`` against ``import torchmetrics``, fresh interpreters. Target <= 1.05.
+* ``memory``: peak and retained RSS of a patched vs unpatched gather of a large uneven tensor.
+* ``global``: ``benchmarks/bench_global.py``'s ``main()``, when that file exists (another issue's benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _envs  # noqa: E402
+
+GATHER_CASES = ["scalar", "1k", "64k", "1M", "uneven"]
+TARGET_GATHER = 1.02
+TARGET_NATIVE = 1.02
+TARGET_TOGGLE = 0.01
+TARGET_IMPORT = 1.05
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and range of ``values``."""
+    ordered = sorted(values)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {
+        "median": statistics.median(ordered),
+        "p25": q1,
+        "p75": q3,
+        "min": ordered[0],
+        "max": ordered[-1],
+        "n": len(ordered),
+    }
+
+
+def verdict(ratio: dict[str, float], target: float) -> dict[str, Any]:
+    met = ratio["median"] <= target
+    text = f"median {ratio['median']:.3f} (IQR {ratio['p25']:.3f}-{ratio['p75']:.3f}) vs target <= {target}: "
+    if met:
+        text += "met"
+    elif ratio["p25"] <= target:
+        text += "MISSED (the median is above the target; the spread reaches below it)"
+    else:
+        text += "MISSED"
+    return {"target": target, "met": met, "verdict": text}
+
+
+def worker(python: str | os.PathLike[str], job: str, args: dict[str, Any], env: dict[str, str] | None = None) -> Any:
+    """Run ``_worker.py JOB`` in ``python`` with the repository root importable; return its JSON result."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [str(python), str(HERE / "_worker.py"), job, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        timeout=1800,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {job} in {python} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def bench_gather(rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for world in (2, 3):
+        log(f"gather: patched vs unpatched on {world} ranks, {rounds} interleaved rounds per size")
+        raw = worker(sys.executable, "gather", {"world_size": world, "rounds": rounds, "cases": GATHER_CASES})
+        sizes = {}
+        for name in GATHER_CASES:
+            a, b = raw[name]["unpatched"], raw[name]["patched"]
+            ratio = spread([pb / pa for pa, pb in zip(a, b, strict=True)])
+            sizes[name] = {
+                "unpatched_ms": spread([t * 1e3 for t in a]),
+                "patched_ms": spread([t * 1e3 for t in b]),
+                "ratio": ratio,
+                **verdict(ratio, TARGET_GATHER),
+            }
+        out[f"world{world}"] = sizes
+    return out
+
+
+def bench_native(rounds: int, per_run: int) -> dict[str, Any]:
+    import torch
+
+    native_python = _envs.ensure_native_env(importlib.metadata.version("torch"), log=log)
+    probe_a, probe_b = _envs.probe(sys.executable), _envs.probe(native_python)
+    log(f"native: {probe_a} (patched) vs {probe_b} (native), {rounds} alternated runs of 2 ranks")
+    per_case: dict[str, dict[str, list[float]]] = {c: {"patched": [], "native": []} for c in GATHER_CASES}
+    builds = {}
+    for _ in range(rounds):
+        for label, python in (("patched", sys.executable), ("native", native_python)):
+            raw = worker(python, "shipped", {"world_size": 2, "rounds": per_run, "cases": GATHER_CASES})
+            builds[label] = {"torch": raw["torch"], "torch_git": raw["torch_git"], "torchmetrics": raw["torchmetrics"]}
+            for name in GATHER_CASES:
+                per_case[name][label].append(statistics.median(raw[name]))
+    out: dict[str, Any] = {"environments": builds, "same_torch_build": builds["patched"] == builds["native"]}
+    out["same_torch_build"] = (builds["patched"]["torch"], builds["patched"]["torch_git"]) == (
+        builds["native"]["torch"],
+        builds["native"]["torch_git"],
+    )
+    out["this_torch"] = torch.__version__
+    sizes = {}
+    for name in GATHER_CASES:
+        a, b = per_case[name]["native"], per_case[name]["patched"]
+        ratio = spread([pb / pa for pa, pb in zip(a, b, strict=True)])
+        sizes[name] = {
+            "native_ms": spread([t * 1e3 for t in a]),
+            "patched_ms": spread([t * 1e3 for t in b]),
+            "ratio": ratio,
+            **verdict(ratio, TARGET_NATIVE),
+        }
+    out["sizes"] = sizes
+    return out
+
+
+def bench_toggle(rounds: int, toggles: int) -> dict[str, Any]:
+    log(f"toggle: with patched(): pass vs one module scan, {rounds} interleaved rounds")
+    raw = worker(sys.executable, "toggle", {"rounds": rounds, "toggles": toggles})
+    out: dict[str, Any] = {
+        "modules": raw["modules"],
+        "names": raw["names"],
+        "scan_ms": spread([t * 1e3 for t in raw["scan"]]),
+    }
+    for kind in ("swap", "counted"):
+        ratio = spread([blk / scan for blk, scan in zip(raw[kind], raw["scan"], strict=True)])
+        out[kind] = {"block_us": spread([t * 1e6 for t in raw[kind]]), "ratio": ratio, **verdict(ratio, TARGET_TOGGLE)}
+    return out
+
+
+_IMPORT_SNIPPET = "import time; t = time.perf_counter(); {stmt}; print('SECONDS', time.perf_counter() - t)"
+IMPORTS = {
+    "torchmetrics": "import torchmetrics",
+    "torchmetrics_gradpatch": "import torchmetrics_gradpatch",
+    "torchmetrics_gradpatch+torchmetrics": "import torchmetrics_gradpatch, torchmetrics",
+}
+
+
+def bench_import(rounds: int) -> dict[str, Any]:
+    log(f"import: fresh interpreters, {rounds} interleaved rounds of {len(IMPORTS)}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    times: dict[str, list[float]] = {name: [] for name in IMPORTS}
+    for _ in range(rounds + 1):  # the first round warms the page cache and is dropped
+        for name, stmt in IMPORTS.items():
+            proc = subprocess.run(
+                [sys.executable, "-c", _IMPORT_SNIPPET.format(stmt=stmt)],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=ROOT,
+                check=True,
+            )
+            times[name].append(float(proc.stdout.split("SECONDS")[-1]))
+    times = {name: values[1:] for name, values in times.items()}
+    out: dict[str, Any] = {"seconds": {name: spread(values) for name, values in times.items()}}
+    base = times["torchmetrics"]
+    for name in ("torchmetrics_gradpatch", "torchmetrics_gradpatch+torchmetrics"):
+        ratio = spread([t / b for t, b in zip(times[name], base, strict=True)])
+        out[f"{name} / torchmetrics"] = {"ratio": ratio, **verdict(ratio, TARGET_IMPORT)}
+    out["PYTHONDONTWRITEBYTECODE"] = os.environ.get("PYTHONDONTWRITEBYTECODE", "")
+    return out
+
+
+def bench_memory(rounds: int, rows: int, cols: int) -> dict[str, Any]:
+    log(f"memory: uneven gather of {rows}x{cols} float32 (rank 1: {rows - rows // 4} rows) on 2 ranks")
+    # Every allocation above 1 MiB gets its own mmap, so a freed tensor leaves RSS at once.
+    raw = worker(
+        sys.executable,
+        "memory",
+        {"world_size": 2, "rounds": rounds, "rows": rows, "cols": cols},
+        env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
+    )
+    out: dict[str, Any] = {"ranks": []}
+    for rank_raw in raw:
+        info = rank_raw["tensor_mib"][0]
+        entry: dict[str, Any] = {"rank": info["rank"], "tensor_mib": info["mib"]}
+        for mode in ("unpatched", "patched"):
+            entry[mode] = {
+                "retained_mib": spread([r["retained_mib"] for r in rank_raw[mode]]),
+                "peak_mib": spread([r["peak_mib"] for r in rank_raw[mode]]),
+                "local_entry_is_callers_tensor": all(r["local_entry_is_callers_tensor"] for r in rank_raw[mode]),
+            }
+        retained_a = entry["unpatched"]["retained_mib"]["median"]
+        retained_b = entry["patched"]["retained_mib"]["median"]
+        entry["no_extra_copy_retained"] = retained_b <= retained_a + 1.0
+        entry["verdict"] = (
+            f"rank {info['rank']}: retained {retained_b:.0f} MiB patched vs {retained_a:.0f} MiB unpatched; "
+            f"peak {entry['patched']['peak_mib']['median']:.0f} vs {entry['unpatched']['peak_mib']['median']:.0f} MiB: "
+            + ("no extra copy retained" if entry["no_extra_copy_retained"] else "MISSED: the patch retains more")
+        )
+        out["ranks"].append(entry)
+    out["met"] = all(entry["no_extra_copy_retained"] for entry in out["ranks"])
+    return out
+
+
+def bench_global() -> Any:
+    path = HERE / "bench_global.py"
+    if not path.exists():
+        return {"skipped": "benchmarks/bench_global.py does not exist"}
+    log("global: benchmarks/bench_global.py main()")
+    spec = importlib.util.spec_from_file_location("benchmarks.bench_global", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.main()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg": load,
+        "torch": importlib.metadata.version("torch"),
+        "torchmetrics": importlib.metadata.version("torchmetrics"),
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("gather", "patched / unpatched (same torchmetrics 1.5.x)")]
+    if "sizes" in results.get("native", {}):
+        panels.append(("native", "patched 1.5.x / native >= 1.6 (two environments)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    xs = list(range(len(GATHER_CASES)))
+    for ax, (key, title) in zip(axes[0], panels, strict=True):
+        series = (
+            [(f"{w[-1]} ranks", results["gather"][w]) for w in ("world2", "world3")]
+            if key == "gather"
+            else [("2 ranks", results["native"]["sizes"])]
+        )
+        for offset, (label, sizes) in enumerate(series):
+            med = [sizes[c]["ratio"]["median"] for c in GATHER_CASES]
+            low = [sizes[c]["ratio"]["median"] - sizes[c]["ratio"]["p25"] for c in GATHER_CASES]
+            high = [sizes[c]["ratio"]["p75"] - sizes[c]["ratio"]["median"] for c in GATHER_CASES]
+            shift = (offset - (len(series) - 1) / 2) * 0.15
+            ax.errorbar([x + shift for x in xs], med, yerr=[low, high], fmt="o", capsize=4, label=label)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.axhline(TARGET_GATHER, color="red", linestyle="--", linewidth=0.8, label=f"target {TARGET_GATHER}")
+        ax.set_xticks(xs, GATHER_CASES)
+        ax.set_xlabel("gathered tensor (float32 elements per rank)")
+        ax.set_ylabel("time ratio (median, bars: 25th-75th pct)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"torchmetrics_gradpatch gather overhead - {results['machine']['when']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [
+        f"Measured {m['when']} with `{results['command']}`: Python {m['python']}, torch {m['torch']}, "
+        f"torchmetrics {m['torchmetrics']}, {m['cpus']} CPUs, load average at start "
+        f"{', '.join(f'{v:.1f}' for v in m['loadavg'] or [])} (end: "
+        f"{', '.join(f'{v:.1f}' for v in results.get('loadavg_end') or [])}).",
+        "",
+    ]
+    if "world2" in results.get("gather", {}):
+        lines += [
+            "| gather, patched / unpatched | scalar | 1k | 64k | 1M | uneven |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for world in ("world2", "world3"):
+            sizes = results["gather"][world]
+            cells = [
+                f"{s['ratio']['median']:.3f} ({s['ratio']['p25']:.2f}-{s['ratio']['p75']:.2f})"
+                + ("" if s["met"] else " **missed**")
+                for s in (sizes[c] for c in GATHER_CASES)
+            ]
+            lines.append(f"| {world[-1]} ranks | " + " | ".join(cells) + " |")
+        ms = [f"{results['gather']['world2'][c]['unpatched_ms']['median']:.3f}" for c in GATHER_CASES]
+        lines.append("| (2 ranks, unpatched ms) | " + " | ".join(ms) + " |")
+        lines.append("")
+    native = results.get("native", {})
+    if "sizes" in native:
+        env_b = native["environments"]["native"]
+        cells = [
+            f"{s['ratio']['median']:.3f} ({s['ratio']['p25']:.2f}-{s['ratio']['p75']:.2f})"
+            + ("" if s["met"] else " **missed**")
+            for s in (native["sizes"][c] for c in GATHER_CASES)
+        ]
+        lines += [
+            "| patched 1.5.x / native | scalar | 1k | 64k | 1M | uneven |",
+            "| --- | --- | --- | --- | --- | --- |",
+            f"| 2 ranks, vs torchmetrics {env_b['torchmetrics']} | " + " | ".join(cells) + " |",
+            "",
+            f"Same torch build in both environments: {native['same_torch_build']} "
+            f"({env_b['torch']}, {env_b['torch_git'][:10]}).",
+            "",
+        ]
+    elif native:
+        lines += [f"Native comparison: {native}", ""]
+    toggle = results.get("toggle")
+    if toggle:
+        lines += [
+            f"Toggle: one scan of {toggle['modules']} modules ({toggle['names']} names) takes "
+            f"{toggle['scan_ms']['median']:.2f} ms; `with patched(): pass` takes "
+            f"{toggle['swap']['block_us']['median']:.2f} µs when it swaps the code in and out "
+            f"(ratio {toggle['swap']['ratio']['median']:.5f}: {'met' if toggle['swap']['met'] else 'MISSED'}) and "
+            f"{toggle['counted']['block_us']['median']:.2f} µs when `patch()` is already on "
+            f"(ratio {toggle['counted']['ratio']['median']:.5f}). Target <= 0.01.",
+            "",
+        ]
+    imports = results.get("import")
+    if imports:
+        s = imports["seconds"]
+        r1 = imports["torchmetrics_gradpatch / torchmetrics"]
+        r2 = imports["torchmetrics_gradpatch+torchmetrics / torchmetrics"]
+        lines += [
+            f"Import (fresh interpreters, medians): `import torchmetrics` {s['torchmetrics']['median']:.2f} s, "
+            f"`import torchmetrics_gradpatch` {s['torchmetrics_gradpatch']['median']:.2f} s "
+            f"(ratio {r1['ratio']['median']:.3f}, IQR {r1['ratio']['p25']:.3f}-{r1['ratio']['p75']:.3f}: "
+            f"{'met' if r1['met'] else 'MISSED'}), `import torchmetrics_gradpatch, torchmetrics` "
+            f"{s['torchmetrics_gradpatch+torchmetrics']['median']:.2f} s (ratio {r2['ratio']['median']:.3f}, "
+            f"IQR {r2['ratio']['p25']:.3f}-{r2['ratio']['p75']:.3f}: {'met' if r2['met'] else 'MISSED'}). "
+            "Target <= 1.05.",
+            "",
+        ]
+    memory = results.get("memory")
+    if memory and "ranks" in memory:
+        lines += ["Memory (uneven gather, 2 ranks, MiB above the RSS before the call, medians):", ""]
+        lines += [f"- {entry['verdict']}" for entry in memory["ranks"]]
+        lines.append("")
+    glob = results.get("global")
+    if isinstance(glob, dict) and "skipped" not in glob:
+        lines += ["Global-install benchmark (`benchmarks/bench_global.py`): see `global` in latest.json.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test; figures are noisier)")
+    parser.add_argument("--skip-native", action="store_true", help="skip the second-environment comparison")
+    parser.add_argument("--only", nargs="*", help="run only these sections (gather native toggle import memory global)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for latest.json/.md/.png")
+    opts = parser.parse_args(argv)
+    quick = opts.quick
+    wanted = set(opts.only or ["gather", "native", "toggle", "import", "memory", "global"])
+    if opts.skip_native:
+        wanted.discard("native")
+
+    shown = [arg for arg in (sys.argv[1:] if argv is None else argv) if not arg.startswith("--out")]
+    command = " ".join(["python benchmarks/run_all.py", *shown])
+    results: dict[str, Any] = {"command": command, "machine": machine()}
+    started = time.monotonic()
+    sections = {
+        "gather": lambda: bench_gather(rounds=8 if quick else 30),
+        "native": lambda: bench_native(rounds=2 if quick else 6, per_run=5 if quick else 9),
+        "toggle": lambda: bench_toggle(rounds=10 if quick else 40, toggles=2000),
+        "import": lambda: bench_import(rounds=3 if quick else 12),
+        "memory": lambda: bench_memory(rounds=2 if quick else 5, rows=65536, cols=256),
+        "global": bench_global,
+    }
+    for name, run in sections.items():
+        if name not in wanted:
+            continue
+        try:
+            results[name] = run()
+        except Exception as err:  # a broken section is reported, the others still run
+            log(f"{name} FAILED: {err}")
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results["seconds"] = round(time.monotonic() - started, 1)
+
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "latest.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    if "gather" in results and "world2" in results["gather"]:
+        plot(results, opts.out / "latest.png")
+    report = markdown(results)
+    (opts.out / "latest.md").write_text(report + "\n")
+    print(report)
+    log(f"wrote {opts.out / 'latest.json'} in {results['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
