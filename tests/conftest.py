@@ -49,3 +49,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = Path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+# --- slow tests (issue 5) ----------------------------------------------------------------------------------------
+# Tests marked @pytest.mark.slow are skipped unless --run-slow is given (tox -e slow does), so the default suite
+# stays fast on 2 cores.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (tox -e slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,82 @@
+"""Flake check: run the whole spawned-rank suite N times in a row (default 20); every run must pass.
+
+    python tests/flake_check.py [--runs 20] [-- extra pytest args]
+
+No reruns: the rerunfailures plugin is disabled (``-p no:rerunfailures``), so a flaky test fails its run. The
+spawned-rank suite is every ``tests/test_*.py`` that starts ranks (it mentions ``spawn_ranks``), without the
+tests marked slow. Stops at the first failing run; writes a summary to ``results/raw/flake.json`` and ends with
+a line "N passed, M failed" counting runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawned_suite() -> list[str]:
+    files = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").glob("test_*.py")
+        if "spawn_ranks" in path.read_text() or "_ddp_ranks" in path.read_text()
+    )
+    return files
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("pytest_args", nargs="*")
+    opts = parser.parse_args()
+    files = spawned_suite()
+    print(f"flake check: {opts.runs} runs of {' '.join(files)}", flush=True)
+    runs = []
+    for run in range(1, opts.runs + 1):
+        start = time.monotonic()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:rerunfailures",
+                "-p",
+                "no:cacheprovider",
+                *files,
+                *opts.pytest_args,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+        runs.append(
+            {
+                "run": run,
+                "returncode": proc.returncode,
+                "seconds": round(time.monotonic() - start, 1),
+                "summary": summary,
+            }
+        )
+        print(f"run {run}/{opts.runs}: exit {proc.returncode} in {runs[-1]['seconds']} s: {summary}", flush=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n")
+            break
+    passed = sum(1 for r in runs if r["returncode"] == 0)
+    failed = len(runs) - passed
+    out = ROOT / "results" / "raw" / "flake.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"files": files, "runs": runs, "passed": passed, "failed": failed}, indent=2) + "\n")
+    print(f"flake: {passed} passed, {failed} failed")
+    return 0 if failed == 0 and passed == opts.runs else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
