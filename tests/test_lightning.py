@@ -1,0 +1,75 @@
+"""Lightning integration: a LightningModule trained with ``Trainer(devices=2, strategy="ddp_spawn")`` on CPU.
+
+The training program (``tests/_lightning_job.py``) does ``import torchmetrics_gradpatch`` at its top and uses
+torchmetrics Metrics with ``dist_sync_on_step=True`` as its loss: a sum-state ``MeanSquaredError`` and a list-state
+(``cat``) mean squared error, with batches of 3 and 5 samples on the two ranks. It runs in its own interpreter, as
+a user's program would, and saves the parameter gradients each rank sees after the first backward. They must equal
+``1/world_size`` x the single-process gradient of the same global losses: each rank backpropagates through its own
+samples only, and DDP averages the ranks' gradients.
+
+Skipped when Lightning is not installed; ``tox -e lightning`` installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from tests._subprocess import ROOT
+
+TORCH = Version(importlib.metadata.version("torch"))
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("lightning") is None,
+        reason="Lightning is not installed (pip install lightning, or run `tox -e lightning`)",
+    ),
+    pytest.mark.skipif(Version(TORCH.base_version) < Version("2.0"), reason=f"torch {TORCH} < 2.0"),
+]
+
+
+def reference_gradients() -> dict[str, object]:
+    """Single-process gradients of each head's global loss (mean squared error over both ranks' samples)."""
+    import torch
+
+    from tests import _lightning_job as job
+
+    made = job.heads()
+    xs, ys = zip(*(job.batch(rank) for rank in range(job.WORLD_SIZE)), strict=True)
+    x, y = torch.cat(xs), torch.cat(ys)
+    grads: dict[str, object] = {}
+    for name, head in made.items():
+        torch.autograd.backward(torch.mean((head(x).squeeze(-1) - y) ** 2))
+        for parameter_name, parameter in head.named_parameters():
+            grads[f"{name}.{parameter_name}"] = parameter.grad
+    return grads
+
+
+def test_lightning_ddp_gradients_are_single_process_gradients_over_world_size(tmp_path: Path) -> None:
+    import torch
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._lightning_job", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    expected = reference_gradients()
+    scale = 0.5  # 1 / world_size
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["graph_preserving"], f"rank {rank}: the patch was not in force"
+        grads = saved["grads"]
+        assert sorted(grads) == sorted(expected), (sorted(grads), sorted(expected))
+        for name, want in expected.items():
+            assert isinstance(want, torch.Tensor)
+            torch.testing.assert_close(grads[name], scale * want, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
