@@ -68,15 +68,15 @@ def du_kb(*paths: Path) -> int:
 class PeakSampler(threading.Thread):
     def __init__(self, *paths: Path) -> None:
         super().__init__(daemon=True)
-        self.paths, self.peak_kb, self._stop = paths, 0, threading.Event()
+        self.paths, self.peak_kb, self._done = paths, 0, threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             self.peak_kb = max(self.peak_kb, du_kb(*self.paths))
-            self._stop.wait(2)
+            self._done.wait(2)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._done.set()
         self.join()
         self.peak_kb = max(self.peak_kb, du_kb(*self.paths))
         return self.peak_kb
