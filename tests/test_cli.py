@@ -300,3 +300,15 @@ def test_checks_compare_against_a_reference_that_catches_a_wrong_gradient() -> N
         assert not _checks.matches([g * 0.5 for g in r0], r0), name
         if name.startswith("metric"):
             assert not _checks.matches(r1, r0), name  # the ranks' gradients differ: a swap would be caught
+
+
+@needs_supported_torch
+def test_installed_console_script_checks_three_ranks() -> None:
+    """The README's ``torchmetrics-gradpatch check --world-size 3 --timeout 120`` (the package must be installed)."""
+    script = shutil.which("torchmetrics-gradpatch", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the package is not installed in this interpreter's environment (tox installs it)")
+    proc = cli("check", "--world-size", "3", "--timeout", "120", command=[script])
+    assert proc.returncode == 0, show(proc)
+    assert "3 ranks" in proc.stdout and "starting 3 gloo ranks" in proc.stderr, show(proc)
+    assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
