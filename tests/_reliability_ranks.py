@@ -481,3 +481,23 @@ def port_check(tag: int) -> tuple[int, int, int, float]:
     value = torch.tensor([float(tag * 1000 + rank)])
     dist.all_reduce(value)
     return tag, rank, world, float(value)
+
+
+def properties_catch_a_broken_gather(max_examples: int) -> str:
+    """Run the property test against a gather that puts the local entry at the *global* rank (wrong in a
+    subgroup, upstream's own pitfall); return the failure hypothesis reports, or ``"not caught"``."""
+    from torchmetrics_gradpatch import _engine, _gather
+
+    def broken(result: torch.Tensor, group: Any = None, **kwargs: Any) -> list[torch.Tensor]:
+        out = _gather.gather_all_tensors(result, group, **kwargs)
+        index = dist.get_rank()  # the bug: not dist.get_rank(group)
+        if index < len(out):
+            out[index] = result.contiguous()
+        return out
+
+    _engine.gather_all_tensors = broken  # type: ignore[attr-defined]  # what the trampoline dispatches to
+    try:
+        run_properties(max_examples)
+    except AssertionError as err:
+        return str(err)
+    return "not caught"

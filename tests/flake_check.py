@@ -32,9 +32,10 @@ def spawned_suite() -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--files", nargs="+", help="test files to repeat instead of the whole spawned suite")
     parser.add_argument("pytest_args", nargs="*")
     opts = parser.parse_args()
-    files = spawned_suite()
+    files = opts.files or spawned_suite()
     print(f"flake check: {opts.runs} runs of {' '.join(files)}", flush=True)
     runs = []
     for run in range(1, opts.runs + 1):
@@ -71,7 +72,7 @@ def main() -> int:
             break
     passed = sum(1 for r in runs if r["returncode"] == 0)
     failed = len(runs) - passed
-    out = ROOT / "results" / "raw" / "flake.json"
+    out = ROOT / "results" / "raw" / ("flake.json" if not opts.files else "flake-subset.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"files": files, "runs": runs, "passed": passed, "failed": failed}, indent=2) + "\n")
     print(f"flake: {passed} passed, {failed} failed")

@@ -32,3 +32,11 @@ def test_patched_gather_properties_many(world_size: int) -> None:
     seen = spawn_ranks(ranks.run_properties, world_size, args=(600,), timeout=800)
     assert seen[0]["examples"] >= 600
     assert all(s == seen[0] for s in seen)
+
+
+@pytest.mark.slow
+def test_the_property_test_catches_a_wrong_local_index() -> None:
+    """The check can fail: a gather that uses the global rank instead of the group rank is caught (world 3)."""
+    caught = spawn_ranks(ranks.properties_catch_a_broken_gather, 3, args=(100,), timeout=300)
+    assert all(message != "not caught" for message in caught), caught
+    assert "subgroup=True" in caught[0]
