@@ -5,6 +5,15 @@ block is open. ``import torchmetrics_gradpatch`` calls ``patch()`` unless ``TORC
 is ``0``. Blocks are counted, not stacked, so they nest, may be closed in any order and from any thread, and
 each one's exit undoes exactly its own entry -- also when the block raises. Calling ``patch()`` or
 ``unpatch()`` inside a block changes only the ``patch()`` switch: it takes effect once the blocks are closed.
+
+The gradient mode (``"local"`` or ``"global"``; README, "Gradient modes"), in one sentence: the mode of the
+most recently opened ``patched(mode=...)`` block that is still open wins; with none open, the mode ``patch()``
+was given while it is on; otherwise the default mode. The default mode is ``TORCHMETRICS_GRADPATCH_MODE``
+(read once, at import; ``"local"`` when unset) and is also what ``patch()`` without a mode stands for, so it
+chooses the mode of the import-time patch. ``patched()`` without a mode never chooses: it only keeps the
+patch in force. The mode is process-wide, like the patch itself: a block opened in one thread sets the mode
+for every thread until it exits, and blocks may exit in any order (a block that exits while a newer one is
+still open changes nothing until that newer one exits too).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import TracebackType
@@ -22,21 +32,28 @@ from typing import Any, TypeVar, cast
 import wrapt
 
 from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch._gather import MODES, check_mode
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 AUTOPATCH_ENV = "TORCHMETRICS_GRADPATCH_AUTOPATCH"
+MODE_ENV = "TORCHMETRICS_GRADPATCH_MODE"
 _TRUE = {"", "1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def patch() -> None:
+def patch(mode: str | None = None) -> None:
     """Put the graph-preserving gather in force until :func:`unpatch`. Idempotent.
 
-    On a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed. If torchmetrics is
-    not imported yet, the patch lands the moment ``torchmetrics.utilities.distributed`` is imported.
+    Args:
+        mode: ``"local"`` or ``"global"`` (README, "Gradient modes"); ``None`` means the default mode
+            (``TORCHMETRICS_GRADPATCH_MODE``, else ``"local"``). Calling ``patch`` again changes the mode.
+
+    In local mode on a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed; the
+    global mode is installed on every torchmetrics. If torchmetrics is not imported yet, the patch lands the
+    moment ``torchmetrics.utilities.distributed`` is imported.
     """
-    _engine.set_manual(True)
+    _engine.set_manual(True, None if mode is None else check_mode(mode))
 
 
 def unpatch() -> None:
@@ -64,10 +81,20 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
     :func:`patch` or :func:`unpatch`. As a decorator, each call of the function opens its own block; coroutine
     functions are supported (the block spans the awaited call). Generator functions are refused, because a
     block around a suspended generator would leak into the code that iterates it.
+
+    ``patched(mode="global")`` (or ``"local"``) also sets the gradient mode while the block is open and no
+    newer block with a mode is; ``patched()`` leaves the mode alone (see the module docstring).
     """
 
+    def __init__(self, mode: str | None = None) -> None:
+        self._mode = None if mode is None else check_mode(mode)
+        # The same instance may be open several times, also in several threads at once; each thread closes
+        # its own most recent entry.
+        self._tokens: dict[int, list[int | None]] = {}
+
     def __enter__(self) -> patched:
-        _engine.enter_block()
+        token = _engine.enter_block(self._mode)
+        self._tokens.setdefault(threading.get_ident(), []).append(token)
         return self
 
     def __exit__(
@@ -76,7 +103,12 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _engine.exit_block()
+        ident = threading.get_ident()
+        tokens = self._tokens.get(ident)
+        token = tokens.pop() if tokens else None
+        if tokens == []:
+            self._tokens.pop(ident, None)
+        _engine.exit_block(token)
 
     def __call__(self, function: F) -> F:
         if inspect.isgeneratorfunction(function) or inspect.isasyncgenfunction(function):
@@ -88,14 +120,14 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
 
             @functools.wraps(function)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                with patched():
+                with patched(self._mode):
                     return await function(*args, **kwargs)
 
             return cast(F, run_async)
 
         @wrapt.decorator
         def run(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            with patched():
+            with patched(self._mode):
                 return wrapped(*args, **kwargs)
 
         return cast(F, run(function))
@@ -114,6 +146,8 @@ class Status:
     applied_to: tuple[str, ...]  #: where our code is installed (empty when native or not in force)
     references: dict[str, bool]  #: known paths into the gather and whether each reaches the patched function
     autopatch: bool  #: what TORCHMETRICS_GRADPATCH_AUTOPATCH asked of the import
+    mode: str = "local"  #: gradient mode a gather called now uses: "local", "global", or "off" when not in force
+    default_mode: str = "local"  #: TORCHMETRICS_GRADPATCH_MODE (or "local"): the mode of patch() without one
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -126,7 +160,7 @@ class Status:
         return json.dumps(self.as_dict(), indent=2, sort_keys=True)
 
     def __str__(self) -> str:
-        if self.native:
+        if self.native and not self.applied_to:
             mode = "native (torchmetrics keeps the graph itself; nothing patched)"
         elif self.in_force and self.torchmetrics_imported:
             mode = "patched"
@@ -139,6 +173,7 @@ class Status:
             f"torchmetrics:     {self.torchmetrics_version}",
             f"gather:           {mode}",
             f"graph preserved:  {'yes' if self.graph_preserving else 'NO'}",
+            f"gradient mode:    {self.mode} (default {self.default_mode}, {MODE_ENV})",
             f"autopatch:        {'on' if self.autopatch else 'off'} ({AUTOPATCH_ENV})",
         ]
         lines += [f"applied to:       {where}" for where in self.applied_to]
@@ -194,6 +229,8 @@ def status() -> Status:
         applied_to=applied,
         references=_references(state.function) if state.function is not None else {},
         autopatch=autopatch_requested(),
+        mode=state.mode if in_force else "off",
+        default_mode=state.default_mode,
     )
 
 
@@ -214,3 +251,20 @@ def autopatch_requested() -> bool:
     raise ValueError(
         f"{AUTOPATCH_ENV}={raw!r} is not understood; use 0 to import without patching or 1 (the default) to patch."
     )
+
+
+def mode_requested() -> str:
+    """Read ``TORCHMETRICS_GRADPATCH_MODE``; raise ``ValueError`` naming the variable if it is not a mode."""
+    raw = os.environ.get(MODE_ENV, "")
+    value = raw.strip().lower() or "local"
+    if value in MODES:
+        return value
+    allowed = ", ".join(MODES)
+    raise ValueError(
+        f"{MODE_ENV}={raw!r} is not a gradient mode; use one of: {allowed} (unset means local). "
+        "See the README section 'Gradient modes'."
+    )
+
+
+# The default mode is read once, when the package is imported; an invalid value makes the import fail.
+_engine.set_default_mode(mode_requested())

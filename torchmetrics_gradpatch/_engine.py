@@ -36,6 +36,17 @@ State model
 The patch is in force while ``patch()`` is on **or** any ``patched()`` block is open (a counter, so blocks may
 close in any order and from any thread). All state changes happen under one lock.
 
+Gradient mode (``"local"`` or ``"global"``, see :mod:`torchmetrics_gradpatch._global`): the mode of the most
+recently opened ``patched(mode=...)`` block that is still open; with no such block, the mode ``patch()`` was
+given while ``patch()`` is on; otherwise the default mode (``TORCHMETRICS_GRADPATCH_MODE``, else ``"local"``).
+Blocks opened without a mode count towards "in force" but never choose the mode. The effective mode is
+recomputed under the lock at every change and read, lock-free, by :func:`dispatch` at every call.
+
+What is installed: on torchmetrics before 1.6 the trampoline goes in whenever the patch is in force. On
+native torchmetrics (1.6.0 and newer) the local mode installs **nothing** -- torchmetrics' own gather already
+has these semantics -- while the global mode installs the trampoline like anywhere else, because no
+torchmetrics has a global-mode backward; it comes out again as soon as the mode is back to local.
+
 torchmetrics need not be imported yet: a ``wrapt`` post-import hook recognises and patches
 ``torchmetrics.utilities.distributed`` the moment it is imported.
 """
@@ -47,7 +58,7 @@ import sys
 import threading
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import wrapt
@@ -77,6 +88,11 @@ class _State:
     original_clone: Any = None  # a FunctionType running the original code, whatever __code__ is
     ours_installed: bool = False  # we put the trampoline in and nobody has replaced it since
     hook_registered: bool = False
+    default_mode: str = "local"  # TORCHMETRICS_GRADPATCH_MODE, read by _api at import
+    manual_mode: str = "local"  # the mode patch() was given
+    block_modes: list[tuple[int, str]] = field(default_factory=list)  # open patched(mode=...) blocks, oldest first
+    next_token: int = 0
+    mode: str = "local"  # the effective mode (see "State model"), recomputed by _refresh_mode()
 
 
 _state = _State()
@@ -104,7 +120,7 @@ def dispatch(result: Any, group: Any = None) -> list[Any]:
     """Entry point of the trampoline: the graph-preserving gather while in force, else the original."""
     state = _state
     if (state.manual or state.blocks) and state.original_clone is not None:
-        return gather_all_tensors(result, group)
+        return gather_all_tensors(result, group, mode=state.mode)
     if state.original_clone is None:  # cannot happen once recognised; keep the failure explicit
         raise RuntimeError("torchmetrics_gradpatch: trampoline called before torchmetrics was recognised")
     return state.original_clone(result, group)  # type: ignore[no-any-return]
@@ -163,7 +179,17 @@ def _on_import(module: types.ModuleType) -> None:
 
 def _wanted() -> bool:
     """Whether torchmetrics' function should be running our trampoline right now."""
-    return (_state.manual or _state.blocks > 0) and not _state.native
+    return (_state.manual or _state.blocks > 0) and (not _state.native or _state.mode == "global")
+
+
+def _refresh_mode() -> None:
+    """Recompute the effective gradient mode (see "State model"). Under ``_lock``."""
+    if _state.block_modes:
+        _state.mode = _state.block_modes[-1][1]
+    elif _state.manual:
+        _state.mode = _state.manual_mode
+    else:
+        _state.mode = _state.default_mode
 
 
 def _sync() -> None:
@@ -223,35 +249,65 @@ def configure(*, native: bool, torchmetrics_version: str) -> None:
         _ensure_hook()
 
 
-def set_manual(on: bool) -> None:
-    """``patch()`` / ``unpatch()``: switch the manual flag; idempotent."""
+def set_manual(on: bool, mode: str | None = None) -> None:
+    """``patch()`` / ``unpatch()``: switch the manual flag; idempotent.
+
+    Turning it on sets the mode ``patch()`` stands for: ``mode``, or the default mode when ``None``.
+    """
     with _lock:
-        previous = _state.manual
+        previous = _state.manual, _state.manual_mode
         _state.manual = on
+        if on:
+            _state.manual_mode = _state.default_mode if mode is None else mode
         try:
+            _refresh_mode()
             _sync()
         except BaseException:
-            _state.manual = previous
+            _state.manual, _state.manual_mode = previous
+            _refresh_mode()
             raise
 
 
-def enter_block() -> None:
-    """Open one ``patched()`` block."""
+def set_default_mode(mode: str) -> None:
+    """Set the mode used when neither ``patch()`` nor a ``patched()`` block names one."""
     with _lock:
+        _state.default_mode = mode
+        _refresh_mode()
+        _sync()
+
+
+def enter_block(mode: str | None = None) -> int | None:
+    """Open one ``patched()`` block; with a ``mode``, return the token that :func:`exit_block` must be given."""
+    with _lock:
+        token = None
+        if mode is not None:
+            token = _state.next_token
+            _state.next_token += 1
+            _state.block_modes.append((token, mode))
         _state.blocks += 1
         try:
+            _refresh_mode()
             _sync()
         except BaseException:
             _state.blocks -= 1
+            if token is not None:
+                _state.block_modes.pop()
+            _refresh_mode()
             raise
+        return token
 
 
-def exit_block() -> None:
-    """Close one ``patched()`` block."""
+def exit_block(token: int | None = None) -> None:
+    """Close one ``patched()`` block (the one ``token`` names, for a block opened with a mode)."""
     with _lock:
         if _state.blocks <= 0:
             raise RuntimeError("torchmetrics_gradpatch: patched() exited more often than it was entered")
         _state.blocks -= 1
+        if token is not None:
+            _state.block_modes[:] = [entry for entry in _state.block_modes if entry[0] != token]
+        if not _state.blocks:
+            _state.block_modes.clear()
+        _refresh_mode()
         _sync()
 
 
@@ -263,7 +319,9 @@ def in_force() -> bool:
 def snapshot() -> _State:
     """A copy of the engine state, for :func:`torchmetrics_gradpatch.status`."""
     with _lock:
-        return _State(**vars(_state))
+        copy = _State(**vars(_state))
+        copy.block_modes = list(_state.block_modes)
+        return copy
 
 
 def installed() -> bool:

@@ -1,0 +1,320 @@
+"""Functions that run inside spawned ranks for the global-mode tests (module-level, so ``spawn`` imports them).
+
+Each rank returns plain data (detached tensors, lists, strings); ``tests/test_global_mode.py`` compares it with
+single-process float64 references computed in the parent from the same deterministic inputs. Everything runs
+in few spawns: :func:`run_all` does every case of one world size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+import torchmetrics.utilities.distributed as tm_dist
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.utilities.data import dim_zero_cat
+
+import torchmetrics_gradpatch
+from torchmetrics_gradpatch import gather_all_tensors, patched
+
+F64 = torch.float64
+FEATURES = 3
+# Per-rank rows of the cat-state and contrastive cases: uneven, and rank 1 of 3 holds none in "zero_rows".
+ROWS = {"uneven": (3, 5, 4), "zero_rows": (2, 0, 3), "equal": (4, 4, 4)}
+COLLECTIVES = ("barrier", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "reduce_scatter", "broadcast")
+
+
+# ------------------------------------------------------------------------------------------------- inputs
+
+
+def gather_input(case: str, rank: int) -> torch.Tensor:
+    """The tensor rank ``rank`` contributes to gather ``case`` (float64, requires grad)."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    if case == "equal":
+        x = torch.randn(2, 3, generator=gen, dtype=F64)
+    elif case == "uneven_rows":  # includes a rank with zero rows
+        x = torch.randn((2, 0, 3)[rank % 3], 2, generator=gen, dtype=F64)
+    elif case == "uneven_all_dims":
+        x = torch.randn(rank % 3 + 1, 3 - rank % 3, generator=gen, dtype=F64)
+    elif case == "scalar":
+        x = torch.randn((), generator=gen, dtype=F64)
+    elif case == "non_contiguous":
+        x = torch.randn(4, 3, generator=gen, dtype=F64).t()
+    else:
+        raise ValueError(case)
+    return x.requires_grad_()
+
+
+GATHER_CASES = ("equal", "uneven_rows", "uneven_all_dims", "scalar", "non_contiguous")
+
+
+def gather_loss(entries: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s loss from the gathered entries: different on every rank, uses every entry nonlinearly."""
+    total = torch.zeros((), dtype=F64)
+    for j, entry in enumerate(entries):
+        total = total + (rank + 1.5) * (j + 0.5) * (entry**2).sum() + (rank - j) * entry.sin().sum()
+    return total
+
+
+def model_inputs(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s features and targets for the model-and-metric cases."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(rows, FEATURES, generator=gen, dtype=F64), torch.randn(rows, generator=gen, dtype=F64)
+
+
+def weight() -> torch.Tensor:
+    """The model parameter, identical on every rank (as DDP replicas are)."""
+    return torch.linspace(-1.0, 1.0, FEATURES, dtype=F64)
+
+
+# ------------------------------------------------------------------------------------------------- metrics
+
+
+class SumSquaredError(Metric):
+    """MSE with sum states."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("sse", default=torch.tensor(0.0, dtype=F64), dist_reduce_fx="sum")
+        self.add_state("n", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.sse = self.sse + ((preds - target) ** 2).sum()
+        self.n = self.n + preds.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.sse / self.n
+
+
+class CatSquaredError(Metric):
+    """MSE with a list ("cat") state: uneven lengths per rank."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("errors", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.errors.append((preds - target) ** 2)
+
+    def compute(self) -> torch.Tensor:
+        return dim_zero_cat(self.errors).mean()
+
+
+class ManyStates(Metric):
+    """Several gathered states, all with graphs: a sum state, a 1-D cat state and a 2-D cat state."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("sse", default=torch.tensor(0.0, dtype=F64), dist_reduce_fx="sum")
+        self.add_state("abs_errors", default=[], dist_reduce_fx="cat")
+        self.add_state("pairs", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.sse = self.sse + ((preds - target) ** 2).sum()
+        self.abs_errors.append((preds - target).abs())
+        self.pairs.append(torch.stack([preds, target * preds], dim=1))
+
+    def compute(self) -> torch.Tensor:
+        pairs = dim_zero_cat(self.pairs)
+        return self.sse / 7 + dim_zero_cat(self.abs_errors).mean() + (pairs[:, 0] * pairs[:, 1]).sum() / 5
+
+
+METRIC_CASES = (
+    "forward_sum",
+    "forward_cat",
+    "sync_sum",
+    "sync_cat",
+    "sync_dist_default_sum",
+    "sync_dist_default_cat",
+    "collection",
+    "many_states",
+)
+
+
+def metric_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Run one Metric path (through torchmetrics' own gather) and return the synced loss."""
+    if case in ("forward_sum", "forward_cat"):
+        metric: Metric = (SumSquaredError if case == "forward_sum" else CatSquaredError)(dist_sync_on_step=True)
+        return metric(preds, target)  # type: ignore[no-any-return]
+    if case == "collection":
+        collection = MetricCollection(
+            {"sum": SumSquaredError(dist_sync_on_step=True), "cat": CatSquaredError(dist_sync_on_step=True)}
+        )
+        values = collection(preds, target)
+        return values["sum"] + values["cat"]  # type: ignore[no-any-return]
+    if case == "many_states":
+        return ManyStates(dist_sync_on_step=True)(preds, target)  # type: ignore[no-any-return]
+    metric = SumSquaredError() if case.endswith("sum") else CatSquaredError()
+    metric._enable_grad = True  # what forward does, so update() records a graph
+    metric.update(preds, target)
+    if case.startswith("sync_dist_default"):
+        metric._sync_dist()  # the default argument bound when Metric was created
+    else:
+        metric.sync()  # looks the global name up in torchmetrics.metric
+    if isinstance(metric, SumSquaredError):
+        return metric.sse / metric.n
+    errors = metric.errors
+    return (errors if isinstance(errors, torch.Tensor) else dim_zero_cat(errors)).mean()
+
+
+def metric_rows(case: str) -> tuple[int, ...]:
+    return ROWS["equal"] if case.endswith("sum") else ROWS["uneven"]
+
+
+def reference_metric_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The same loss computed in one process on everything."""
+    mse = ((preds - target) ** 2).mean()
+    if case == "collection":
+        return 2 * mse
+    if case == "many_states":
+        return ((preds - target) ** 2).sum() / 7 + (preds - target).abs().mean() + (preds * target * preds).sum() / 5
+    return mse
+
+
+# ---------------------------------------------------------------------------------------------- contrastive
+
+
+def contrastive_loss(local: torch.Tensor, everything: torch.Tensor, offset: int) -> torch.Tensor:
+    """InfoNCE-style: each local row's positive is itself among all rows of all ranks."""
+    logits = local @ everything.t()
+    labels = torch.arange(offset, offset + local.shape[0])
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def projection() -> torch.Tensor:
+    return torch.linspace(-0.5, 0.7, FEATURES * 2, dtype=F64).reshape(FEATURES, 2)
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def record_collectives() -> Iterator[list[str]]:
+    """Record every collective the code inside issues, by wrapping the ``torch.distributed`` functions."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def recorder(name: str) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return record
+
+    for name in originals:
+        setattr(dist, name, recorder(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _detach(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+# ------------------------------------------------------------------------------------------------- cases
+
+
+def run_gather_case(case: str, group: Any = None, through: str = "direct") -> dict[str, Any]:
+    """Global vs local gather of one case: values, collectives, and the gradient of this rank's loss."""
+    rank = dist.get_rank(group)
+    x = gather_input(case, dist.get_rank())
+    out: dict[str, Any] = {"group_rank": rank}
+    for mode in ("local", "global"):
+        x.grad = None
+        with record_collectives() as forward_calls:
+            if through == "torchmetrics":
+                with patched(mode=mode):
+                    entries = tm_dist.gather_all_tensors(x, group)
+            else:
+                entries = gather_all_tensors(x, group, mode=mode)
+        loss = gather_loss(entries, rank)
+        with record_collectives() as backward_calls:
+            loss.backward()
+        assert x.grad is not None
+        out[mode] = {
+            "values": _detach(entries),
+            "dtypes": [t.dtype for t in entries],
+            "forward_collectives": forward_calls,
+            "backward_collectives": backward_calls,
+            "grad": x.grad.detach().clone(),
+        }
+    return out
+
+
+def run_metric_case(case: str, mode: str) -> dict[str, Any]:
+    """One Metric path under ``patched(mode=mode)``: this rank's parameter gradient and loss."""
+    rank = dist.get_rank()
+    features, target = model_inputs(rank, metric_rows(case)[rank])
+    w = weight().requires_grad_()
+    with patched(mode=mode), record_collectives() as forward_calls:
+        loss = metric_loss(case, features @ w, target)
+    with record_collectives() as backward_calls:
+        loss.backward()
+    assert w.grad is not None
+    return {
+        "loss": loss.detach(),
+        "grad": w.grad.detach().clone(),
+        "forward_collectives": forward_calls,
+        "backward_collectives": backward_calls,
+    }
+
+
+def run_contrastive(mode: str, rows_key: str) -> dict[str, Any]:
+    """Each rank computes its own contrastive loss from all ranks' embeddings."""
+    rank = dist.get_rank()
+    rows = ROWS[rows_key]
+    features, _ = model_inputs(rank, rows[rank])
+    p = projection().requires_grad_()
+    embeddings = features @ p
+    gathered = gather_all_tensors(embeddings, mode=mode)
+    loss = contrastive_loss(gathered[rank], torch.cat(gathered), sum(rows[:rank]))
+    loss.backward()
+    assert p.grad is not None
+    return {"loss": loss.detach(), "grad": p.grad.detach().clone()}
+
+
+def run_all(world_size_rows: int, subgroup_ranks: list[int] | None = None) -> dict[str, Any]:
+    """Every global-mode case one rank checks for one world size (``world_size_rows`` ranks use ``ROWS``)."""
+    out: dict[str, Any] = {"rank": dist.get_rank(), "status_mode_outside": torchmetrics_gradpatch.status().mode}
+    with patched(mode="global"):
+        out["status_mode_inside"] = torchmetrics_gradpatch.status().mode
+    out["gather"] = {case: run_gather_case(case) for case in GATHER_CASES}
+    out["gather_via_torchmetrics"] = {
+        case: run_gather_case(case, through="torchmetrics") for case in ("uneven_rows", "scalar")
+    }
+    out["metric"] = {(case, mode): run_metric_case(case, mode) for case in METRIC_CASES for mode in ("global", "local")}
+    out["contrastive"] = {
+        (mode, rows): run_contrastive(mode, rows) for mode in ("global", "local") for rows in ("uneven", "zero_rows")
+    }
+    if subgroup_ranks is not None:
+        group = dist.new_group(subgroup_ranks)  # every rank takes part in creating it
+        if dist.get_rank() in subgroup_ranks:
+            out["subgroup"] = {case: run_gather_case(case, group) for case in ("equal", "uneven_rows", "scalar")}
+        dist.barrier()
+    return out
+
+
+def skip_backward(hang_seconds: float) -> str:
+    """Rank 1 gathers in global mode but never runs backward; rank 0 does, and waits for rank 1 forever."""
+    rank = dist.get_rank()
+    x = gather_input("uneven_rows", rank)
+    entries = gather_all_tensors(x, mode="global")
+    if rank == 1:
+        time.sleep(hang_seconds)  # "moves on" without backward, like a rank that skipped the step
+        return "skipped"
+    gather_loss(entries, rank).backward()
+    return "finished"

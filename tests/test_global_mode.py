@@ -1,0 +1,325 @@
+"""The "global" gradient mode (issue 6): exact single-process gradients under DDP, and its mode plumbing.
+
+Spawned part: each world size (1, 2, 3 with a subgroup of ranks 0 and 2) is spawned once and runs every case
+in ``tests/_global_ranks.py``; the tests below compare what the ranks returned with single-process float64
+references built here from the same deterministic inputs. The DDP gradient is the average over ranks of each
+rank's gradient, as DDP's all-reduce makes it.
+
+In-process part: mode validation, the state model of ``patch(mode=...)``/``patched(mode=...)``, ``status()``,
+the environment variable, and installation on a (faked) native torchmetrics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import torchmetrics_gradpatch as tg
+from tests import _global_ranks as ranks
+from tests._subprocess import WORLD_OF_ONE, ok, run_python
+from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+
+WORLD_SIZES = (1, 2, 3)
+SUBGROUP = [0, 2]
+RTOL = 1e-12
+# all_to_all_single calls issued by one backward of each Metric case (one per state that carries a graph)
+BACKWARD_GATHERS = {"collection": 2, "many_states": 3}
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL) -> None:
+    """``actual`` equals ``expected`` to ``rtol`` relative to the largest magnitude in ``expected``."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if expected.numel() == 0:
+        return
+    scale = expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    assert error <= rtol * max(scale, 1e-300), f"max error {error:.3e} vs scale {scale:.3e}"
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, list[dict[str, Any]]]:
+    return {
+        world_size: spawn_ranks(
+            ranks.run_all, world_size, args=(world_size, SUBGROUP if world_size == 3 else None), timeout=180
+        )
+        for world_size in WORLD_SIZES
+    }
+
+
+# ------------------------------------------------------------------------------------------- references
+
+
+def _gather_references(case: str, global_ranks: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Single-process gradients for each member's input: (sum of every member's loss, its own loss only)."""
+    xs = [ranks.gather_input(case, g) for g in global_ranks]
+    total = sum(ranks.gather_loss([x.contiguous() for x in xs], r) for r in range(len(xs)))
+    global_grads = torch.autograd.grad(total, xs)  # type: ignore[arg-type]
+    local_grads = [
+        torch.autograd.grad(ranks.gather_loss([x.contiguous() for x in xs], r), xs[r])[0] for r in range(len(xs))
+    ]
+    return list(global_grads), local_grads
+
+
+def _metric_reference(case: str, world_size: int) -> torch.Tensor:
+    """Single-process gradient of the global metric loss w.r.t. the shared weight."""
+    rows = ranks.metric_rows(case)
+    data = [ranks.model_inputs(r, rows[r]) for r in range(world_size)]
+    w = ranks.weight().requires_grad_()
+    features = torch.cat([d[0] for d in data])
+    target = torch.cat([d[1] for d in data])
+    (grad,) = torch.autograd.grad(ranks.reference_metric_loss(case, features @ w, target), w)
+    return grad
+
+
+def _contrastive_reference(rows_key: str, world_size: int) -> torch.Tensor:
+    """Gradient of the mean over ranks of each rank's contrastive loss (what DDP averages to)."""
+    rows = ranks.ROWS[rows_key][:world_size]
+    p = ranks.projection().requires_grad_()
+    embeddings = [ranks.model_inputs(r, rows[r])[0] @ p for r in range(world_size)]
+    everything = torch.cat(embeddings)
+    losses = [ranks.contrastive_loss(embeddings[r], everything, sum(rows[:r])) for r in range(world_size)]
+    (grad,) = torch.autograd.grad(sum(losses) / world_size, p)  # type: ignore[arg-type]
+    return grad
+
+
+def _ddp(per_rank: list[dict[str, Any]]) -> torch.Tensor:
+    return torch.stack([r["grad"] for r in per_rank]).mean(dim=0)
+
+
+# ------------------------------------------------------------------------------------------- gather
+
+
+def _check_gather_case(per_member: list[dict[str, Any]], case: str, global_ranks: list[int]) -> None:
+    global_ref, local_ref = _gather_references(case, global_ranks)
+    inputs = [ranks.gather_input(case, g).detach().contiguous() for g in global_ranks]
+    for member, out in enumerate(per_member):
+        assert out["group_rank"] == member
+        local, glob = out["local"], out["global"]
+        # forward: bit-identical to local mode, and to every member's input
+        assert len(glob["values"]) == len(inputs)
+        for got, same, expected in zip(glob["values"], local["values"], inputs, strict=True):
+            assert torch.equal(got, same) and torch.equal(got, expected) and got.dtype == same.dtype
+        assert glob["dtypes"] == local["dtypes"]
+        # collectives: the forward issues the local (= unpatched) gather's; the backward exactly one
+        assert glob["forward_collectives"] == local["forward_collectives"]
+        assert local["forward_collectives"][0] == "barrier"
+        assert glob["backward_collectives"] == ["all_to_all_single"]
+        assert local["backward_collectives"] == []
+        # gradients: global = sum over members of each member's loss gradient; local = own loss only
+        assert_rel(glob["grad"], global_ref[member])
+        assert_rel(local["grad"], local_ref[member])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", ranks.GATHER_CASES)
+def test_gather_global_exact_and_forward_identical(
+    results: dict[int, list[dict[str, Any]]], world_size: int, case: str
+) -> None:
+    per_rank = [r["gather"][case] for r in results[world_size]]
+    _check_gather_case(per_rank, case, list(range(world_size)))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", ["uneven_rows", "scalar"])
+def test_gather_global_through_torchmetrics_and_patched_mode(
+    results: dict[int, list[dict[str, Any]]], world_size: int, case: str
+) -> None:
+    """``patched(mode=...)`` around torchmetrics' own gather selects the mode (the trampoline path)."""
+    per_rank = [r["gather_via_torchmetrics"][case] for r in results[world_size]]
+    _check_gather_case(per_rank, case, list(range(world_size)))
+
+
+@pytest.mark.parametrize("case", ["equal", "uneven_rows", "scalar"])
+def test_gather_global_subgroup_uses_rank_within_group(results: dict[int, list[dict[str, Any]]], case: str) -> None:
+    per_rank = results[3]
+    assert "subgroup" not in per_rank[1]
+    _check_gather_case([per_rank[g]["subgroup"][case] for g in SUBGROUP], case, SUBGROUP)
+
+
+def test_zero_row_rank_is_really_exercised() -> None:
+    assert 0 in [ranks.gather_input("uneven_rows", r).shape[0] for r in range(3)]
+    assert 0 in ranks.ROWS["zero_rows"]
+
+
+# ------------------------------------------------------------------------------------------- metric paths
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", ranks.METRIC_CASES)
+def test_metric_paths_global_gives_single_process_gradient(
+    results: dict[int, list[dict[str, Any]]], world_size: int, case: str
+) -> None:
+    reference = _metric_reference(case, world_size)
+    glob = [r["metric"][(case, "global")] for r in results[world_size]]
+    local = [r["metric"][(case, "local")] for r in results[world_size]]
+    assert_rel(_ddp(glob), reference)  # scale 1
+    assert_rel(_ddp(local), reference / world_size)  # scale 1 / world size
+    for g, loc in zip(glob, local, strict=True):
+        assert torch.equal(g["loss"], loc["loss"])  # the synced values are identical, bit for bit
+        assert g["forward_collectives"] == loc["forward_collectives"]
+        assert g["backward_collectives"] == ["all_to_all_single"] * BACKWARD_GATHERS.get(case, 1)
+        assert loc["backward_collectives"] == []
+
+
+# ------------------------------------------------------------------------------------------- contrastive
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("rows_key", ["uneven", "zero_rows"])
+def test_contrastive_global_exact_local_not(
+    results: dict[int, list[dict[str, Any]]], world_size: int, rows_key: str
+) -> None:
+    reference = _contrastive_reference(rows_key, world_size)
+    glob = [r["contrastive"][("global", rows_key)] for r in results[world_size]]
+    local = [r["contrastive"][("local", rows_key)] for r in results[world_size]]
+    assert_rel(_ddp(glob), reference)
+    if sum(rows > 0 for rows in ranks.ROWS[rows_key][:world_size]) > 1:  # else there are no cross-rank terms
+        error = (_ddp(local) - reference).abs().max().item()
+        assert error > 1e-3 * reference.abs().max().item(), "local mode should drop the cross-rank terms"
+
+
+# ------------------------------------------------------------------------------------------- safety
+
+
+def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        spawn_ranks(ranks.skip_backward, 2, args=(120.0,), timeout=12)
+    assert time.monotonic() - start < 30
+    err = caught.value
+    assert err.rank == 0 and err.reason == "timed out", err
+    # rank 0 got as far as the backward and was stuck there (not still starting up)
+    assert "skip_backward" in err.details and "backward" in err.details
+
+
+# ------------------------------------------------------------------------------------------- mode plumbing
+
+
+@pytest.fixture
+def clean_state() -> Any:
+    """The state these tests start from and must restore: patch() on in local mode, no blocks."""
+    assert _engine._state.blocks == 0 and _engine._state.manual
+    tg.patch(mode="local")
+    yield
+    while _engine._state.blocks:
+        _engine.exit_block()
+    tg.patch()
+    assert tg.status().mode == "local"
+
+
+def test_mode_is_validated_everywhere() -> None:
+    for call in (
+        lambda: tg.gather_all_tensors(torch.ones(1), mode="Global"),
+        lambda: tg.patch(mode="sideways"),
+        lambda: tg.patched(mode="grad"),
+        lambda: tg.patched(mode=1),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError, match="'local', 'global'"):
+            call()
+    assert tg.status().mode == "local"
+
+
+def test_patched_mode_state_model(clean_state: None) -> None:
+    assert tg.status().mode == "local"
+    with tg.patched(mode="global"):
+        assert tg.status().mode == "global" and _engine._state.mode == "global"
+        with tg.patched():  # no mode: keeps the patch in force, never chooses the mode
+            assert tg.status().mode == "global"
+            with tg.patched(mode="local"):  # the inner block wins until it exits
+                assert tg.status().mode == "local"
+            assert tg.status().mode == "global"
+    assert tg.status().mode == "local"
+    tg.patch(mode="global")
+    assert tg.status().mode == "global"
+    with tg.patched(mode="local"):
+        assert tg.status().mode == "local"
+    assert tg.status().mode == "global"
+    tg.patch()  # no mode: the default mode (TORCHMETRICS_GRADPATCH_MODE unset here: local)
+    assert tg.status().mode == "local" and tg.status().default_mode == "local"
+    tg.unpatch()
+    assert tg.status().mode == "off"
+    with tg.patched():
+        assert tg.status().mode == "local"
+
+
+def test_blocks_closing_out_of_order_across_threads(clean_state: None) -> None:
+    older, newer = tg.patched(mode="global"), tg.patched(mode="local")
+    opened, close = threading.Event(), threading.Event()
+
+    def thread_body() -> None:
+        with older:
+            opened.set()
+            close.wait(10)
+
+    thread = threading.Thread(target=thread_body)
+    thread.start()
+    assert opened.wait(10)
+    assert tg.status().mode == "global"  # process-wide: the other thread's block applies here too
+    with newer:
+        assert tg.status().mode == "local"
+        close.set()
+        thread.join(10)
+        assert tg.status().mode == "local"  # the older block closed first: the newer one still decides
+    assert tg.status().mode == "local" and _engine._state.block_modes == []
+
+
+def test_same_instance_reentered_and_decorator(clean_state: None) -> None:
+    block = tg.patched(mode="global")
+    with block, block:
+        assert tg.status().mode == "global"
+    assert _engine._state.blocks == 0
+
+    @tg.patched(mode="global")
+    def inside() -> str:
+        return tg.status().mode
+
+    assert inside() == "global" and tg.status().mode == "local"
+
+
+def test_global_mode_installs_even_on_native_torchmetrics(clean_state: None) -> None:
+    """Local mode on torchmetrics >= 1.6 installs nothing; global mode must install (faked native here)."""
+    with _engine._lock:
+        _engine._state.native = True
+        _engine._sync()
+    try:
+        assert not _engine.installed() and tg.status().applied_to == ()
+        with tg.patched(mode="global"):
+            assert _engine.installed() and tg.status().applied_to
+            assert "patched" in str(tg.status()) and "gradient mode:    global" in str(tg.status())
+        assert not _engine.installed()
+    finally:
+        with _engine._lock:
+            _engine._state.native = False
+            _engine._sync()
+    assert _engine.installed()
+
+
+def test_direct_gather_global_in_a_world_of_one() -> None:
+    out = ok(
+        WORLD_OF_ONE
+        + """
+from torchmetrics_gradpatch import gather_all_tensors
+x = torch.arange(3.0, requires_grad=True)
+(y,) = gather_all_tensors(x, mode="global")
+(3 * y).sum().backward()
+print(x.grad.tolist(), y is x, y.requires_grad)
+"""
+    )
+    assert out.split() == ["[3.0,", "3.0,", "3.0]", "False", "True"]
+
+
+def test_environment_variable_sets_the_import_time_mode() -> None:
+    out = ok(
+        "import torchmetrics_gradpatch as tg; s = tg.status(); print(s.mode, s.default_mode)",
+        env={"TORCHMETRICS_GRADPATCH_MODE": "Global"},
+    )
+    assert out.split() == ["global", "global"]
+    bad = run_python("import torchmetrics_gradpatch", env={"TORCHMETRICS_GRADPATCH_MODE": "sideways"})
+    assert bad.returncode != 0
+    assert "ValueError: TORCHMETRICS_GRADPATCH_MODE='sideways' is not a gradient mode" in bad.stderr
+    assert "local, global" in bad.stderr
