@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -241,13 +241,9 @@ def bench_global() -> Any:
     path = HERE / "bench_global.py"
     if not path.exists():
         return {"skipped": "benchmarks/bench_global.py does not exist"}
-    log("global: benchmarks/bench_global.py main()")
-    spec = importlib.util.spec_from_file_location("benchmarks.bench_global", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.main()
+    log("global: benchmarks/bench_global.py main([])")
+    module = importlib.import_module("benchmarks.bench_global")  # importable by name: its ranks pickle by name
+    return module.main([])  # [] so it does not parse run_all.py's own arguments
 
 
 # ----------------------------------------------------------------------------------------------------------------
