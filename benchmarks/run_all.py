@@ -243,7 +243,11 @@ def bench_global() -> Any:
         return {"skipped": "benchmarks/bench_global.py does not exist"}
     log("global: benchmarks/bench_global.py main([])")
     module = importlib.import_module("benchmarks.bench_global")  # importable by name: its ranks pickle by name
-    return module.main([])  # [] so it does not parse run_all.py's own arguments
+    summary = module.main([])  # [] so it does not parse run_all.py's own arguments
+    render = getattr(module, "render", None)
+    if isinstance(summary, dict) and callable(render):
+        summary = {**summary, "text": render(summary)}
+    return summary
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -374,8 +378,17 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"- {entry['verdict']}" for entry in memory["ranks"]]
         lines.append("")
     glob = results.get("global")
-    if isinstance(glob, dict) and "skipped" not in glob:
-        lines += ["Global-install benchmark (`benchmarks/bench_global.py`): see `global` in latest.json.", ""]
+    if isinstance(glob, dict) and "text" in glob:
+        lines += [
+            "Global gradient mode (`benchmarks/bench_global.py`, called by run_all):",
+            "",
+            "```",
+            glob["text"],
+            "```",
+            "",
+        ]
+    elif isinstance(glob, dict) and "skipped" not in glob:
+        lines += [f"Global gradient mode (`benchmarks/bench_global.py`): {glob}", ""]
     return "\n".join(lines)
 
 
