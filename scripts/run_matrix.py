@@ -24,6 +24,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,28 @@ def main() -> int:
     run_peak, cache, cache_torch, failures = 0, None, None, 0
     command = "python scripts/run_matrix.py " + " ".join(sys.argv[1:])
     print(f"{len(envs)} environments, uv caches under {work}", flush=True)
+    done: list[str] = []
+
+    def write_summary(finished: bool) -> dict[str, object]:
+        summary = {
+            "command": command.strip(),
+            "label": None if args.env else args.label,
+            "started_at": started,
+            "finished": finished,
+            "wall_min": round((time.monotonic() - wall0) / 60, 1),
+            "peak_disk_gb": round(run_peak / 2**20, 2),
+            "environments": [env for env, _ in envs],
+            "completed": list(done),
+            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
+        }
+        (RAW / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+    finished = False
     try:
         for env, torch in envs:
             if cache is None or torch != cache_torch:
@@ -122,10 +145,17 @@ def main() -> int:
             sampler = PeakSampler(cache, env_dir, ROOT / ".tox" / ".pkg")
             sampler.start()
             t0 = time.monotonic()
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 [*tox_command(), "-e", env, "--result-json", str(journal)],
-                cwd=ROOT, env={**os.environ, "UV_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL, check=False,
+                cwd=ROOT, env={**os.environ, "UV_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group, so an interrupted run leaves no rank behind
             )  # fmt: skip
+            try:
+                proc.wait()
+            except BaseException:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
             wall = time.monotonic() - t0
             peak = sampler.stop()
             run_peak = max(run_peak, peak)
@@ -143,20 +173,15 @@ def main() -> int:
                   flush=True)  # fmt: skip
             if not args.keep:
                 shutil.rmtree(env_dir, ignore_errors=True)
+            done.append(env)
+            write_summary(finished=False)
+        finished = True
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-        summary = {
-            "command": command.strip(),
-            "label": None if args.env else args.label,
-            "started_at": started,
-            "wall_min": round((time.monotonic() - wall0) / 60, 1),
-            "peak_disk_gb": round(run_peak / 2**20, 2),
-            "environments": [env for env, _ in envs],
-            "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
-        }
-        (RAW / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(json.dumps(summary, indent=2))
+            if len(done) < len(envs):  # interrupted: the environment that was running
+                shutil.rmtree(ROOT / ".tox" / envs[len(done)][0], ignore_errors=True)
+        print(json.dumps(write_summary(finished), indent=2))
     return 1 if failures else 0
 
 
