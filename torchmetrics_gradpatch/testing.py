@@ -222,8 +222,7 @@ def _collect(
                     raise RankError(rank, "raised", value)
             procs[rank].join(_TERMINATE_GRACE)
             details = f"process {_describe_exit(procs[rank].exitcode)}"
-            dump = Path(dumps[rank]).read_text(errors="replace").strip()
-            raise RankError(rank, "died", f"{details}\n{dump}".strip())
+            raise RankError(rank, "died", f"{details}\n{_read_dump(dumps[rank], '')}".strip())
     return [results[rank] for rank in range(len(procs))]
 
 
@@ -235,9 +234,17 @@ def _raise_timeout(procs: list[multiprocessing.process.BaseProcess], pending: li
     time.sleep(0.5)
     parts = []
     for rank in pending:
-        dump = Path(dumps[rank]).read_text(errors="replace").strip() or "(no stack dump)"
+        dump = _read_dump(dumps[rank], "(no stack dump: the process had not reached fn's module yet)")
         parts.append(f"--- rank {rank}, still running at the deadline; its threads:\n{dump}")
     raise RankError(pending[0], "timed out", "\n".join(parts))
+
+
+def _read_dump(path: str, missing: str) -> str:
+    """A rank's faulthandler output; ``missing`` when the rank never got as far as opening the file."""
+    try:
+        return Path(path).read_text(errors="replace").strip() or missing
+    except FileNotFoundError:
+        return missing
 
 
 def _teardown(procs: list[multiprocessing.process.BaseProcess]) -> None:
