@@ -48,6 +48,8 @@ def load_raw() -> dict[str, Any]:
 def verdict(name: str, entry: dict[str, Any]) -> str:
     """The cell text for one environment."""
     pytest, tox = entry.get("pytest"), entry.get("tox")
+    if tox and tox.get("skipped"):
+        return "skipped (no interpreter)"
     if tox and tox.get("failed_stage") == "install":
         return "not installable"
     if pytest is None:

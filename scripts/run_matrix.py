@@ -83,6 +83,14 @@ class PeakSampler(threading.Thread):
         return self.peak_kb
 
 
+def skipped(journal: Path, env: str) -> bool:
+    """Whether tox skipped the environment (its interpreter is missing), from tox's --result-json."""
+    try:
+        return bool(json.loads(journal.read_text())["testenvs"][env]["result"].get("skipped"))
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def failed_stage(journal: Path, env: str) -> str | None:
     """Which stage failed, from tox's --result-json: "install" (setup commands) or "test"; None if unknown."""
     try:
@@ -159,18 +167,21 @@ def main() -> int:
             wall = time.monotonic() - t0
             peak = sampler.stop()
             run_peak = max(run_peak, peak)
-            stage = failed_stage(journal, env) if proc.returncode else None
+            skip = skipped(journal, env)  # tox exits 1 when every selected environment was skipped
+            returncode = 0 if skip else proc.returncode
+            stage = failed_stage(journal, env) if returncode else None
             record = {
                 "env": env,
-                "tox_exit": proc.returncode,
+                "tox_exit": returncode,
+                "skipped": skip,
                 "failed_stage": stage,
                 "wall_s": round(wall, 1),
                 "peak_disk_gb": round(peak / 2**20, 2),
             }
             (RAW / f"{env}.run.json").write_text(json.dumps(record, indent=2) + "\n")
-            failures += proc.returncode != 0
-            print(f"== {env}: exit {proc.returncode} ({stage or 'ok'}), {wall:.0f} s, peak {peak / 2**20:.1f} GB",
-                  flush=True)  # fmt: skip
+            failures += returncode != 0
+            state = "skipped" if skip else stage or "ok"
+            print(f"== {env}: exit {returncode} ({state}), {wall:.0f} s, peak {peak / 2**20:.1f} GB", flush=True)
             if not args.keep:
                 shutil.rmtree(env_dir, ignore_errors=True)
             done.append(env)
