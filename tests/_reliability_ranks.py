@@ -420,6 +420,15 @@ def raise_on(bad_rank: int, message: str) -> int:
     return rank
 
 
+def raise_on_alone(bad_rank: int, message: str) -> int:
+    """The bad rank raises while the others are *not* inside a collective (they sleep, then return)."""
+    rank = dist.get_rank()
+    if rank == bad_rank:
+        raise DeliberateError(message)
+    time.sleep(5.0)
+    return rank
+
+
 def exit_on(bad_rank: int, code: int) -> int:
     rank = dist.get_rank()
     if rank == bad_rank:
