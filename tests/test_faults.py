@@ -78,13 +78,6 @@ def test_rank_that_raises_reports_its_traceback() -> None:
     assert elapsed < TIMEOUT
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="runner bug (found by tests/flake_check.py, about 4 runs in 10): the raising rank destroys the process "
-    "group before it reports, so a peer waiting in a collective fails with 'Connection reset by peer' and its "
-    "report can reach the parent first; RankError then names the peer and carries the peer's gloo error instead "
-    "of the root cause. Fix in testing._rank_main: send the error payload before destroy_process_group().",
-)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_rank_that_raises_while_peers_wait_in_a_collective_is_named() -> None:
     error, elapsed = _fails(ranks.raise_on, 1, "boom from rank one")

@@ -49,6 +49,8 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 120.0
 _HOST = "127.0.0.1"
 _TERMINATE_GRACE = 3.0
+#: After one rank fails, how long the others may take to report (to tell the first failure from its echoes).
+_FAILURE_GRACE = 1.0
 
 
 class RankError(RuntimeError):
@@ -86,11 +88,17 @@ def _rank_main(
     dump_path: str,
     parent: int,
 ) -> None:
-    """Body of one spawned rank: join the group, run ``fn``, send back ``("ok", value)`` or ``("error", tb)``."""
+    """Body of one spawned rank: join the group, run ``fn``, send back ``("ok", value)`` or ``("error", tb)``.
+
+    The message goes out *before* the group is destroyed: a rank that raises must be heard first, before its
+    peers' collectives fail with "connection reset" because it went away. Each message carries the time it was
+    sent, so the parent can name the rank that failed first.
+    """
     dump = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler until the process exits
     faulthandler.enable(file=dump, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    joined = False
     try:
         import torch
         import torch.distributed as dist
@@ -102,15 +110,20 @@ def _rank_main(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
-        try:
-            value = fn(*args)
-        finally:
-            dist.destroy_process_group()
-        payload = pickle.dumps(("ok", value))
+        joined = True
+        message: tuple[str, Any] = ("ok", fn(*args))
     except BaseException:  # everything a rank raises is reported to the parent
-        payload = pickle.dumps(("error", traceback.format_exc()))
+        message = ("error", traceback.format_exc())
+    try:
+        payload = pickle.dumps((*message, time.time()))
+    except Exception:
+        payload = pickle.dumps(
+            ("error", f"fn's return value cannot be pickled:\n{traceback.format_exc()}", time.time())
+        )
     conn.send_bytes(payload)
     conn.close()
+    if joined:
+        dist.destroy_process_group()
 
 
 def _describe_exit(code: int | None) -> str:
@@ -195,34 +208,51 @@ def _collect(
     dumps: list[str],
     deadline: float,
 ) -> list[Any]:
-    """Wait for every rank's message; raise :class:`RankError` at the first failure or at the deadline."""
+    """Wait for every rank's message; raise :class:`RankError` on a failure or at the deadline.
+
+    After the first failure the other ranks get a short grace to report too (a peer of a rank that raised
+    usually fails a moment later in a collective); the error names the root cause: a rank that died, else the
+    rank whose error was sent first. The others' reports follow in the details.
+    """
     results: dict[int, Any] = {}
+    failures: dict[int, tuple[float, str, str]] = {}  # rank -> (when, reason, details)
     waiting = dict(enumerate(conns))
     while waiting:
         remaining = deadline - time.monotonic()
+        if failures:
+            remaining = min(remaining, _FAILURE_GRACE - (time.time() - min(f[0] for f in failures.values())))
         if remaining <= 0:
-            _raise_timeout(procs, sorted(waiting), dumps)
+            break
         sentinels = {procs[rank].sentinel: rank for rank in waiting}
         ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=remaining)
         for item in ready:
             rank = sentinels[item] if isinstance(item, int) else conns.index(item)  # type: ignore[arg-type]
             if rank not in waiting:
                 continue
-            conn = waiting[rank]
+            conn = waiting.pop(rank)
+            status, value, sent = None, None, time.time()
             if conn.poll():
-                try:
-                    status, value = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    status, value = None, None
-                if status == "ok":
-                    results[rank] = value
-                    del waiting[rank]
-                    continue
-                if status == "error":
-                    raise RankError(rank, "raised", value)
-            procs[rank].join(_TERMINATE_GRACE)
-            details = f"process {_describe_exit(procs[rank].exitcode)}"
-            raise RankError(rank, "died", f"{details}\n{_read_dump(dumps[rank], '')}".strip())
+                with contextlib.suppress(EOFError):
+                    status, value, sent = pickle.loads(conn.recv_bytes())
+            if status == "ok":
+                results[rank] = value
+            elif status == "error":
+                failures[rank] = (sent, "raised", str(value))
+            else:
+                procs[rank].join(_TERMINATE_GRACE)
+                details = f"process {_describe_exit(procs[rank].exitcode)}\n{_read_dump(dumps[rank], '')}"
+                failures[rank] = (time.time(), "died", details.strip())
+    if failures:
+        # A rank that died is the likely cause (its peers' collectives fail and *raise* because of it); among
+        # ranks that raised, the earliest message wins.
+        first = min(failures, key=lambda rank: (failures[rank][1] != "died", failures[rank][0]))
+        _, reason, details = failures.pop(first)
+        later = "".join(
+            f"\n\n--- afterwards rank {rank} {why}:\n{text}" for rank, (_, why, text) in sorted(failures.items())
+        )
+        raise RankError(first, reason, details + later)
+    if waiting:
+        _raise_timeout(procs, sorted(waiting), dumps)
     return [results[rank] for rank in range(len(procs))]
 
 
