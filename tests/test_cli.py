@@ -249,11 +249,13 @@ def result_of(stdout: str, title: str) -> str:
 
 
 @needs_supported_torch
-def test_check_passes_on_this_install() -> None:
-    proc = cli("check")
+@pytest.mark.parametrize("mode", [None, "global"])
+def test_check_passes_on_this_install(mode: str | None) -> None:
+    proc = cli("check", *(["--mode", mode] if mode else []))
     assert proc.returncode == 0, show(proc)
     assert f"torch         {TORCH}" in proc.stdout and f"torchmetrics  {TORCHMETRICS}" in proc.stdout, show(proc)
-    assert ("native" if NATIVE else "patched") in proc.stdout, show(proc)
+    assert ("native" if NATIVE and not mode else "patched") in proc.stdout, show(proc)
+    assert f"gradient mode {mode or 'local'} (" in proc.stdout, show(proc)
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
     assert "starting 2 gloo ranks" in proc.stderr, show(proc)  # the progress line
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, show(proc)

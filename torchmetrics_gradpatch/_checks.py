@@ -4,7 +4,8 @@ Each check builds deterministic inputs (the same on every process, so the parent
 path into torchmetrics' gather on every rank and backpropagates. The parent then recomputes, in one process and
 without any gather, the gradient each rank must receive: the gradient of the *same global loss* with respect to
 that rank's own tensors, the other ranks' contributions held constant (torchmetrics 1.6.0 semantics: each rank
-backpropagates through its own entry of the gathered list only).
+backpropagates through its own entry of the gathered list only), times the world size in global mode (every
+rank's copy of the loss sends gradient back to it).
 
 * ``gather_equal`` / ``gather_uneven``: ``torchmetrics.utilities.distributed.gather_all_tensors`` called
   directly, on tensors of one shape and on tensors with a different number of rows per rank. The loss weighs
@@ -137,41 +138,54 @@ def _run_one(name: str, rank: int) -> list[torch.Tensor]:
     return [parameter.grad.detach().clone() for parameter in model.parameters() if parameter.grad is not None]
 
 
-def rank_main() -> tuple[dict[str, Any], dict[str, Outcome]]:
-    """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check."""
+def rank_main(mode: str | None = None) -> tuple[dict[str, Any], dict[str, Outcome]]:
+    """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check.
+
+    ``mode`` (``"local"`` or ``"global"``) runs the checks inside ``patched(mode=mode)``; ``None`` runs them with
+    whatever the import set up (``TORCHMETRICS_GRADPATCH_AUTOPATCH``, ``TORCHMETRICS_GRADPATCH_MODE``).
+    """
+    import contextlib
+
     import torch.distributed as dist
 
-    from torchmetrics_gradpatch import status
+    from torchmetrics_gradpatch import patched, status
 
     # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (FACTS.md); that noise would bury the
     # table when the checks run unpatched. The patched gather does not warn.
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence", category=UserWarning)
     rank = dist.get_rank()
     outcomes: dict[str, Outcome] = {}
-    for name in CHECKS:
-        dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
-        start = time.perf_counter()
-        try:
-            grads: list[torch.Tensor] | None = _run_one(name, rank)
-            error = None
-        except Exception as err:  # reported per check; a failing check must not hide the others
-            grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()
-        outcomes[name] = Outcome(grads, error, time.perf_counter() - start)
-    return status().as_dict(), outcomes
+    with patched(mode=mode) if mode is not None else contextlib.nullcontext():
+        for name in CHECKS:
+            dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
+            start = time.perf_counter()
+            try:
+                grads: list[torch.Tensor] | None = _run_one(name, rank)
+                error = None
+            except Exception as err:  # reported per check; a failing check must not hide the others
+                grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()
+            outcomes[name] = Outcome(grads, error, time.perf_counter() - start)
+        state = status().as_dict()
+    return state, outcomes
 
 
 # --- what the parent computes -------------------------------------------------------------------------------------
 
 
-def reference(name: str, rank: int, world_size: int) -> list[torch.Tensor]:
-    """Single-process gradient of the global loss with respect to ``rank``'s own tensors (others held fixed)."""
+def reference(name: str, rank: int, world_size: int, mode: str = "local") -> list[torch.Tensor]:
+    """Single-process gradient of the global loss with respect to ``rank``'s own tensors (others held fixed).
+
+    That is what each rank receives in local mode (torchmetrics 1.6 semantics). In global mode every rank's copy
+    of the same loss sends its gradient back to ``rank``'s tensors, so ``rank`` receives ``world_size`` times it.
+    """
+    scale = float(world_size) if mode == "global" else 1.0
     if name.startswith("gather"):
         entries = [_gather_input(name, q) for q in range(world_size)]
         entries[rank].requires_grad_(True)
         torch.autograd.backward(_gather_loss(entries))
         grad = entries[rank].grad
         assert grad is not None
-        return [grad]
+        return [scale * grad]
     model = _model()
     preds, targets = [], []
     for q in range(world_size):
@@ -180,7 +194,7 @@ def reference(name: str, rank: int, world_size: int) -> list[torch.Tensor]:
         preds.append(out if q == rank else out.detach())
         targets.append(y)
     torch.autograd.backward(torch.mean((torch.cat(preds) - torch.cat(targets)) ** 2))
-    return [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+    return [scale * parameter.grad for parameter in model.parameters() if parameter.grad is not None]
 
 
 def matches(got: list[torch.Tensor] | None, want: list[torch.Tensor]) -> bool:

@@ -1,6 +1,6 @@
 """Command line: ``python -m torchmetrics_gradpatch`` and the ``torchmetrics-gradpatch`` console script.
 
-``check [--world-size N] [--timeout S]``
+``check [--world-size N] [--timeout S] [--mode local|global]``
     Spawns N gloo ranks on loopback (:func:`torchmetrics_gradpatch.testing.spawn_ranks`), runs the checks of
     :mod:`torchmetrics_gradpatch._checks` on the installed torch and torchmetrics, compares every rank's
     gradients with a single-process reference computed here, and prints a table. Exit status 0 when every
@@ -137,11 +137,22 @@ class _Progress:
 
 
 def _mode(state: dict[str, Any]) -> str:
+    if state["applied_to"]:  # installed: any mode on torchmetrics < 1.6, global mode on native ones too
+        return "patched (torchmetrics_gradpatch's gather is in force)"
     if state["native"]:
         return "native (this torchmetrics keeps the graph itself; nothing patched)"
     if state["graph_preserving"]:
         return "patched (torchmetrics_gradpatch's gather is in force)"
     return "NOT patched (TORCHMETRICS_GRADPATCH_AUTOPATCH=0 or unpatch()): torchmetrics' own gather"
+
+
+def _gradient_mode(state: dict[str, Any], world_size: int) -> str:
+    mode = state.get("mode", "local")
+    if mode == "global":
+        return f"global (each rank receives every rank's loss gradient: {world_size} x the local-mode reference)"
+    if mode == "off" and not state["native"]:
+        return "off"
+    return "local (each rank backpropagates through its own entry: torchmetrics 1.6 semantics)"
 
 
 def _rows(table: Iterator[tuple[str, str, str]]) -> list[str]:
@@ -156,7 +167,7 @@ def _check(args: argparse.Namespace) -> int:
     text = f"starting {world_size} gloo rank{'s' if world_size > 1 else ''} on loopback (each imports torch)..."
     try:
         with _Progress(text):
-            results = spawn_ranks(_checks.rank_main, world_size, timeout=args.timeout)
+            results = spawn_ranks(_checks.rank_main, world_size, args=(args.mode,), timeout=args.timeout)
     except RankError as err:
         print(f"{PROG}: the checks could not run: {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN
@@ -167,6 +178,7 @@ def _check(args: argparse.Namespace) -> int:
         f"  torch         {state['torch_version']}",
         f"  torchmetrics  {state['torchmetrics_version']}",
         f"  gather        {_mode(state)}",
+        f"  gradient mode {_gradient_mode(state, world_size)}",
         "",
     ]
     failures: list[str] = []
@@ -179,7 +191,8 @@ def _check(args: argparse.Namespace) -> int:
                 failures.append(f"  {title}, rank {rank}: {outcome.error.splitlines()[-1]}")
                 passed = False
                 break
-            if not _checks.matches(outcome.grads, _checks.reference(name, rank, world_size)):
+            reference = _checks.reference(name, rank, world_size, state.get("mode", "local"))
+            if not _checks.matches(outcome.grads, reference):
                 failures.append(f"  {title}, rank {rank}: gradient differs from the single-process reference")
                 passed = False
                 break
@@ -237,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world-size", type=_positive_int, default=2, metavar="N", help="ranks (default 2)")
     check.add_argument(
         "--timeout", type=_positive_float, default=120.0, metavar="S", help="seconds for the whole run (default 120)"
+    )
+    check.add_argument(
+        "--mode",
+        choices=("local", "global"),
+        default=None,
+        help="run the checks inside patched(mode=MODE) (default: as imported, TORCHMETRICS_GRADPATCH_MODE)",
     )
     check.set_defaults(run=_check)
     status = commands.add_parser("status", help="print versions, native/patched and where the patch is applied")
