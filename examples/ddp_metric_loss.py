@@ -1,6 +1,7 @@
 """Train a small model under DDP whose loss is a torchmetrics Metric with ``dist_sync_on_step=True``.
 
     torchrun --standalone --nproc-per-node 2 examples/ddp_metric_loss.py
+    torchrun --standalone --nproc-per-node 2 examples/ddp_metric_loss.py --mode global
 
 Each rank has its own batch (of a different size on every rank), the loss is the *global* mean squared error
 over all ranks' samples (``MeanSquaredError(dist_sync_on_step=True)`` syncs its states through torchmetrics'
@@ -10,6 +11,8 @@ gather, the gradient of the same global loss over the same samples, and checks:
 * the DDP gradient equals ``1/world_size`` x that single-process gradient: each rank backpropagates through its
   own samples only (its own entry of the gathered states), the ranks' gradients add up to the single-process
   gradient, and DDP divides their sum by the world size;
+  With ``--mode global`` (``torchmetrics_gradpatch.patch(mode="global")``) every rank's copy of the loss sends
+  gradient back to every rank's samples, and the DDP gradient equals the single-process gradient itself (scale 1);
 * the loss goes down (the mean over the last 5 steps is below half the mean over the first 5).
 
 It prints both and exits non-zero if either fails. On torchmetrics < 1.6 without the patch
@@ -18,6 +21,7 @@ It prints both and exits non-zero if either fails. On torchmetrics < 1.6 without
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import sys
@@ -54,7 +58,9 @@ def single_process_gradient(model: torch.nn.Module, step: int, world_size: int) 
     return [p.grad.detach().clone() for p in reference.parameters() if p.grad is not None]
 
 
-def main() -> int:
+def main(mode: str) -> int:
+    if mode == "global":
+        torchmetrics_gradpatch.patch(mode="global")  # scale 1 instead of 1/world_size
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -68,12 +74,13 @@ def main() -> int:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     loss_fn = MeanSquaredError(dist_sync_on_step=True).set_dtype(DTYPE)
 
-    scale = 1.0 / world_size
+    scale = 1.0 if mode == "global" else 1.0 / world_size
     status = torchmetrics_gradpatch.status()
-    mode = "native" if status.native else ("patched" if status.graph_preserving else "NOT patched")
+    gather = "patched" if status.applied_to else "native" if status.native else "NOT patched"
     versions = f"torch {torch.__version__}, torchmetrics {status.torchmetrics_version}"
-    say(f"world size {world_size}, {versions}, gather {mode}")
-    say(f"checking: DDP gradient == {scale:g} x single-process gradient of the global loss (1/world_size)")
+    say(f"world size {world_size}, {versions}, gather {gather}, {mode} mode")
+    relation = "1, global mode" if mode == "global" else "1/world_size, local mode"
+    say(f"checking: DDP gradient == {scale:g} x single-process gradient of the global loss ({relation})")
 
     losses: list[float] = []
     worst = 0.0
@@ -112,6 +119,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("local", "global"), default="local", help="gradient mode (default local)")
+    args = parser.parse_args()
     if "RANK" not in os.environ:
         sys.exit(f"run me with torchrun: torchrun --standalone --nproc-per-node 2 {sys.argv[0]}")
-    sys.exit(main())
+    sys.exit(main(args.mode))

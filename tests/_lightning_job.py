@@ -8,6 +8,9 @@ every rank, the parameter gradients seen after the first backward (after DDP has
 The module has two independent linear heads on the same inputs, so one run covers both kinds of metric state:
 ``head_sum``'s loss is ``MeanSquaredError`` (sum states), ``head_cat``'s a mean squared error kept in list (``cat``)
 states, and each rank has a different batch size. Each head's gradient depends on its own loss only.
+
+The gradient mode comes from ``TORCHMETRICS_GRADPATCH_MODE`` (``local`` when unset), which the spawned workers
+inherit and read when they import the package.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class TwoHeads(pl.LightningModule):
             grads = {name: p.grad.detach().clone() for name, p in self.named_parameters() if p.grad is not None}
             status = torchmetrics_gradpatch.status()
             torch.save(
-                {"grads": grads, "graph_preserving": status.graph_preserving, "native": status.native},
+                {"grads": grads, "graph_preserving": status.graph_preserving, "mode": status.mode},
                 Path(self.out_dir) / f"rank{self.global_rank}.pt",
             )
         self.loss_sum.reset()

@@ -50,6 +50,14 @@ def test_example_gradient_is_the_single_process_gradient_over_world_size() -> No
     assert "Warning" not in proc.stderr, show(proc)
 
 
+def test_example_in_global_mode_gets_the_single_process_gradient() -> None:
+    proc = torchrun("examples/ddp_metric_loss.py", "--mode", "global")
+    assert proc.returncode == 0, show(proc)
+    assert "gather patched, global mode" in proc.stdout, show(proc)
+    assert "DDP gradient == 1 x single-process gradient" in proc.stdout, show(proc)
+    assert "gradient: OK" in proc.stdout and "loss:     OK" in proc.stdout, show(proc)
+
+
 @pytest.mark.skipif(NATIVE, reason="torchmetrics >= 1.6 keeps the graph natively: the example passes unpatched")
 def test_example_fails_loudly_without_the_patch() -> None:
     proc = torchrun("examples/ddp_metric_loss.py", env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"})

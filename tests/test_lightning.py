@@ -5,7 +5,9 @@ torchmetrics Metrics with ``dist_sync_on_step=True`` as its loss: a sum-state ``
 (``cat``) mean squared error, with batches of 3 and 5 samples on the two ranks. It runs in its own interpreter, as
 a user's program would, and saves the parameter gradients each rank sees after the first backward. They must equal
 ``1/world_size`` x the single-process gradient of the same global losses: each rank backpropagates through its own
-samples only, and DDP averages the ranks' gradients.
+samples only, and DDP averages the ranks' gradients. In global mode (``TORCHMETRICS_GRADPATCH_MODE=global``) every
+rank's copy of the loss sends gradient back to every rank's samples, and the gradients equal the single-process
+gradient itself.
 
 Skipped when Lightning is not installed; ``tox -e lightning`` installs it.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +54,9 @@ def reference_gradients() -> dict[str, object]:
     return grads
 
 
-def test_lightning_ddp_gradients_are_single_process_gradients_over_world_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("mode", "scale"), [("local", 0.5), ("global", 1.0)])
+def test_lightning_ddp_gradients_against_single_process_gradients(tmp_path: Path, mode: str, scale: float) -> None:
+    """Local mode: ``1/world_size`` x the single-process gradient; global mode: the single-process gradient."""
     import torch
 
     proc = subprocess.run(
@@ -59,15 +64,16 @@ def test_lightning_ddp_gradients_are_single_process_gradients_over_world_size(tm
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "TORCHMETRICS_GRADPATCH_MODE": mode},
         timeout=280,
         check=False,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     expected = reference_gradients()
-    scale = 0.5  # 1 / world_size
     for rank in range(2):
         saved = torch.load(tmp_path / f"rank{rank}.pt")
         assert saved["graph_preserving"], f"rank {rank}: the patch was not in force"
+        assert saved["mode"] == mode, saved["mode"]
         grads = saved["grads"]
         assert sorted(grads) == sorted(expected), (sorted(grads), sorted(expected))
         for name, want in expected.items():
