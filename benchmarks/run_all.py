@@ -392,19 +392,38 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def update_readme(report: str) -> None:
+    """Replace the text between ``<!-- perf-figures:begin -->`` and ``<!-- perf-figures:end -->`` in README.md."""
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    begin, end = "<!-- perf-figures:begin -->", "<!-- perf-figures:end -->"
+    if begin not in text or end not in text:
+        log("README.md has no perf-figures markers; not updated")
+        return
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{begin}\n{report}\n{end}{tail}")
+    log("updated README.md (Performance figures)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test; figures are noisier)")
     parser.add_argument("--skip-native", action="store_true", help="skip the second-environment comparison")
     parser.add_argument("--only", nargs="*", help="run only these sections (gather native toggle import memory global)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for latest.json/.md/.png")
+    parser.add_argument(
+        "--update-readme", action="store_true", help="put latest.md between the README's perf-figures markers"
+    )
     opts = parser.parse_args(argv)
     quick = opts.quick
     wanted = set(opts.only or ["gather", "native", "toggle", "import", "memory", "global"])
     if opts.skip_native:
         wanted.discard("native")
 
-    shown = [arg for arg in (sys.argv[1:] if argv is None else argv) if not arg.startswith("--out")]
+    shown = [
+        arg for arg in (sys.argv[1:] if argv is None else argv) if not arg.startswith(("--out", "--update-readme"))
+    ]
     command = " ".join(["python benchmarks/run_all.py", *shown])
     results: dict[str, Any] = {"command": command, "machine": machine()}
     started = time.monotonic()
@@ -434,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(results)
     (opts.out / "latest.md").write_text(report + "\n")
     print(report)
+    if opts.update_readme:
+        update_readme(report)
     log(f"wrote {opts.out / 'latest.json'} in {results['seconds']} s")
     return 0
 
