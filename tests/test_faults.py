@@ -94,13 +94,6 @@ def test_rank_that_exits_is_reported_as_died() -> None:
     assert elapsed < TIMEOUT
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="runner bug (found by tests/flake_check.py, 1 run in 6): a peer waiting in a collective fails with "
-    "'Connection reset by peer' when the rank dies, and its 'raised' report can be seen before the death; "
-    "RankError then names the peer. Fix in testing._collect: after the first failure, wait briefly for the "
-    "other ranks and prefer a death, or an error that is not a peer-connection error, as the root cause.",
-)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_rank_that_exits_while_peers_wait_in_a_collective_is_named() -> None:
     error, elapsed = _fails(ranks.exit_on, 0, 7)
