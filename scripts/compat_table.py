@@ -54,6 +54,8 @@ def verdict(name: str, entry: dict[str, Any]) -> str:
     pytest, tox = entry.get("pytest"), entry.get("tox")
     if tox and tox.get("skipped"):
         return "skipped (no interpreter)"
+    if tox and tox.get("failed_stage") == "timeout":
+        return f"**FAILS** (hung: killed after {tox.get('wall_s')} s)"
     if tox and tox.get("failed_stage") == "install":
         return "not installable"
     if pytest is None:

@@ -107,6 +107,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--label", default="matrix", help="tox label to run (default: matrix)")
     parser.add_argument("-e", "--env", action="append", default=[], help="run these environments instead")
+    parser.add_argument("--env-timeout", type=float, default=1800, help="kill an environment after this many s")
     parser.add_argument("--keep", action="store_true", help="keep caches and environments (needs much more disk)")
     args = parser.parse_args()
 
@@ -158,7 +159,12 @@ def main() -> int:
                 cwd=ROOT, env={**os.environ, "UV_CACHE_DIR": str(cache)}, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, so an interrupted run leaves no rank behind
             )  # fmt: skip
+            hung = False
             try:
+                proc.wait(timeout=args.env_timeout)
+            except subprocess.TimeoutExpired:  # a deadlock pytest-timeout cannot interrupt (e.g. inside C code)
+                hung = True
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             except BaseException:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -169,7 +175,7 @@ def main() -> int:
             run_peak = max(run_peak, peak)
             skip = skipped(journal, env)  # tox exits 1 when every selected environment was skipped
             returncode = 0 if skip else proc.returncode
-            stage = failed_stage(journal, env) if returncode else None
+            stage = "timeout" if hung else failed_stage(journal, env) if returncode else None
             record = {
                 "env": env,
                 "tox_exit": returncode,
