@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,44 +21,11 @@ from torchmetrics.utilities.data import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # noqa: N812 - imported like users do
 
 import torchmetrics_gradpatch
+from tests._rank_tools import CatSquaredError, SumSquaredError, record_collectives
 
 # Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
 CAT_ROWS = (3, 5, 4)
 SUM_ROWS = (4, 4, 4)
-
-
-class SumSquaredError(Metric):
-    """MSE with sum states (``dist_reduce_fx="sum"``)."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("sse", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("n", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.sse = self.sse + ((preds - target) ** 2).sum()
-        self.n = self.n + preds.numel()
-
-    def compute(self) -> torch.Tensor:
-        return self.sse / self.n
-
-
-class CatSquaredError(Metric):
-    """MSE with a list state (``dist_reduce_fx="cat"``): per-rank lengths differ, so the uneven path runs."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("errors", default=[], dist_reduce_fx="cat")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.errors.append((preds - target) ** 2)
-
-    def compute(self) -> torch.Tensor:
-        return dim_zero_cat(self.errors).mean()
 
 
 def inputs(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,29 +73,6 @@ GATHER_CASES = (
     "no_requires_grad",
     "under_no_grad",
 )
-
-
-@contextmanager
-def record_collectives() -> Iterator[list[str]]:
-    """Record, in order, every barrier/all_gather the code inside issues (name and tensor shapes)."""
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in ("barrier", "all_gather")}
-
-    def recorder(name: str) -> Callable[..., Any]:
-        def record(*args: Any, **kwargs: Any) -> Any:
-            shapes = [tuple(t.shape) for t in args[0]] if name == "all_gather" else []
-            calls.append(f"{name}{shapes}")
-            return originals[name](*args, **kwargs)
-
-        return record
-
-    for name in originals:
-        setattr(dist, name, recorder(name))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _unpatched_gather(x: torch.Tensor, group: Any) -> tuple[list[torch.Tensor], list[str]]:

@@ -8,8 +8,6 @@ in few spawns: :func:`run_all` does every case of one world size.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,13 +18,13 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_gradpatch
+from tests._rank_tools import CatSquaredError, SumSquaredError, record_collectives
 from torchmetrics_gradpatch import gather_all_tensors, patched
 
 F64 = torch.float64
 FEATURES = 3
 # Per-rank rows of the cat-state and contrastive cases: uneven, and rank 1 of 3 holds none in "zero_rows".
 ROWS = {"uneven": (3, 5, 4), "zero_rows": (2, 0, 3), "equal": (4, 4, 4)}
-COLLECTIVES = ("barrier", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "reduce_scatter", "broadcast")
 
 
 # ------------------------------------------------------------------------------------------------- inputs
@@ -73,40 +71,6 @@ def weight() -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- metrics
-
-
-class SumSquaredError(Metric):
-    """MSE with sum states."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("sse", default=torch.tensor(0.0, dtype=F64), dist_reduce_fx="sum")
-        self.add_state("n", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.sse = self.sse + ((preds - target) ** 2).sum()
-        self.n = self.n + preds.numel()
-
-    def compute(self) -> torch.Tensor:
-        return self.sse / self.n
-
-
-class CatSquaredError(Metric):
-    """MSE with a list ("cat") state: uneven lengths per rank."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("errors", default=[], dist_reduce_fx="cat")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.errors.append((preds - target) ** 2)
-
-    def compute(self) -> torch.Tensor:
-        return dim_zero_cat(self.errors).mean()
 
 
 class ManyStates(Metric):
@@ -197,28 +161,6 @@ def projection() -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-
-
-@contextmanager
-def record_collectives() -> Iterator[list[str]]:
-    """Record every collective the code inside issues, by wrapping the ``torch.distributed`` functions."""
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def recorder(name: str) -> Callable[..., Any]:
-        def record(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return originals[name](*args, **kwargs)
-
-        return record
-
-    for name in originals:
-        setattr(dist, name, recorder(name))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _detach(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
