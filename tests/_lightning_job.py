@@ -25,31 +25,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
-from torchmetrics import MeanSquaredError, Metric
-from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics import MeanSquaredError
+
+from torchmetrics_gradpatch._checks import CatMeanSquaredError  # the self-check's list-state loss
 
 WORLD_SIZE = 2
 BATCH_SIZES = (3, 5)  # rank r's batch size
 FEATURES = 3
 DTYPE = torch.float64
-
-
-class CatMeanSquaredError(Metric):
-    """Mean squared error kept in list (``cat``) states: every rank's predictions travel through the gather."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("preds", default=[], dist_reduce_fx="cat")
-        self.add_state("target", default=[], dist_reduce_fx="cat")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.preds.append(preds)
-        self.target.append(target)
-
-    def compute(self) -> torch.Tensor:
-        return torch.mean((dim_zero_cat(self.preds) - dim_zero_cat(self.target)) ** 2)
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
