@@ -69,6 +69,15 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} {reason}:\n{details}")
 
 
+def _rendezvous_timeout(timeout: float) -> datetime.timedelta:
+    """Timeout for the store and the process group: never shorter than 30 s.
+
+    The run's own deadline is enforced by the parent; a tiny store timeout only breaks the rendezvous (torch
+    2.0 rounds it down to 0 s and the parent's own store then fails to connect to itself).
+    """
+    return datetime.timedelta(seconds=max(timeout, 30.0))
+
+
 def _watch_parent(parent: int) -> None:
     """Exit this rank if the parent that spawned it is gone (so a killed test run leaves no orphans)."""
     while True:
@@ -105,10 +114,10 @@ def _rank_main(
 
         torch.set_num_threads(1)
         store = dist.TCPStore(  # type: ignore[attr-defined]
-            _HOST, port, world_size, False, timeout=datetime.timedelta(seconds=timeout)
+            _HOST, port, world_size, False, timeout=_rendezvous_timeout(timeout)
         )
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=_rendezvous_timeout(timeout)
         )
         joined = True
         message: tuple[str, Any] = ("ok", fn(*args))
@@ -175,7 +184,7 @@ def spawn_ranks(
 
     deadline = time.monotonic() + timeout
     store = dist.TCPStore(  # type: ignore[attr-defined]
-        _HOST, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
+        _HOST, 0, world_size, True, timeout=_rendezvous_timeout(timeout), wait_for_workers=False
     )
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tmgp-ranks-") as tmp:
