@@ -26,6 +26,10 @@ import torchmetrics_gradpatch as tg
 from torchmetrics_gradpatch import _engine
 
 FUNCTION = tm_dist.gather_all_tensors
+# On native torchmetrics (>= 1.6) local mode installs nothing by design; the global mode installs the same
+# trampoline, so the engine's mechanics are tested through it there.
+NATIVE = tg.status().native
+MODE = "global" if NATIVE else "local"
 
 
 def original_code() -> types.CodeType:
@@ -73,14 +77,34 @@ def from_unpatched() -> Iterator[tuple[Any, ...]]:
 
 
 def keeps_graph(gather: Any) -> bool:
-    x = torch.arange(3.0, requires_grad=True)
-    out = gather(x)
-    return out[0] is x and out[0].requires_grad
+    """Whether a call of ``gather`` goes through the patch, and its local entry carries the caller's graph."""
+    through: list[bool] = []
+    real = _engine.dispatch
+
+    def counting(result: Any, group: Any = None) -> list[Any]:
+        through.append(True)
+        return real(result, group)
+
+    _engine.dispatch = counting  # type: ignore[assignment]  # the trampoline looks the name up at each call
+    try:
+        x = torch.arange(3.0, requires_grad=True)
+        out = gather(x)
+    finally:
+        _engine.dispatch = real  # type: ignore[assignment]
+    kept = out[0].requires_grad
+    if kept:
+        out[0].sum().backward()
+        assert x.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0], "the local entry must carry x's graph"
+    # Old torchmetrics returns a copy without a graph unless patched; native torchmetrics keeps it either way.
+    assert kept == (NATIVE or bool(through))
+    if not NATIVE:
+        assert (out[0] is x) == bool(through)
+    return bool(through)
 
 
 def test_unpatch_restores_the_original_objects_exactly(from_unpatched: tuple[Any, ...]) -> None:
     assert not keeps_graph(FUNCTION)
-    tg.patch()
+    tg.patch(MODE)
     assert _engine.installed() and FUNCTION.__code__ is not original_code()
     assert tm_dist.gather_all_tensors is FUNCTION  # never replaced, only its code
     assert keeps_graph(FUNCTION)
@@ -90,8 +114,8 @@ def test_unpatch_restores_the_original_objects_exactly(from_unpatched: tuple[Any
 
 
 def test_patch_and_unpatch_are_idempotent(from_unpatched: tuple[Any, ...]) -> None:
-    tg.patch()
-    tg.patch()
+    tg.patch(MODE)
+    tg.patch(MODE)
     assert tg.is_patched() and keeps_graph(FUNCTION)
     tg.unpatch()
     tg.unpatch()
@@ -106,34 +130,34 @@ def test_every_reference_captured_before_the_patch_sees_it(from_unpatched: tuple
     global_name = tm_metric.gather_all_tensors
     references = [alias, partial, default, global_name]
     assert not any(keeps_graph(ref) for ref in references)
-    with tg.patched():
+    with tg.patched(MODE):
         assert all(keeps_graph(ref) for ref in references)
     assert not any(keeps_graph(ref) for ref in references)
     assert_pristine(from_unpatched)
 
 
 def test_patched_blocks_nest_and_restore_on_exceptions(from_unpatched: tuple[Any, ...]) -> None:
-    with tg.patched():
-        with tg.patched():
+    with tg.patched(MODE):
+        with tg.patched(MODE):
             assert tg.is_patched()
         assert tg.is_patched() and keeps_graph(FUNCTION)
     assert not tg.is_patched()
-    with pytest.raises(KeyError), tg.patched():
+    with pytest.raises(KeyError), tg.patched(MODE):
         raise KeyError("inside")
     assert not tg.is_patched()
     assert_pristine(from_unpatched)
-    tg.patch()
-    with tg.patched():
+    tg.patch(MODE)
+    with tg.patched(MODE):
         pass
     assert tg.is_patched(), "a block restores the state found at entry: patch() stays on"
 
 
 def test_the_state_model_patch_or_any_open_block(from_unpatched: tuple[Any, ...]) -> None:
-    block = tg.patched()
+    block = tg.patched(MODE)
     block.__enter__()
     tg.unpatch()
     assert tg.is_patched(), "an open block keeps the patch in force"
-    tg.patch()
+    tg.patch(MODE)
     block.__exit__(None, None, None)
     assert tg.is_patched(), "patch() called inside a block stays on after it"
     tg.unpatch()
@@ -143,17 +167,17 @@ def test_the_state_model_patch_or_any_open_block(from_unpatched: tuple[Any, ...]
 
 
 def test_patched_as_a_decorator(from_unpatched: tuple[Any, ...]) -> None:
-    @tg.patched()
+    @tg.patched(MODE)
     def plain(x: int) -> tuple[int, bool]:
         """Doc."""
         return x, tg.is_patched()
 
     class Model:
-        @tg.patched()
+        @tg.patched(MODE)
         def method(self) -> bool:
             return keeps_graph(FUNCTION)
 
-    @tg.patched()
+    @tg.patched(MODE)
     async def coroutine() -> bool:
         await asyncio.sleep(0)
         return tg.is_patched()
@@ -164,7 +188,7 @@ def test_patched_as_a_decorator(from_unpatched: tuple[Any, ...]) -> None:
     assert not tg.is_patched()
     with pytest.raises(TypeError, match="generator function"):
 
-        @tg.patched()
+        @tg.patched(MODE)
         def generator() -> Iterator[int]:
             yield 1
 
@@ -178,7 +202,7 @@ def test_a_foreign_wrapper_on_top_stays_and_sees_the_patch(from_unpatched: tuple
         calls.append(args[0].shape)
         return wrapped(*args, **kwargs)
 
-    tg.patch()
+    tg.patch(MODE)
     foreign = wrapt.FunctionWrapper(FUNCTION, spy)
     tm_dist.gather_all_tensors = foreign
     try:
@@ -197,14 +221,14 @@ def test_a_foreign_code_swap_on_top_is_left_alone(from_unpatched: tuple[Any, ...
     def other(result: Any, group: Any = None) -> list[Any]:
         return ["foreign"]
 
-    tg.patch()
+    tg.patch(MODE)
     FUNCTION.__code__ = other.__code__
     try:
         with pytest.warns(RuntimeWarning, match="another tool has replaced the code"):
             tg.unpatch()
         assert FUNCTION.__code__ is other.__code__
         with pytest.raises(RuntimeError, match="modified in place by another tool"):
-            tg.patch()
+            tg.patch(MODE)
         assert not tg.is_patched(), "a failed patch() leaves the state as it was"
         assert FUNCTION.__code__ is other.__code__
     finally:
@@ -223,11 +247,11 @@ def test_eight_threads_toggling_leave_the_exact_original(from_unpatched: tuple[A
             for _ in range(400):
                 choice = rng.random()
                 if choice < 0.6:
-                    with tg.patched():
+                    with tg.patched(MODE):
                         if not _engine.installed():
                             lost.append(seed)
                 elif choice < 0.8:
-                    tg.patch()
+                    tg.patch(MODE)
                 else:
                     tg.unpatch()
         except BaseException as err:
@@ -245,10 +269,10 @@ def test_eight_threads_toggling_leave_the_exact_original(from_unpatched: tuple[A
 
 def test_status_says_where_the_patch_is(from_unpatched: tuple[Any, ...]) -> None:
     off = tg.status()
-    assert not off.in_force and not off.graph_preserving and off.applied_to == ()
-    with tg.patched():
+    assert not off.in_force and off.graph_preserving == NATIVE and off.applied_to == ()
+    with tg.patched(MODE):
         on = tg.status()
-    assert on.in_force and on.graph_preserving and not on.native and on.torchmetrics_imported
+    assert on.in_force and on.graph_preserving and on.native == NATIVE and on.torchmetrics_imported
     assert on.torch_version == torch.__version__
     assert "gather_all_tensors.__code__" in on.applied_to[0]
     assert on.references and all(on.references.values())

@@ -146,6 +146,18 @@ print(status)
     assert "native" in out
 
 
+# On native torchmetrics (>= 1.6) local mode installs nothing by design; these tests are about the engine
+# reaching torchmetrics, so there they use the global mode, which installs the same trampoline.
+NATIVE = _version.is_native(_version.parse(_version.installed_version("torchmetrics") or "0", "torchmetrics"))
+INSTALLING = {"TORCHMETRICS_GRADPATCH_MODE": "global"} if NATIVE else {}
+GRAD_THROUGH = """
+x = torch.arange(3.0, requires_grad=True)
+out = gather(x)
+out[0].sum().backward()
+assert x.grad.tolist() == [1.0, 1.0, 1.0], "the local entry must carry the caller's graph"
+"""
+
+
 def test_import_before_torchmetrics_patches_on_import() -> None:
     ok(
         """
@@ -155,30 +167,27 @@ assert "torchmetrics" not in sys.modules and tg.is_patched()
 assert tg.status().applied_to == ()
 import torchmetrics.utilities.distributed as tm_dist
 assert tg.status().applied_to, tg.status()
+gather = tm_dist.gather_all_tensors
 """
         + WORLD_OF_ONE
-        + """
-x = torch.arange(3.0, requires_grad=True)
-assert tm_dist.gather_all_tensors(x)[0] is x
-"""
+        + GRAD_THROUGH,
+        env=INSTALLING,
     )
 
 
 def test_alias_imported_before_the_shim_is_reached() -> None:
     ok(
-        """
-from torchmetrics.utilities.distributed import gather_all_tensors as user_alias
-"""
-        + WORLD_OF_ONE
-        + """
-x = torch.arange(3.0, requires_grad=True)
-assert user_alias(x)[0] is not x and not user_alias(x)[0].requires_grad
+        f"""
+from torchmetrics.utilities.distributed import gather_all_tensors as gather
+code = gather.__code__
+{WORLD_OF_ONE}
+if not {NATIVE}:  # old torchmetrics: no graph before the shim
+    assert not gather(torch.arange(3.0, requires_grad=True))[0].requires_grad
 import torchmetrics_gradpatch
-out = user_alias(x)
-assert out[0] is x
-out[0].sum().backward()
-assert x.grad.tolist() == [1.0, 1.0, 1.0]
-"""
+assert gather.__code__ is not code
+{GRAD_THROUGH}
+""",
+        env=INSTALLING,
     )
 
 
@@ -194,7 +203,7 @@ assert tm_dist.gather_all_tensors.__code__ is not code
 tg.unpatch()
 assert tm_dist.gather_all_tensors.__code__ is code
 """,
-        env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"},
+        env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0", **INSTALLING},
     )
     ok(
         """

@@ -138,4 +138,4 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
         return _gather_local(result, group)
     if group is None:
         group = dist.group.WORLD
-    return list(_GlobalGather.apply(result, group))  # type: ignore[no-untyped-call]
+    return list(_GlobalGather.apply(result, group))  # type: ignore[no-untyped-call,unused-ignore]
