@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import random
 import threading
 import types
@@ -63,6 +64,10 @@ def assert_pristine(before: tuple[Any, ...]) -> None:
 def world_of_one() -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
+    # Leave gloo's worker holding only a barrier's internal tensors, none owned by Python: on torch 2.0 a worker
+    # that frees a Python-owned tensor while destroy_process_group joins it (holding the GIL) was seen deadlocked.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
