@@ -34,8 +34,11 @@ def ok(code: str, **kwargs: object) -> str:
     return proc.stdout
 
 
-# A one-process gloo group, enough to call the gather in a fresh interpreter.
+# A one-process gloo group, enough to call the gather in a fresh interpreter. It is destroyed at exit: torch
+# 2.15 aborts ("terminate called without an active exception") when a process that ran an all_to_all exits
+# with its group still alive.
 WORLD_OF_ONE = """
-import torch, torch.distributed as dist
+import atexit, torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+atexit.register(dist.destroy_process_group)
 """
