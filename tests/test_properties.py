@@ -23,6 +23,8 @@ def test_patched_gather_properties(world_size: int) -> None:
     assert seen[0]["uneven"] and seen[0]["zero_size"] and seen[0]["grad"] and seen[0]["subgroup"]
     # the same spawn also checks that a non-tensor gives the unpatched error inside an initialised group
     assert seen[0]["non_tensor_problems"] == []
+    # Only bfloat16 and bool may be missing (older gloo); everything else must have been drawn from.
+    assert set(ranks.DTYPES) - set(seen[0]["dtypes"]) <= {"bfloat16", "bool"}
 
 
 @pytest.mark.slow
