@@ -16,12 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torchmetrics.utilities.distributed as tm_dist
-from torchmetrics import Metric, MetricCollection
-from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics import MetricCollection
 from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # noqa: N812 - imported like users do
 
 import torchmetrics_gradpatch
-from tests._rank_tools import CatSquaredError, SumSquaredError, record_collectives
+from tests._rank_tools import CatSquaredError, SumSquaredError, record_collectives, synced_state_loss
 
 # Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
 CAT_ROWS = (3, 5, 4)
@@ -148,18 +147,7 @@ def _metric_case(case: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     elif case == "compositional":
         loss = (SumSquaredError(dist_sync_on_step=True) + CatSquaredError(dist_sync_on_step=True))(preds, target)
     elif case in ("sync_sum", "sync_cat", "sync_dist_default_sum", "sync_dist_default_cat"):
-        metric: Metric = SumSquaredError() if case.endswith("sum") else CatSquaredError()
-        metric._enable_grad = True  # what forward does, so update() records a graph
-        metric.update(preds, target)
-        if case.startswith("sync_dist_default"):
-            metric._sync_dist()  # the default argument bound when Metric was created
-        else:
-            metric.sync()  # looks the global name up in torchmetrics.metric
-        if isinstance(metric, SumSquaredError):
-            loss = metric.sse / metric.n
-        else:
-            errors = metric.errors
-            loss = (errors if isinstance(errors, torch.Tensor) else dim_zero_cat(errors)).mean()
+        loss = synced_state_loss(case, preds, target)
     elif case in ("alias", "partial_before_patch", "dist_sync_fn_before_patch"):
         torchmetrics_gradpatch.unpatch()
         if case == "alias":

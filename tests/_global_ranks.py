@@ -18,7 +18,7 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_gradpatch
-from tests._rank_tools import CatSquaredError, SumSquaredError, record_collectives
+from tests._rank_tools import CatSquaredError, SumSquaredError, record_collectives, synced_state_loss
 from torchmetrics_gradpatch import gather_all_tensors, patched
 
 F64 = torch.float64
@@ -119,17 +119,7 @@ def metric_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> torch.T
         return values["sum"] + values["cat"]  # type: ignore[no-any-return]
     if case == "many_states":
         return ManyStates(dist_sync_on_step=True)(preds, target)  # type: ignore[no-any-return]
-    metric = SumSquaredError() if case.endswith("sum") else CatSquaredError()
-    metric._enable_grad = True  # what forward does, so update() records a graph
-    metric.update(preds, target)
-    if case.startswith("sync_dist_default"):
-        metric._sync_dist()  # the default argument bound when Metric was created
-    else:
-        metric.sync()  # looks the global name up in torchmetrics.metric
-    if isinstance(metric, SumSquaredError):
-        return metric.sse / metric.n
-    errors = metric.errors
-    return (errors if isinstance(errors, torch.Tensor) else dim_zero_cat(errors)).mean()
+    return synced_state_loss(case, preds, target)
 
 
 def metric_rows(case: str) -> tuple[int, ...]:

@@ -70,3 +70,23 @@ def record_collectives() -> Iterator[list[str]]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def synced_state_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Update a metric with grad on, sync it by ``case`` and return the loss read from its synced states.
+
+    ``case`` ends in ``sum`` or ``cat`` (the metric) and starts with ``sync_dist_default`` (``_sync_dist()`` with
+    the default argument bound when ``Metric`` was created) or ``sync`` (``Metric.sync()``, which looks the gather
+    up in ``torchmetrics.metric``'s namespace).
+    """
+    metric: Metric = SumSquaredError() if case.endswith("sum") else CatSquaredError()
+    metric._enable_grad = True  # what forward does, so update() records a graph
+    metric.update(preds, target)
+    if case.startswith("sync_dist_default"):
+        metric._sync_dist()
+    else:
+        metric.sync()
+    if isinstance(metric, SumSquaredError):
+        return metric.sse / metric.n
+    errors = metric.errors
+    return (errors if isinstance(errors, torch.Tensor) else dim_zero_cat(errors)).mean()
