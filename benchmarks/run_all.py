@@ -105,22 +105,26 @@ def worker(python: str | os.PathLike[str], job: str, args: dict[str, Any], env: 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def paired(base: list[float], patched: list[float], base_label: str, target: float) -> dict[str, Any]:
+    """Summaries of two interleaved series of seconds and of their per-round ratio patched / base."""
+    ratio = spread([p / b for b, p in zip(base, patched, strict=True)])
+    return {
+        f"{base_label}_ms": spread([t * 1e3 for t in base]),
+        "patched_ms": spread([t * 1e3 for t in patched]),
+        "ratio": ratio,
+        **verdict(ratio, target),
+    }
+
+
 def bench_gather(rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for world in (2, 3):
         log(f"gather: patched vs unpatched on {world} ranks, {rounds} interleaved rounds per size")
         raw = worker(sys.executable, "gather", {"world_size": world, "rounds": rounds, "cases": GATHER_CASES})
-        sizes = {}
-        for name in GATHER_CASES:
-            a, b = raw[name]["unpatched"], raw[name]["patched"]
-            ratio = spread([pb / pa for pa, pb in zip(a, b, strict=True)])
-            sizes[name] = {
-                "unpatched_ms": spread([t * 1e3 for t in a]),
-                "patched_ms": spread([t * 1e3 for t in b]),
-                "ratio": ratio,
-                **verdict(ratio, TARGET_GATHER),
-            }
-        out[f"world{world}"] = sizes
+        out[f"world{world}"] = {
+            name: paired(raw[name]["unpatched"], raw[name]["patched"], "unpatched", TARGET_GATHER)
+            for name in GATHER_CASES
+        }
     return out
 
 
@@ -138,23 +142,16 @@ def bench_native(rounds: int, per_run: int) -> dict[str, Any]:
             builds[label] = {"torch": raw["torch"], "torch_git": raw["torch_git"], "torchmetrics": raw["torchmetrics"]}
             for name in GATHER_CASES:
                 per_case[name][label].append(statistics.median(raw[name]))
-    out: dict[str, Any] = {"environments": builds, "same_torch_build": builds["patched"] == builds["native"]}
+    out: dict[str, Any] = {"environments": builds}
     out["same_torch_build"] = (builds["patched"]["torch"], builds["patched"]["torch_git"]) == (
         builds["native"]["torch"],
         builds["native"]["torch_git"],
     )
     out["this_torch"] = torch.__version__
-    sizes = {}
-    for name in GATHER_CASES:
-        a, b = per_case[name]["native"], per_case[name]["patched"]
-        ratio = spread([pb / pa for pa, pb in zip(a, b, strict=True)])
-        sizes[name] = {
-            "native_ms": spread([t * 1e3 for t in a]),
-            "patched_ms": spread([t * 1e3 for t in b]),
-            "ratio": ratio,
-            **verdict(ratio, TARGET_NATIVE),
-        }
-    out["sizes"] = sizes
+    out["sizes"] = {
+        name: paired(per_case[name]["native"], per_case[name]["patched"], "native", TARGET_NATIVE)
+        for name in GATHER_CASES
+    }
     return out
 
 
