@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
 
@@ -114,6 +115,11 @@ def main(mode: str) -> int:
         f"loss:     {'OK' if loss_ok else 'DID NOT GO DOWN'} (mean of the first 5 steps {first:.4f}, "
         f"of the last 5 {last:.4f})"
     )
+    # Let DDP and the last graph (and the gloo work they hold) go before the group does: torch 2.15 was seen to
+    # abort at exit ("terminate called without an active exception") when they outlived it.
+    del ddp, loss
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if gradients_ok and loss_ok else 1
 
