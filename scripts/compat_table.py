@@ -105,7 +105,26 @@ def table(record: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells.get(str(tm), "-") for tm in ordered) + " |")
     if others:
         lines += ["", "Other environments: " + "; ".join(others) + "."]
+    lines += _details(envs)
     return "\n".join(lines)
+
+
+def _details(envs: dict[str, Any]) -> list[str]:
+    """What the counts hide: each failing test by name, and every skip reason (a skip is not a pass)."""
+    failed: list[str] = []
+    reasons: dict[str, set[str]] = {}
+    for name, entry in envs.items():
+        pytest = entry.get("pytest") or {}
+        failed += [f"`{name}`: `{test}`" for test in pytest.get("not_passed", [])]
+        for skip in pytest.get("skipped", []):
+            reasons.setdefault(f"`{skip['test'].split('::')[-1]}`: {skip['reason']}", set()).add(name)
+    lines = []
+    if failed:
+        lines += ["", "Failed tests: " + "; ".join(failed) + "."]
+    if reasons:
+        lines += ["", "Skipped tests, with pytest's reason and in how many environments:", ""]
+        lines += [f"- {reason} ({len(names)})" for reason, names in sorted(reasons.items())]
+    return lines
 
 
 def _pinned(factor: str) -> str:

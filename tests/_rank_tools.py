@@ -1,4 +1,5 @@
-"""What several rank-side test modules share: two small float64 MSE metrics and a collective recorder."""
+"""What several test modules share: two small float64 MSE metrics, a collective recorder, and the error a call
+raises with the patch off and on."""
 
 from __future__ import annotations
 
@@ -90,3 +91,26 @@ def synced_state_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> t
         return metric.sse / metric.n
     errors = metric.errors
     return (errors if isinstance(errors, torch.Tensor) else dim_zero_cat(errors)).mean()
+
+
+def errors_off_and_on(call: Callable[[], object]) -> list[tuple[type[BaseException] | None, str]]:
+    """The error ``call()`` raises with the patch off, then on (``(None, "no error")`` if it returns).
+
+    Used to show bad input fails exactly as with unpatched torchmetrics. The patch state is restored after.
+    """
+    import torchmetrics_gradpatch as tmgp
+
+    was_patched = tmgp.is_patched()
+    found: list[tuple[type[BaseException] | None, str]] = []
+    try:
+        for on in (False, True):
+            tmgp.patch() if on else tmgp.unpatch()
+            try:
+                call()
+            except Exception as err:
+                found.append((type(err), str(err)))
+            else:
+                found.append((None, "no error"))
+    finally:
+        tmgp.patch() if was_patched else tmgp.unpatch()
+    return found

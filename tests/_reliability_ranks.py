@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torchmetrics.utilities.distributed as tm_dist
 
+from tests._rank_tools import errors_off_and_on
+
 #: dtypes gloo can all-gather (int16, uint16/32/64 and float8 raise "Invalid scalar type" on gloo).
 DTYPES = (
     "float32",
@@ -517,25 +519,11 @@ def hang_here_forever() -> None:
 
 def non_tensor_errors_match() -> list[str]:
     """In an initialised group: a non-tensor gives the unpatched gather's error, on every rank."""
-    import torchmetrics_gradpatch as tmgp
-
     problems = []
     for bad in (1.5, [1, 2], None, "x"):
-        errors = []
-        for use_patch in (False, True):
-            if use_patch:
-                tmgp.patch()
-            else:
-                tmgp.unpatch()
-            try:
-                torchmetrics_gather()(bad)
-            except Exception as err:
-                errors.append((type(err), str(err)))
-            else:
-                errors.append((None, "no error"))
-        if errors[0] != errors[1]:
-            problems.append(f"{bad!r}: unpatched {errors[0]} vs patched {errors[1]}")
-    tmgp.unpatch()
+        unpatched, patched = errors_off_and_on(lambda: torchmetrics_gather()(bad))  # noqa: B023 (called at once)
+        if unpatched != patched:
+            problems.append(f"{bad!r}: unpatched {unpatched} vs patched {patched}")
     return problems
 
 

@@ -28,6 +28,12 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get("TMGP_RESULT_JSON")
     if not target or hasattr(session.config, "workerinput"):  # xdist workers: only the controller writes
@@ -35,6 +41,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     stats = getattr(reporter, "stats", {}) if reporter is not None else {}
     counts = {key: len(stats.get(key, [])) for key in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")}
+    # which tests did not pass, and why a test was skipped: the table must not show a skip as a silent pass
+    not_passed = sorted({report.nodeid for key in ("failed", "error") for report in stats.get(key, [])})
+    skipped = sorted({(report.nodeid, _skip_reason(report)) for report in stats.get("skipped", [])})
     result = {
         "env": os.environ.get("TOX_ENV_NAME"),
         "torch": _dist_version("torch"),
@@ -43,6 +52,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "exitstatus": int(exitstatus),
         "outcome": "passed" if int(exitstatus) == 0 else "failed",
         "counts": counts,
+        "not_passed": not_passed,
+        "skipped": [{"test": test, "reason": reason} for test, reason in skipped],
         "duration_s": round(time.monotonic() - _started, 1),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

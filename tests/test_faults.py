@@ -18,6 +18,7 @@ import torch
 
 import torchmetrics_gradpatch as tmgp
 from tests import _reliability_ranks as ranks
+from tests._rank_tools import errors_off_and_on
 from torchmetrics_gradpatch.testing import RankError, spawn_ranks
 
 # Generous for a 2-core machine shared with other suites: spawning 2 ranks that import torch takes ~3 s idle.
@@ -120,23 +121,6 @@ def test_rank_that_hangs_times_out_with_its_stack() -> None:
     assert timeout <= elapsed < timeout + GRACE
 
 
-def _errors(call) -> list[tuple[type[BaseException], str]]:  # type: ignore[no-untyped-def]
-    """The error ``call()`` raises with the patch off, then on."""
-    found = []
-    for on in (False, True):
-        if on:
-            tmgp.patch()
-        else:
-            tmgp.unpatch()
-        try:
-            with pytest.raises(Exception) as caught:
-                call()
-        finally:
-            tmgp.patch()  # the import's default state
-        found.append((type(caught.value), str(caught.value)))
-    return found
-
-
 @pytest.mark.parametrize(
     "tensor", [torch.tensor(1.0), torch.ones(3), torch.ones(2, 0)], ids=["scalar", "vector", "empty"]
 )
@@ -144,10 +128,11 @@ def test_uninitialised_process_group_gives_the_unpatched_error(tensor: torch.Ten
     from torchmetrics.utilities.distributed import gather_all_tensors
 
     assert not torch.distributed.is_initialized()
-    unpatched, patched = _errors(lambda: gather_all_tensors(tensor.requires_grad_(tensor.is_floating_point())))
-    assert unpatched == patched
+    tensor.requires_grad_(tensor.is_floating_point())
+    unpatched, patched = errors_off_and_on(lambda: gather_all_tensors(tensor))
+    assert unpatched[0] is not None and unpatched == patched
     # the package's own gather, called directly, raises the same too
-    direct = _errors(lambda: tmgp.gather_all_tensors(tensor))[1]
+    direct = errors_off_and_on(lambda: tmgp.gather_all_tensors(tensor))[1]
     assert direct == unpatched
 
 
@@ -155,8 +140,8 @@ def test_uninitialised_process_group_gives_the_unpatched_error(tensor: torch.Ten
 def test_non_tensor_gives_the_unpatched_error(value: object) -> None:
     from torchmetrics.utilities.distributed import gather_all_tensors
 
-    unpatched, patched = _errors(lambda: gather_all_tensors(value))
-    assert unpatched == patched
+    unpatched, patched = errors_off_and_on(lambda: gather_all_tensors(value))
+    assert unpatched[0] is not None and unpatched == patched
 
 
 # In an initialised group the same comparison runs inside test_properties.py's spawn (saves a spawn here).
