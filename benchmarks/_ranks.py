@@ -41,7 +41,7 @@ def _block(gather: Any, tensor: torch.Tensor, calls: int) -> float:
 
 
 def patched_vs_unpatched(rounds: int, case_names: list[str]) -> dict[str, dict[str, list[float]]]:
-    """torchmetrics' own gather, patch off (A) and on (B), interleaved A B A B, ``rounds`` blocks each."""
+    """torchmetrics' own gather, patch off (A) and on (B), interleaved A B B A A B ..., ``rounds`` blocks each."""
     import torchmetrics_gradpatch as tmgp
 
     warnings.simplefilter("ignore")  # torchmetrics < 1.6 warns at every uneven gather on torch >= 2.8
@@ -55,11 +55,10 @@ def patched_vs_unpatched(rounds: int, case_names: list[str]) -> dict[str, dict[s
         for warm in (tmgp.unpatch, tmgp.patch):
             warm()
             _block(gather, tensor, 2)
-        for _ in range(rounds):
-            tmgp.unpatch()
-            times["unpatched"].append(_block(gather, tensor, calls))
-            tmgp.patch()
-            times["patched"].append(_block(gather, tensor, calls))
+        for round_ in range(rounds):  # A B, then B A: neither mode always runs first
+            for mode in ("unpatched", "patched")[:: 1 if round_ % 2 == 0 else -1]:
+                (tmgp.patch if mode == "patched" else tmgp.unpatch)()
+                times[mode].append(_block(gather, tensor, calls))
         out[name] = times
     tmgp.patch()
     return out

@@ -43,6 +43,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _envs  # noqa: E402
+from benchmarks._stats import spread  # noqa: E402
 
 GATHER_CASES = ["scalar", "1k", "64k", "1M", "uneven"]
 TARGET_GATHER = 1.02
@@ -55,30 +56,16 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, quartiles and range of ``values``."""
-    ordered = sorted(values)
-    if len(ordered) >= 2:
-        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
-    else:
-        q1 = q3 = ordered[0]
-    return {
-        "median": statistics.median(ordered),
-        "p25": q1,
-        "p75": q3,
-        "min": ordered[0],
-        "max": ordered[-1],
-        "n": len(ordered),
-    }
-
-
 def verdict(ratio: dict[str, float], target: float) -> dict[str, Any]:
     met = ratio["median"] <= target
-    text = f"median {ratio['median']:.3f} (IQR {ratio['p25']:.3f}-{ratio['p75']:.3f}) vs target <= {target}: "
+    text = (
+        f"median {ratio['median']:.3f} (IQR {ratio['p25']:.3f}-{ratio['p75']:.3f}, 95% CI of the median "
+        f"{ratio['ci95_lo']:.3f}-{ratio['ci95_hi']:.3f}) vs target <= {target}: "
+    )
     if met:
         text += "met"
-    elif ratio["p25"] <= target:
-        text += "MISSED (the median is above the target; the spread reaches below it)"
+    elif ratio["ci95_lo"] <= target:
+        text += "MISSED (the median is above the target; its 95% CI reaches below it: not resolved at this n)"
     else:
         text += "MISSED"
     return {"target": target, "met": met, "verdict": text}
@@ -240,11 +227,7 @@ def bench_global() -> Any:
         return {"skipped": "benchmarks/bench_global.py does not exist"}
     log("global: benchmarks/bench_global.py main([])")
     module = importlib.import_module("benchmarks.bench_global")  # importable by name: its ranks pickle by name
-    summary = module.main([])  # [] so it does not parse run_all.py's own arguments
-    render = getattr(module, "render", None)
-    if isinstance(summary, dict) and callable(render):
-        summary = {**summary, "text": render(summary)}
-    return summary
+    return module.main([])  # [] so it does not parse run_all.py's own arguments; its "text" is the report
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,6 +282,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def ratio_cell(size: dict[str, Any]) -> str:
+    """``median [95% CI of the median]``, and whether the target was missed (and if noise could explain it)."""
+    r = size["ratio"]
+    cell = f"{r['median']:.3f} [{r['ci95_lo']:.2f}-{r['ci95_hi']:.2f}]"
+    if size["met"]:
+        return cell
+    return cell + (" **missed** (CI reaches the target)" if r["ci95_lo"] <= size["target"] else " **missed**")
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [
@@ -315,11 +307,7 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         for world in ("world2", "world3"):
             sizes = results["gather"][world]
-            cells = [
-                f"{s['ratio']['median']:.3f} ({s['ratio']['p25']:.2f}-{s['ratio']['p75']:.2f})"
-                + ("" if s["met"] else " **missed**")
-                for s in (sizes[c] for c in GATHER_CASES)
-            ]
+            cells = [ratio_cell(sizes[c]) for c in GATHER_CASES]
             lines.append(f"| {world[-1]} ranks | " + " | ".join(cells) + " |")
         ms = [f"{results['gather']['world2'][c]['unpatched_ms']['median']:.3f}" for c in GATHER_CASES]
         lines.append("| (2 ranks, unpatched ms) | " + " | ".join(ms) + " |")
@@ -327,11 +315,7 @@ def markdown(results: dict[str, Any]) -> str:
     native = results.get("native", {})
     if "sizes" in native:
         env_b = native["environments"]["native"]
-        cells = [
-            f"{s['ratio']['median']:.3f} ({s['ratio']['p25']:.2f}-{s['ratio']['p75']:.2f})"
-            + ("" if s["met"] else " **missed**")
-            for s in (native["sizes"][c] for c in GATHER_CASES)
-        ]
+        cells = [ratio_cell(native["sizes"][c]) for c in GATHER_CASES]
         lines += [
             "| patched 1.5.x / native | scalar | 1k | 64k | 1M | uneven |",
             "| --- | --- | --- | --- | --- | --- |",
@@ -425,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"command": command, "machine": machine()}
     started = time.monotonic()
     sections = {
-        "gather": lambda: bench_gather(rounds=8 if quick else 30),
+        "gather": lambda: bench_gather(rounds=8 if quick else 80),
         "native": lambda: bench_native(rounds=2 if quick else 6, per_run=5 if quick else 9),
         "toggle": lambda: bench_toggle(rounds=10 if quick else 40, toggles=2000),
         "import": lambda: bench_import(rounds=3 if quick else 12),
