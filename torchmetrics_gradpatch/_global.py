@@ -81,6 +81,9 @@ class _GlobalGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, result: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
         gathered = _gather_local(result, group)
+        # ``None`` (the default group) is kept as ``None``, not resolved to the group object: a graph still alive
+        # when the program ends must not hold the default process group past destroy_process_group(), or torch
+        # may abort at exit ("terminate called without an active exception"; seen on torch 2.13-2.15).
         ctx.group = group
         ctx.rank = dist.get_rank(group)
         ctx.shapes = [entry.shape for entry in gathered]
@@ -136,6 +139,4 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
     """
     if not (torch.is_grad_enabled() and result.requires_grad):
         return _gather_local(result, group)
-    if group is None:
-        group = dist.group.WORLD
     return list(_GlobalGather.apply(result, group))  # type: ignore[no-untyped-call,unused-ignore]
