@@ -8,6 +8,11 @@ exit code and failed stage, from scripts/run_matrix.py) and ``results/raw/run.js
 time, peak disk). Writes ``results/matrix.json`` (everything merged, committed as the record behind the table)
 and the table between ``<!-- compat-table:begin -->`` and ``<!-- compat-table:end -->`` in README.md.
 ``--from results/matrix.json`` regenerates the table from that record instead of results/raw/.
+
+A re-run of some environments (after a fix) is merged over a full run, never instead of it: keep the full run's
+directory, re-run into results/raw, then
+``python scripts/compat_table.py --raw <full run> --rerun results/raw --rerun-reason "..."``. Those cells are
+marked, with the first run's verdict and failed tests beside them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,27 @@ def load_raw(raw: Path) -> dict[str, Any]:
     return {"run": run, "environments": envs}
 
 
+def merge_rerun(record: dict[str, Any], rerun: dict[str, Any], reason: str) -> dict[str, Any]:
+    """Put the cells of a re-run of some environments over the full run's, keeping what the first run said.
+
+    The table marks those cells and names the re-run's command, date and ``reason``; the first run's verdict
+    stays beside the new one, so a re-run can never hide a failure.
+    """
+    done = set(rerun["run"].get("completed", rerun["environments"]))
+    for name, entry in rerun["environments"].items():
+        if name not in done:
+            continue
+        first = record["environments"].get(name)
+        record["environments"][name] = {
+            **entry,
+            "first_run": verdict(name, first) if first else "not in the run",
+            "first_run_not_passed": ((first or {}).get("pytest") or {}).get("not_passed", []),
+        }
+    info = {key: rerun["run"].get(key) for key in ("command", "started_at", "wall_min")}
+    record.setdefault("reruns", []).append({**info, "environments": sorted(done), "reason": reason})
+    return record
+
+
 def verdict(name: str, entry: dict[str, Any]) -> str:
     """The cell text for one environment."""
     pytest, tox = entry.get("pytest"), entry.get("tox")
@@ -86,7 +112,10 @@ def table(record: dict[str, Any]) -> str:
         tm = Version(pytest.get("torchmetrics") or _pinned(match["tm"]))
         python = match["py"] or "3.11"
         columns.add(tm)
-        rows.setdefault((torch, python), {})[str(tm)] = verdict(name, entry)
+        cell = verdict(name, entry)
+        if "first_run" in entry:
+            cell += f" (re-run†; first run: {entry['first_run']})"
+        rows.setdefault((torch, python), {})[str(tm)] = cell
     ordered = sorted(columns)
     completed = len(run.get("completed", envs))
     ran = f"{len(envs)}" if run.get("finished", True) else f"stopped after {completed} of {len(envs)}"
@@ -105,6 +134,12 @@ def table(record: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells.get(str(tm), "-") for tm in ordered) + " |")
     if others:
         lines += ["", "Other environments: " + "; ".join(others) + "."]
+    for rerun in record.get("reruns", []):
+        lines += [
+            "",
+            f"† Re-run with `{rerun['command']}`, started {str(rerun['started_at'])[:16].replace('T', ' ')} UTC "
+            f"({rerun['wall_min']} min): {rerun['reason']}",
+        ]
     lines += _details(envs)
     return "\n".join(lines)
 
@@ -112,18 +147,25 @@ def table(record: dict[str, Any]) -> str:
 def _details(envs: dict[str, Any]) -> list[str]:
     """What the counts hide: each failing test by name, and every skip reason (a skip is not a pass)."""
     failed: list[str] = []
-    reasons: dict[str, set[str]] = {}
+    reasons: dict[str, tuple[set[str], set[str]]] = {}  # reason -> (tests, environments)
     for name, entry in envs.items():
         pytest = entry.get("pytest") or {}
         failed += [f"`{name}`: `{test}`" for test in pytest.get("not_passed", [])]
+        failed += [f"`{name}` (first run): `{test}`" for test in entry.get("first_run_not_passed", [])]
         for skip in pytest.get("skipped", []):
-            reasons.setdefault(f"`{skip['test'].split('::')[-1]}`: {skip['reason']}", set()).add(name)
+            # one line per reason, whatever the installed version it names
+            reason = re.sub(r"\b(torch|torchmetrics) \d[\w.+]*", r"\1 <installed>", skip["reason"])
+            tests, names = reasons.setdefault(reason, (set(), set()))
+            tests.add(skip["test"].split("::")[-1].split("[")[0])
+            names.add(name)
     lines = []
     if failed:
         lines += ["", "Failed tests: " + "; ".join(failed) + "."]
     if reasons:
-        lines += ["", "Skipped tests, with pytest's reason and in how many environments:", ""]
-        lines += [f"- {reason} ({len(names)})" for reason, names in sorted(reasons.items())]
+        lines += ["", "Skipped tests, by pytest's reason:", ""]
+        for reason, (tests, names) in sorted(reasons.items(), key=lambda item: -len(item[1][1])):
+            shown = ", ".join(f"`{test}`" for test in sorted(tests)[:4]) + (", ..." if len(tests) > 4 else "")
+            lines.append(f"- {reason}: {len(tests)} test(s) ({shown}) in {len(names)} environment(s)")
     return lines
 
 
@@ -159,8 +201,14 @@ def main() -> int:
     parser.add_argument("--from", dest="source", type=Path, help="a results/matrix.json record instead of results/raw")
     parser.add_argument("--check", action="store_true", help="exit 1 if README's table differs; change nothing")
     parser.add_argument("--raw", type=Path, default=RAW, help="the run's results directory (default: results/raw)")
+    parser.add_argument("--rerun", type=Path, help="results directory of a re-run of some environments, merged over")
+    parser.add_argument("--rerun-reason", default="", help="why those environments were re-run (shown in the table)")
     args = parser.parse_args()
     record = json.loads(args.source.read_text()) if args.source else load_raw(args.raw)
+    if args.rerun:
+        if not args.rerun_reason:
+            parser.error("--rerun needs --rerun-reason: the table says why a cell was re-run")
+        record = merge_rerun(record, load_raw(args.rerun), args.rerun_reason)
     if not record["environments"]:
         print("no results: run scripts/run_matrix.py first", file=sys.stderr)
         return 2
