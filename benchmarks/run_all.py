@@ -402,9 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     if opts.skip_native:
         wanted.discard("native")
 
-    shown = [
-        arg for arg in (sys.argv[1:] if argv is None else argv) if not arg.startswith(("--out", "--update-readme"))
-    ]
+    shown: list[str] = []  # the command as run, without where its output went (--out DIR, --update-readme)
+    args = list(sys.argv[1:] if argv is None else argv)
+    while args:
+        arg = args.pop(0)
+        if arg == "--out" and args:
+            args.pop(0)
+        elif not arg.startswith(("--out", "--update-readme")):
+            shown.append(arg)
     command = " ".join(["python benchmarks/run_all.py", *shown])
     results: dict[str, Any] = {"command": command, "machine": machine()}
     started = time.monotonic()
