@@ -8,8 +8,8 @@ shared 2-core machine does not decide a millisecond measurement); a step gathers
 grad, computes ``sum_j (entry_j ** 2).sum()`` over the gathered entries and runs backward. Methods: our local
 mode, our global mode and, on equal shapes, ``torch.distributed.nn.functional.all_gather`` (the autograd-aware
 all_gather everyone else uses; equal shapes only). A block's time per step is the slowest rank's (ranks
-synchronise before each block). Reported: per-method medians, and the median and interquartile range of the
-per-block ratios (global/local, global/torch), for 2 and 3 ranks.
+synchronise before each block). Reported: per-method medians, and the median of the per-block ratios
+(global/local, global/torch) with its 95% confidence interval, for 2 and 3 ranks.
 
 Targets (issue 6): global <= 1.5x local at every size, and <= 1.1x ``torch.distributed.nn.functional.all_gather``
 on equal shapes. ``main()`` returns a JSON-able dict so ``benchmarks/run_all.py`` can call it.
