@@ -267,6 +267,7 @@ def test_eight_threads_toggling_leave_the_exact_original(from_unpatched: tuple[A
         thread.start()
     for thread in threads:
         thread.join(60)
+    assert not [thread.name for thread in threads if thread.is_alive()], "threads still running after 60 s"
     assert errors == [] and lost == []
     tg.unpatch()
     assert_pristine(from_unpatched)
@@ -307,3 +308,42 @@ def test_global_graph_does_not_hold_the_default_group() -> None:
     assert node is not None and node.group is None
     out[0].sum().backward()
     assert x.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def _in_thread(action: Any) -> None:
+    """Run ``action`` in another thread and make sure it finished (a timed-out join alone would pass silently)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the thread did not finish within 30 s"
+    assert errors == []
+
+
+@pytest.mark.parametrize("where", ["entered in another thread", "exited in another thread"])
+def test_a_mode_block_closed_from_another_thread_restores_the_mode(where: str) -> None:
+    """README: blocks "may close in any order and from any thread". A global block closed by a thread other than
+    the one that opened it must give the mode back, also while another block keeps the patch in force."""
+    outer = tg.patched()
+    block = tg.patched(mode="global")
+    with outer:
+        if where == "entered in another thread":
+            _in_thread(block.__enter__)
+            assert tg.status().mode == "global"
+            block.__exit__(None, None, None)
+        else:
+            block.__enter__()
+            assert tg.status().mode == "global"
+            _in_thread(lambda: block.__exit__(None, None, None))
+        assert tg.is_patched(), "the outer block is still open"
+        assert _engine._state.block_modes == []
+        assert tg.status().mode == "local", "the closed global block still sets the mode"
+        assert _engine.installed() is not NATIVE, "native torchmetrics in local mode runs its own gather"
+    assert not tg.is_patched()

@@ -88,13 +88,15 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
 
     def __init__(self, mode: str | None = None) -> None:
         self._mode = None if mode is None else check_mode(mode)
-        # The same instance may be open several times, also in several threads at once; each thread closes
-        # its own most recent entry.
-        self._tokens: dict[int, list[int | None]] = {}
+        # The same instance may be open several times, also in several threads at once: one entry per open
+        # block, oldest first, each the opening thread and the engine's token for it.
+        self._entries: list[tuple[int, int | None]] = []
+        self._entries_lock = threading.Lock()
 
     def __enter__(self) -> patched:
         token = _engine.enter_block(self._mode)
-        self._tokens.setdefault(threading.get_ident(), []).append(token)
+        with self._entries_lock:
+            self._entries.append((threading.get_ident(), token))
         return self
 
     def __exit__(
@@ -103,11 +105,15 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # A thread closes its own most recent entry. A thread that opened none (the block was handed over to it)
+        # closes the instance's most recent entry from any thread: every entry of one instance has the same mode,
+        # so the token only has to name *an* open entry of it -- with none, the mode it set would outlive it.
         ident = threading.get_ident()
-        tokens = self._tokens.get(ident)
-        token = tokens.pop() if tokens else None
-        if tokens == []:
-            self._tokens.pop(ident, None)
+        token: int | None = None
+        with self._entries_lock:
+            if self._entries:
+                mine = [i for i, (owner, _) in enumerate(self._entries) if owner == ident]
+                token = self._entries.pop(mine[-1] if mine else -1)[1]
         _engine.exit_block(token)
 
     def __call__(self, function: F) -> F:
