@@ -51,7 +51,7 @@ try:
         status,
         unpatch,
     )
-    from torchmetrics_gradpatch._gather import gather_all_tensors
+    from torchmetrics_gradpatch._modes import gather_all_tensors
 
     _autopatch = autopatch_requested()
     _engine.configure(native=_version.is_native(_tm_version), torchmetrics_version=str(_tm_version))

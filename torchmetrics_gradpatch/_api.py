@@ -32,7 +32,7 @@ from typing import Any, TypeVar, cast
 import wrapt
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._gather import MODES, check_mode
+from torchmetrics_gradpatch._modes import MODES, check_mode
 
 F = TypeVar("F", bound=Callable[..., Any])
 

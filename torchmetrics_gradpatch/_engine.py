@@ -63,7 +63,7 @@ from typing import Any
 
 import wrapt
 
-from torchmetrics_gradpatch._gather import gather_all_tensors
+from torchmetrics_gradpatch._modes import gather_all_tensors
 from torchmetrics_gradpatch._version import UnsupportedVersionError
 
 TARGET_MODULE = "torchmetrics.utilities.distributed"

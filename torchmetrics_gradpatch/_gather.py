@@ -18,10 +18,9 @@ The index is the caller's rank *within* ``group`` (``torch.distributed.get_rank(
 
 Gradient modes
 --------------
-``mode="local"`` (the default) is exactly the above: upstream 1.6 semantics, bit for bit. ``mode="global"``
-runs the very same forward (this module's :func:`_gather_local`, called inside an autograd Function) and adds
-a backward that sends every rank the gradients the other ranks computed for its entry; see
-:mod:`torchmetrics_gradpatch._global`.
+This is the ``"local"`` mode and nothing else; it knows nothing of the ``"global"`` mode
+(:mod:`torchmetrics_gradpatch._global`, which has its own forward). :mod:`torchmetrics_gradpatch._modes` chooses
+between the two.
 """
 
 from __future__ import annotations
@@ -32,18 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-__all__ = ["MODES", "check_mode", "gather_all_tensors"]
-
-#: The gradient modes, see the README's "Gradient modes" section.
-MODES = ("local", "global")
-
-
-def check_mode(mode: object, what: str = "mode") -> str:
-    """Return ``mode`` if it is one of :data:`MODES`, else raise a ``ValueError`` naming ``what``."""
-    if isinstance(mode, str) and mode in MODES:
-        return mode
-    allowed = ", ".join(repr(m) for m in MODES)
-    raise ValueError(f"torchmetrics_gradpatch: {what}={mode!r} is not a gradient mode; use one of {allowed}.")
+__all__ = ["gather_local"]
 
 
 def _gather_same_shape(result: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:
@@ -55,35 +43,16 @@ def _gather_same_shape(result: torch.Tensor, group: Any, world_size: int) -> lis
     return gathered
 
 
-def gather_all_tensors(result: torch.Tensor, group: Any | None = None, *, mode: str = "local") -> list[torch.Tensor]:
+def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
     """Gather ``result`` from every rank of ``group``; the local entry keeps its autograd graph.
 
-    Tensors must have the same number of dimensions on every rank; each dimension may differ, in which
-    case the tensors are padded to the largest size, gathered and trimmed back (as torchmetrics does).
+    Tensors must have the same number of dimensions on every rank; each dimension may differ, in which case
+    the tensors are padded to the largest size, gathered and trimmed back (as torchmetrics does).
 
-    Args:
-        result: this rank's tensor.
-        group: the process group to gather over; ``None`` means the default (world) group.
-        mode: ``"local"`` (upstream 1.6 semantics) or ``"global"`` (every entry carries a graph; the backward
-            sums all ranks' gradients for each rank's tensor, see :mod:`torchmetrics_gradpatch._global`).
-
-    Returns:
-        A list with one tensor per rank of ``group``, in group-rank order. In ``"local"`` mode the entry at this
-        rank's index is ``result.contiguous()`` itself (``result`` when it is already contiguous), so gradients
-        flow back to ``result`` through it; every other entry is a tensor without a graph. In ``"global"`` mode
-        the values are the same, bit for bit, and the collectives issued are the same; when ``result`` requires
-        grad (and grad mode is on) every entry is an output of one autograd node whose backward issues one
-        collective, so every rank of ``group`` must then run backward through the gathered values.
+    Returns a list with one tensor per rank of ``group`` (``None``: the default group), in group-rank order. The
+    entry at this rank's index is ``result.contiguous()`` itself (``result`` when it is already contiguous), so
+    gradients flow back to ``result`` through it; every other entry is a tensor without a graph.
     """
-    if check_mode(mode) == "global":
-        from torchmetrics_gradpatch._global import gather_global
-
-        return gather_global(result, group)
-    return _gather_local(result, group)
-
-
-def _gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
-    """The local-mode gather (see :func:`gather_all_tensors`); also the forward of the global mode."""
     if group is None:
         group = dist.group.WORLD
 

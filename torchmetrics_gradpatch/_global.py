@@ -10,13 +10,29 @@ single-process gradient of ``L`` (local mode gives ``1/W`` of it). When ranks co
 the gathered values (contrastive losses), the model receives the gradient of the mean of the ranks' losses,
 cross-rank terms included (local mode drops them).
 
-Forward
--------
-The forward *is* the local-mode gather (:func:`torchmetrics_gradpatch._gather._gather_local`), run inside
-an autograd Function: the same ``barrier``, the same ``all_gather`` of shapes (non-scalars only), the same
-``all_gather`` of the (padded) data, so the values are bit-identical to local mode and the collectives are
-those of the unpatched torchmetrics gather. Only the autograd wiring differs: every entry, not just the local
-one, is an output of one node.
+Forward: the exchange that also decides
+---------------------------------------
+The forward is its own gather, not the local-mode one: every rank of the group must be in global mode anyway
+(the backward is a collective), so the unpatched gather's ``barrier`` buys nothing here and is dropped. Each
+rank contributes, besides its tensor, two flags: *its tensor requires grad* and *grad mode is on*.
+
+* Non-scalar: one ``all_gather`` of ``[*shape, flags]`` (int64, ``ndim + 1`` entries per rank), then one
+  ``all_gather`` of the data, padded to the largest shape when the shapes differ. Two collectives.
+* Scalar: one ``all_gather`` of the scalar's bytes with the flags byte appended (``uint8``). One collective.
+
+Every rank then holds every rank's flags and reaches the same decision, with no further collective:
+
+* no rank's tensor requires grad, or every rank gathers with grad mode off: plain values, no node, nothing to
+  wait for in backward;
+* some rank's tensor requires grad and every rank has grad mode on: **every** rank builds the node, also a rank
+  whose own tensor does not require grad (torchmetrics' empty ``cat`` state is a grad-less
+  ``torch.tensor([])``). Such a rank ties the node to a fresh zero-element leaf, so its outputs, and the loss
+  built from them, have a graph and its ``backward()`` issues the same collective as everyone else's;
+* grad mode differs across ranks while some tensor requires grad: every rank raises the same ``RuntimeError``
+  naming the ranks on each side, right after the exchange, before any rank could wait for another.
+
+Values are bit-identical to local mode: the data travel in the same dtype (or as their own bytes), the padding is
+trimmed the same way, and the caller's own tensor is its own entry.
 
 Backward: one ``all_to_all_single``
 -----------------------------------
@@ -52,13 +68,15 @@ is, without first being copied into a send buffer.
 
 Rules
 -----
-* Every rank of the group must run backward through the gathered values, as with any collective: a rank that
-  does not reach this node leaves the others waiting in the ``all_to_all_single``. Several gathers (several
-  metric states) are safe: autograd runs their backward nodes in reverse creation order, the same on every
-  rank because the forward gathers were issued in the same order.
-* The node is only built when grad mode is on and ``result`` requires grad; otherwise the global gather is the
-  local one (no backward, nothing to wait for). The tensors must therefore require grad on every rank or on
-  none.
+* Every rank of the group must gather in global mode: the forward issues other collectives than local mode
+  (and than the unpatched gather), so a rank in local mode and one in global mode mismatch their collectives
+  (gloo then fails or waits until its timeout, as with any mismatched collectives).
+* When the node is built, every rank must run ``backward()`` through the gathered values, as with any
+  collective: a rank that does not reach this node leaves the others waiting in the ``all_to_all_single``.
+  Call ``loss.backward()``, not ``torch.autograd.grad(loss, params)``: on a rank whose own tensor had no graph
+  the node is reached only through its leaf, which ``autograd.grad`` of other inputs skips. Several gathers
+  (several metric states) are safe: autograd runs their backward nodes in reverse creation order, the same on
+  every rank because the forward gathers were issued in the same order.
 """
 
 from __future__ import annotations
@@ -68,33 +86,45 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch.autograd.function import once_differentiable
 
-from torchmetrics_gradpatch._gather import _gather_local
+__all__ = ["GradModeMismatchError", "gather_global"]
 
-__all__ = ["gather_global"]
+_REQUIRES_GRAD = 1  # flag bits each rank sends with its shape
+_GRAD_MODE = 2
+
+
+class GradModeMismatchError(RuntimeError):
+    """Ranks gathered in global mode with different grad modes while a tensor requires grad (raised on every rank)."""
 
 
 class _GlobalGather(torch.autograd.Function):
-    """Forward: the local-mode gather. Backward: ``all_to_all_single`` of the gradients, summed per owner."""
+    """Outputs: the gathered entries. Backward: ``all_to_all_single`` of the gradients, summed per owner."""
 
     @staticmethod
-    def forward(ctx: Any, result: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
-        gathered = _gather_local(result, group)
+    def forward(
+        ctx: Any,
+        result: torch.Tensor,
+        leaf: torch.Tensor | None,
+        entries: list[torch.Tensor],
+        group: Any,
+        rank: int,
+    ) -> tuple[torch.Tensor, ...]:
         # ``None`` (the default group) is kept as ``None``, not resolved to the group object: a graph still alive
         # when the program ends must not hold the default process group past destroy_process_group(), or torch
         # may abort at exit ("terminate called without an active exception"; seen on torch 2.13-2.15).
         ctx.group = group
-        ctx.rank = dist.get_rank(group)
-        ctx.shapes = [entry.shape for entry in gathered]
+        ctx.rank = rank
+        ctx.shapes = [entry.shape for entry in entries]
         ctx.dtype = result.dtype
         ctx.device = result.device
         ctx.set_materialize_grads(False)  # an entry the loss does not use sends zeros without allocating twice
-        return tuple(gathered)
+        return tuple(entries)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
         shapes: list[torch.Size] = ctx.shapes
         rank: int = ctx.rank
         numels = [math.prod(shape) for shape in shapes]
@@ -121,6 +151,8 @@ class _GlobalGather(torch.autograd.Function):
                 offset += numel
         received = torch.empty(sum(receive_splits), dtype=ctx.dtype, device=ctx.device)
         dist.all_to_all_single(received, send.contiguous(), receive_splits, send_splits, group=ctx.group)
+        if not ctx.needs_input_grad[0]:  # this rank's tensor had no graph: it only had to take part
+            return None, None, None, None, None
         if len(shapes) == 1:  # a world of one: nothing was received
             others = torch.zeros(mine, dtype=ctx.dtype, device=ctx.device)
         elif len(shapes) == 2:
@@ -129,14 +161,101 @@ class _GlobalGather(torch.autograd.Function):
             others = received.view(len(shapes) - 1, mine).sum(dim=0)
         own = grads[rank]
         total = others.view(shapes[rank]) if own is None else own + others.view(shapes[rank])
-        return total, None
+        return total, None, None, None, None
+
+
+def _exchange_scalar(
+    result: torch.Tensor, flags: int, group: Any, world_size: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """One ``all_gather`` of the scalar's bytes plus a flags byte: every rank's value (bit for bit) and flags."""
+    data = result.reshape(1).view(torch.uint8)
+    packed = torch.empty(data.numel() + 1, dtype=torch.uint8, device=result.device)
+    packed[:-1] = data
+    packed[-1] = flags
+    received = [torch.empty_like(packed) for _ in range(world_size)]
+    dist.all_gather(received, packed, group)
+    values = [buffer[:-1].view(result.dtype).view(()) for buffer in received]
+    return values, torch.stack(received)[:, -1].tolist()
+
+
+def _exchange_shapes(
+    result: torch.Tensor, flags: int, group: Any, world_size: int
+) -> tuple[list[list[int]], list[int]]:
+    """One ``all_gather`` of ``[*shape, flags]``: every rank's shape and flags."""
+    header = torch.tensor([*result.shape, flags], dtype=torch.int64, device=result.device)
+    received = [torch.empty_like(header) for _ in range(world_size)]
+    dist.all_gather(received, header, group)
+    rows: list[list[int]] = torch.stack(received).tolist()
+    return [row[:-1] for row in rows], [row[-1] for row in rows]
+
+
+def _exchange_data(
+    result: torch.Tensor, shapes: list[list[int]], group: Any, world_size: int, rank: int
+) -> list[torch.Tensor]:
+    """One ``all_gather`` of the data, padded to the largest shape if the shapes differ, trimmed back."""
+    if all(shape == shapes[0] for shape in shapes):
+        entries = [torch.empty_like(result) for _ in range(world_size)]
+        dist.all_gather(entries, result, group)
+        entries[rank] = result
+        return entries
+    max_shape = [max(sizes) for sizes in zip(*shapes, strict=True)]
+    pad: list[int] = []
+    for have, most in zip(reversed(shapes[rank]), reversed(max_shape), strict=True):
+        pad.extend((0, most - have))
+    padded = F.pad(result, pad)
+    buffers = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(buffers, padded, group)
+    del padded
+    return [
+        result if idx == rank else buffer[tuple(slice(n) for n in shape)]
+        for idx, (buffer, shape) in enumerate(zip(buffers, shapes, strict=True))
+    ]
+
+
+def _mismatch(flags: list[int]) -> GradModeMismatchError:
+    off = [r for r, f in enumerate(flags) if not f & _GRAD_MODE]
+    on = [r for r, f in enumerate(flags) if f & _GRAD_MODE]
+    requiring = [r for r, f in enumerate(flags) if f & _REQUIRES_GRAD]
+    return GradModeMismatchError(
+        "torchmetrics_gradpatch: global-mode gather: the ranks disagree on grad mode. "
+        f"Rank(s) {off} gathered with grad mode off (torch.no_grad() or inference mode), rank(s) {on} with it on "
+        f"(ranks within the gather's group), and the tensor of rank(s) {requiring} requires grad. The backward of "
+        "a global-mode gather is a collective, so either every rank or no rank must build it: gather (run the "
+        "metric's forward/compute) with the same grad mode on every rank, e.g. the same torch.no_grad() block "
+        "everywhere. Every rank of the group raised this error after the same exchange; none is left waiting."
+    )
 
 
 def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
     """The global-mode gather: local-mode values, and a backward that sums every rank's gradient per entry.
 
-    See the module docstring for the semantics and the rule that every rank must run backward.
+    See the module docstring for the exchange, the agreement rule and the rule that every rank must run backward.
     """
-    if not (torch.is_grad_enabled() and result.requires_grad):
-        return _gather_local(result, group)
-    return list(_GlobalGather.apply(result, group))  # type: ignore[no-untyped-call,unused-ignore]
+    # Same first steps as the local gather, so errors (an uninitialised group, a non-tensor) are the same.
+    result = result.contiguous()
+    resolved = dist.group.WORLD if group is None else group
+    world_size = dist.get_world_size(resolved)
+    rank = dist.get_rank(resolved)
+    grad_mode = torch.is_grad_enabled()
+    flags = (_REQUIRES_GRAD if result.requires_grad else 0) | (_GRAD_MODE if grad_mode else 0)
+    with torch.no_grad():
+        if result.ndim == 0:
+            entries, all_flags = _exchange_scalar(result, flags, resolved, world_size)
+            entries[rank] = result
+            shapes = None
+        else:
+            shapes, all_flags = _exchange_shapes(result, flags, resolved, world_size)
+    # Every rank decides from the same flags, so every rank takes the same branch (and raises, or not, together).
+    any_requires_grad = any(f & _REQUIRES_GRAD for f in all_flags)
+    grad_modes = {bool(f & _GRAD_MODE) for f in all_flags}
+    if any_requires_grad and len(grad_modes) > 1:
+        raise _mismatch(all_flags)
+    if shapes is not None:
+        with torch.no_grad():
+            entries = _exchange_data(result, shapes, resolved, world_size, rank)
+    if not (any_requires_grad and grad_modes == {True}):
+        return entries
+    leaf = (
+        None if result.requires_grad else torch.empty(0, dtype=result.dtype, device=result.device, requires_grad=True)
+    )
+    return list(_GlobalGather.apply(result, leaf, entries, group, rank))  # type: ignore[no-untyped-call,unused-ignore]
