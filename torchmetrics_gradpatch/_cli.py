@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 success, 1 a check failed, 2 usage error, 3 cannot run here (unsupported "
         "versions, or the ranks failed to start).",
     )
+    from torchmetrics_gradpatch import __version__  # the package is imported already (see the module docstring)
+
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check = commands.add_parser(
         "check",
