@@ -3,6 +3,8 @@
     python scripts/run_matrix.py              # every environment of `tox -m matrix`
     python scripts/run_matrix.py -m ci        # another label
     python scripts/run_matrix.py -e torch2.4-tm1.5 -e lint
+    python scripts/run_matrix.py --plan       # the label's environments grouped by torch version, as JSON
+    python scripts/run_matrix.py --merge DIR [DIR ...] --label matrix   # results of parallel runs -> results/raw
 
 Why: every torch version that uv installs from PyPI brings its CUDA wheels (2-6 GB in uv's cache); the whole
 matrix cached at once needs about 58 GB. Here environments run in order of their torch version, sharing one uv
@@ -13,7 +15,13 @@ Per environment it writes ``results/raw/<env>.run.json``: tox's exit code, the s
 an install command failed: the cell is "not installable"), wall time and peak disk (uv cache plus environment
 directory, sampled every 2 s). The test outcome itself is in ``results/raw/<env>.json`` (written by the pytest
 hook in tests/conftest.py). ``results/raw/run.json`` describes the whole run. Then ``scripts/compat_table.py``
-turns these into the README's compatibility table.
+turns these into the compatibility table.
+
+Parallel runs (.github/workflows/matrix.yml): ``--plan`` prints the label's environments grouped by torch version
+(``[{"torch": "2.4.1", "envs": "torch2.4-tm1.5,..."}, ...]``), one job runs each group with ``-e``, and
+``--merge`` copies the jobs' ``results/raw`` files into one ``results/raw`` with a ``run.json`` that describes
+them together: every environment, started at the earliest job's start, the longest job's wall time (the jobs ran
+side by side; the sum is kept as ``jobs_wall_min_total``) and the largest peak disk.
 """
 
 from __future__ import annotations
@@ -55,6 +63,58 @@ def environments(label: str | None, names: list[str]) -> list[tuple[str, str]]:
         torch = re.search(r"TMGP_TORCH=(\S+)", block) or re.search(r"^\s*torch==(\S+)", block, flags=re.M)
         found.append((name, torch.group(1) if torch else ""))
     return found
+
+
+def plan(label: str) -> list[dict[str, str]]:
+    """The label's environments grouped by torch version ("none" for environments without torch), in version order."""
+    groups: dict[str, list[str]] = {}
+    for env, torch in environments(label, []):
+        groups.setdefault(torch or "none", []).append(env)
+    order = sorted(groups, key=lambda torch: (torch == "none", Version("0" if torch == "none" else torch)))
+    return [{"torch": torch, "envs": ",".join(groups[torch])} for torch in order]
+
+
+def git_commit() -> str | None:
+    """The commit the environments ran on (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def merge(dirs: list[Path], label: str | None) -> dict[str, object]:
+    """Copy the result files of parallel runs (each a results/raw directory with its run.json) into RAW."""
+    runs = []
+    for directory in dirs:
+        run_file = directory / "run.json"
+        if not run_file.exists():
+            raise SystemExit(f"{directory} has no run.json: not a results/raw directory of scripts/run_matrix.py")
+        runs.append(json.loads(run_file.read_text()))
+    RAW.mkdir(parents=True, exist_ok=True)
+    for stale in RAW.glob("*.json"):
+        stale.unlink()
+    for directory in dirs:
+        for result in directory.glob("*.json"):
+            if result.name != "run.json":
+                shutil.copy2(result, RAW / result.name)
+    commits = sorted({str(run["commit"]) for run in runs if run.get("commit")})
+    summary: dict[str, object] = {
+        "command": f"python scripts/run_matrix.py in {len(runs)} parallel jobs (--plan, one -e group per job)",
+        "label": label,
+        "started_at": min(str(run["started_at"]) for run in runs),
+        "finished": all(run.get("finished") for run in runs),
+        "wall_min": max(float(run["wall_min"]) for run in runs),
+        "jobs_wall_min_total": round(sum(float(run["wall_min"]) for run in runs), 1),
+        "peak_disk_gb": max(float(run["peak_disk_gb"]) for run in runs),
+        "environments": [env for run in runs for env in run["environments"]],
+        "completed": [env for run in runs for env in run["completed"]],
+        "host": runs[0].get("host", {}),
+        "commit": commits[0] if len(commits) == 1 else commits,
+        "jobs": len(runs),
+    }
+    (RAW / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def du_kb(*paths: Path) -> int:
@@ -109,7 +169,15 @@ def main() -> int:
     parser.add_argument("-e", "--env", action="append", default=[], help="run these environments instead")
     parser.add_argument("--env-timeout", type=float, default=1800, help="kill an environment after this many s")
     parser.add_argument("--keep", action="store_true", help="keep caches and environments (needs much more disk)")
+    parser.add_argument("--plan", action="store_true", help="print the label's environments by torch version (JSON)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR", help="merge parallel runs' results into RAW")
     args = parser.parse_args()
+    if args.plan:
+        print(json.dumps(plan(args.label)))
+        return 0
+    if args.merge:
+        print(json.dumps(merge(args.merge, args.label), indent=2))
+        return 0
 
     # grouped by torch version (one uv cache each); environments without torch last
     envs = sorted(environments(args.label, args.env), key=lambda item: (not item[1], Version(item[1] or "0")))
@@ -120,6 +188,7 @@ def main() -> int:
     command = "python scripts/run_matrix.py " + " ".join(sys.argv[1:])
     print(f"{len(envs)} environments, uv caches under {work}", flush=True)
     done: list[str] = []
+    commit = git_commit()
 
     def write_summary(finished: bool) -> dict[str, object]:
         summary = {
@@ -131,6 +200,7 @@ def main() -> int:
             "peak_disk_gb": round(run_peak / 2**20, 2),
             "environments": [env for env, _ in envs],
             "completed": list(done),
+            "commit": commit,
             "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
         }
         (RAW / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
