@@ -14,9 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_python(
     code: str, *, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` with this interpreter, the repository on ``sys.path`` and ``env`` added to the environment."""
+    """Run ``code`` with this interpreter, the repository on ``sys.path`` and ``env`` added to the environment.
+
+    A ``PYTHONPATH`` in ``env`` is kept (after the repository), so a test can put fake distributions on the path.
+    """
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from tests._subprocess import WORLD_OF_ONE, ok
+from tests._subprocess import WORLD_OF_ONE, ok, run_python
 from torchmetrics_gradpatch import UnsupportedVersionError, _version
 
 
@@ -102,7 +104,11 @@ MUTATIONS = {
 
 
 def test_unrecognised_torchmetrics_gather_refused_naming_why() -> None:
-    """Each mutation of torchmetrics' gather is refused, with torchmetrics' version and the reason."""
+    """Each mutation of torchmetrics' gather is refused, with torchmetrics' version and the reason.
+
+    On native torchmetrics the import looks at the gather only when it must install the global mode (local mode
+    patches nothing there; see the future-torchmetrics tests below), so there the import is asked for it.
+    """
     out = ok(
         SNAPSHOT
         + f"""
@@ -121,10 +127,12 @@ for name, (source, _) in {dict((k, v) for k, v in MUTATIONS.items())!r}.items():
     assert unchanged(), name
     tm_dist.gather_all_tensors = original
 print(json.dumps(messages))
-"""
+""",
+        env=INSTALLING,
     )
     messages = json.loads(out)
     for name, (_, reason) in MUTATIONS.items():
+        assert ("global mode" in messages[name]) is NATIVE, messages[name]
         assert f"torchmetrics {_version.installed_version('torchmetrics')}" in messages[name], name
         assert reason in messages[name], name
 
@@ -237,3 +245,108 @@ assert not [n for n in sys.modules if n.startswith("torchmetrics_gradpatch")]
 """,
         env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "maybe"},
     )
+
+
+# --- a future native torchmetrics whose gather gains a keyword ------------------------------------------------------
+
+
+@pytest.fixture
+def future_native_torchmetrics(tmp_path: Path) -> dict[str, str]:
+    """``PYTHONPATH`` that puts a fake torchmetrics 1.10.0 first: metadata and module, with a gather whose signature
+    the engine does not recognise (an extra keyword, as a future torchmetrics might add)."""
+    root = tmp_path / "future"
+    (root / "torchmetrics-1.10.0.dist-info").mkdir(parents=True)
+    (root / "torchmetrics-1.10.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchmetrics\nVersion: 1.10.0\n"
+    )
+    (root / "torchmetrics" / "utilities").mkdir(parents=True)
+    (root / "torchmetrics" / "__init__.py").write_text(
+        '__version__ = "1.10.0"\nimport torchmetrics.utilities.distributed\n'
+    )
+    (root / "torchmetrics" / "utilities" / "__init__.py").write_text("")
+    (root / "torchmetrics" / "utilities" / "distributed.py").write_text(
+        "def gather_all_tensors(result, group=None, *, async_op=False):\n    return [result]\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+
+FUTURE_UNCHANGED = """
+import sys, torchmetrics.utilities.distributed as tm_dist
+assert torchmetrics.__version__ == "1.10.0"
+code = tm_dist.gather_all_tensors.__code__
+"""
+
+
+@pytest.mark.parametrize("order", ["package first", "torchmetrics first"])
+def test_native_torchmetrics_with_an_unknown_gather_imports_in_local_mode(
+    future_native_torchmetrics: dict[str, str], order: str
+) -> None:
+    """Local mode patches nothing on native torchmetrics, so the import must not even look at the gather."""
+    first, second = (
+        ("torchmetrics_gradpatch", "torchmetrics")
+        if order == "package first"
+        else ("torchmetrics", "torchmetrics_gradpatch")
+    )
+    out = ok(
+        f"""
+import {first}
+import {second}
+import torchmetrics_gradpatch as tg
+"""
+        + FUTURE_UNCHANGED
+        + """
+status = tg.status()
+assert status.native and status.in_force and status.applied_to == () and status.mode == "local", status
+assert status.torchmetrics_imported, status
+with tg.patched():
+    tg.patch(); tg.unpatch(); tg.patch()
+assert tm_dist.gather_all_tensors.__code__ is code
+print(status)
+""",
+        env=future_native_torchmetrics,
+    )
+    assert "torchmetrics:     1.10.0" in out and "native" in out
+
+
+def test_global_mode_on_an_unknown_native_gather_is_refused_and_changes_nothing(
+    future_native_torchmetrics: dict[str, str],
+) -> None:
+    out = ok(
+        """
+import torchmetrics, torchmetrics_gradpatch as tg
+from torchmetrics_gradpatch import UnsupportedVersionError, _engine
+"""
+        + FUTURE_UNCHANGED
+        + """
+messages = []
+for attempt in (lambda: tg.patch("global"), lambda: tg.patched(mode="global").__enter__()):
+    try:
+        attempt()
+    except UnsupportedVersionError as err:
+        messages.append(str(err))
+    else:
+        raise SystemExit("global mode was accepted on an unrecognised gather")
+    assert tm_dist.gather_all_tensors.__code__ is code and not _engine.installed()
+    status = tg.status()
+    assert status.in_force and status.mode == "local" and _engine._state.blocks == 0, status
+assert messages[0] == messages[1], messages
+print(messages[0])
+""",
+        env=future_native_torchmetrics,
+    )
+    assert "torchmetrics 1.10.0" in out and "unrecognised signature" in out, out
+    assert "global mode" in out and "local mode" in out, out
+
+
+@pytest.mark.parametrize("order", ["package first", "torchmetrics first"])
+def test_global_mode_at_import_on_an_unknown_native_gather_refuses_the_import(
+    future_native_torchmetrics: dict[str, str], order: str
+) -> None:
+    """TORCHMETRICS_GRADPATCH_MODE=global asks the import to install: it refuses, as on an unknown old gather."""
+    if order == "torchmetrics first":
+        code = "import torchmetrics\nimport torchmetrics_gradpatch\n"
+    else:
+        code = "import torchmetrics_gradpatch\nimport torchmetrics\n"
+    proc = run_python(code, env={**future_native_torchmetrics, "TORCHMETRICS_GRADPATCH_MODE": "global"})
+    assert proc.returncode == 1, proc.stderr
+    assert "UnsupportedVersionError" in proc.stderr and "unrecognised signature" in proc.stderr, proc.stderr

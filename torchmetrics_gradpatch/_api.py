@@ -225,15 +225,21 @@ def status() -> Status:
             f"{id(state.function):#x}; every reference to that object sees the patch)",
         )
     in_force = state.manual or state.blocks > 0
+    function = state.function
+    distributed = sys.modules.get(_engine.TARGET_MODULE)
+    if function is None and distributed is not None:
+        # Native torchmetrics in local mode: the engine never adopted (nor checked) the gather; report the
+        # references to whatever function torchmetrics holds, without judging its signature.
+        function = _unwrap(getattr(distributed, _engine.TARGET_NAME, None))
     return Status(
         torch_version=_versions()[0],
         torchmetrics_version=state.torchmetrics_version,
         native=state.native,
         in_force=in_force,
         graph_preserving=state.native or installed or (in_force and state.function is None),
-        torchmetrics_imported=state.function is not None,
+        torchmetrics_imported=distributed is not None,
         applied_to=applied,
-        references=_references(state.function) if state.function is not None else {},
+        references=_references(function) if function is not None else {},
         autopatch=autopatch_requested(),
         mode=state.mode if in_force else "off",
         default_mode=state.default_mode,

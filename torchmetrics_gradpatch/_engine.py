@@ -126,10 +126,21 @@ def dispatch(result: Any, group: Any = None) -> list[Any]:
     return state.original_clone(result, group)  # type: ignore[no-any-return]
 
 
-def recognise(module: types.ModuleType, torchmetrics_version: str) -> types.FunctionType:
-    """Return torchmetrics' gather function, or raise :class:`UnsupportedVersionError` naming why not."""
+def recognise(module: types.ModuleType, torchmetrics_version: str, *, native: bool = False) -> types.FunctionType:
+    """Return torchmetrics' gather function, or raise :class:`UnsupportedVersionError` naming why not.
+
+    ``native``: the installed torchmetrics keeps the graph itself, so only the global mode needs the function;
+    the message then says that local mode still works.
+    """
     where = f"torchmetrics {torchmetrics_version} ({TARGET_MODULE}.{TARGET_NAME})"
-    advice = "torchmetrics_gradpatch supports torchmetrics 0.11 to 1.9; nothing was patched."
+    if native:
+        advice = (
+            "torchmetrics_gradpatch cannot install its global mode on this torchmetrics (it knows torchmetrics 0.11 "
+            "to 1.9); nothing was patched. The local mode needs no patch here (torchmetrics >= 1.6 keeps the "
+            "graph itself) and keeps working: use patch() / patched() without mode='global'."
+        )
+    else:
+        advice = "torchmetrics_gradpatch supports torchmetrics 0.11 to 1.9; nothing was patched."
     candidate = getattr(module, TARGET_NAME, None)
     if candidate is None:
         raise UnsupportedVersionError(f"{where}: the function does not exist. {advice}")
@@ -157,7 +168,7 @@ def recognise(module: types.ModuleType, torchmetrics_version: str) -> types.Func
 def _adopt(module: types.ModuleType) -> None:
     """Recognise torchmetrics' gather in ``module`` and bring it in line with the current state."""
     with _lock:
-        function = recognise(module, _state.torchmetrics_version)
+        function = recognise(module, _state.torchmetrics_version, native=_state.native)
         if _state.function is function:
             return
         saved = function.__dict__.get(_ORIGINAL_ATTR)
@@ -171,9 +182,15 @@ def _adopt(module: types.ModuleType) -> None:
 
 
 def _on_import(module: types.ModuleType) -> None:
-    """wrapt post-import hook for ``torchmetrics.utilities.distributed`` (wrapt fires each hook once)."""
+    """wrapt post-import hook for ``torchmetrics.utilities.distributed`` (wrapt fires each hook once).
+
+    On native torchmetrics the gather is only looked at while the global mode wants it installed: in local mode
+    nothing is patched there, so an unrecognised (future) gather must not make ``import torchmetrics`` fail.
+    """
     with _lock:
         _state.hook_registered = False
+        if _state.native and not _wanted():
+            return  # the next change that wants the trampoline adopts the module (see _sync)
         _adopt(module)
 
 
@@ -196,7 +213,7 @@ def _sync() -> None:
     """Make ``__code__`` match the state. Under ``_lock``; a single assignment either way, so never half-done."""
     function = _state.function
     if function is None:
-        if _state.manual or _state.blocks:
+        if _wanted():
             _ensure_hook()
         return
     current = function.__code__
@@ -242,11 +259,17 @@ def _ensure_hook() -> None:
 
 
 def configure(*, native: bool, torchmetrics_version: str) -> None:
-    """Record what the version gate found, and adopt torchmetrics now if it is already imported."""
+    """Record what the version gate found, and adopt torchmetrics now if it is already imported.
+
+    Before 1.6 the gather is recognised at once (or when torchmetrics is imported), patch in force or not, so an
+    unrecognised torchmetrics is refused by the import. On native torchmetrics nothing is looked at until the
+    global mode is wanted: the local mode patches nothing there, and ``patch(mode="global")`` refuses instead.
+    """
     with _lock:
         _state.native = native
         _state.torchmetrics_version = torchmetrics_version
-        _ensure_hook()
+        if not native:
+            _ensure_hook()
 
 
 def set_manual(on: bool, mode: str | None = None) -> None:
