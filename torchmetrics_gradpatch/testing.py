@@ -60,12 +60,16 @@ class RankError(RuntimeError):
         rank: the (lowest) failing rank.
         reason: ``"raised"``, ``"died"`` or ``"timed out"``.
         details: the rank's traceback text (or exit status, or stack dump of the hung ranks).
+        reports: for each rank whose exception carried a ``rank_report`` attribute, that object as the rank
+            sent it (its ``str()`` is the text used in ``details``). The pytest plugin uses it to finish a
+            failed assert's message in the pytest process, with pytest's own comparison hooks.
     """
 
-    def __init__(self, rank: int, reason: str, details: str) -> None:
+    def __init__(self, rank: int, reason: str, details: str, reports: dict[int, Any] | None = None) -> None:
         self.rank = rank
         self.reason = reason
         self.details = details
+        self.reports: dict[int, Any] = dict(reports or {})
         super().__init__(f"rank {rank} {reason}:\n{details}")
 
 
@@ -121,8 +125,10 @@ def _rank_main(
         )
         joined = True
         message: tuple[str, Any] = ("ok", fn(*args))
-    except BaseException:  # everything a rank raises is reported to the parent
-        message = ("error", traceback.format_exc())
+    except BaseException as error:  # everything a rank raises is reported to the parent
+        # an exception may bring its own report (a picklable object whose str() is the text to show)
+        report = getattr(error, "rank_report", None)
+        message = ("error", traceback.format_exc() if report is None else report)
     try:
         payload = pickle.dumps((*message, time.time()))
     except Exception:
@@ -225,6 +231,7 @@ def _collect(
     """
     results: dict[int, Any] = {}
     failures: dict[int, tuple[float, str, str]] = {}  # rank -> (when, reason, details)
+    reports: dict[int, Any] = {}  # rank -> the report object a rank sent instead of a traceback text
     waiting = dict(enumerate(conns))
     while waiting:
         remaining = deadline - time.monotonic()
@@ -247,6 +254,8 @@ def _collect(
                 results[rank] = value
             elif status == "error":
                 failures[rank] = (sent, "raised", str(value))
+                if not isinstance(value, str):
+                    reports[rank] = value
             else:
                 procs[rank].join(_TERMINATE_GRACE)
                 details = f"process {_describe_exit(procs[rank].exitcode)}\n{_read_dump(dumps[rank], '')}"
@@ -259,7 +268,7 @@ def _collect(
         later = "".join(
             f"\n\n--- afterwards rank {rank} {why}:\n{text}" for rank, (_, why, text) in sorted(failures.items())
         )
-        raise RankError(first, reason, details + later)
+        raise RankError(first, reason, details + later, reports)
     if waiting:
         _raise_timeout(procs, sorted(waiting), dumps)
     return [results[rank] for rank in range(len(procs))]

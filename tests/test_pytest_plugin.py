@@ -1,0 +1,284 @@
+"""The ``ranks`` marker (torchmetrics_gradpatch.pytest_plugin), checked the way a user meets it: pytest run in a
+subprocess on example test files, enabled with ``-p``.
+
+The example project below keeps its tests in a ``tests/`` folder without ``__init__.py`` and imports a helper
+from its ``conftest.py``, so it only works if each rank imports the test module the way pytest found it. Every
+rank records its pid in a directory; after each run none of those processes may be alive ("no process outlives
+the test", checked against ``/proc``, not against the runner's bookkeeping). Each spawn costs a few seconds on a
+2-core machine, so the cases share runs: one run for pass/fail/parametrize/class/fixtures, one for a hang under
+``-x``, one interrupted with SIGINT and one under pytest-xdist.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = "torchmetrics_gradpatch.pytest_plugin"
+#: the hang case's marker timeout, and how much later its failure may come (stack dump + terminate/kill grace)
+HANG_TIMEOUT = 20.0
+GRACE = 10.0
+
+CONFTEST = """
+import os
+import pathlib
+import threading
+
+import pytest
+
+
+def record_pid():
+    '''Called in a rank: leave this process's pid where the outer test looks for leftovers.'''
+    (pathlib.Path(os.environ["TMGP_PID_DIR"]) / str(os.getpid())).write_text("")
+
+
+@pytest.fixture
+def numbers():
+    return [1, 2, 3]
+
+
+@pytest.fixture
+def lock():
+    return threading.Lock()
+"""
+
+CASES = """
+import os
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import record_pid
+
+
+@pytest.mark.ranks(2)
+def test_ranks_share_tmp_path(tmp_path, numbers):
+    record_pid()
+    assert (dist.get_world_size(), numbers) == (2, [1, 2, 3])
+    (tmp_path / f"rank{dist.get_rank()}").write_text("")
+    dist.barrier()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
+@pytest.mark.ranks(1)
+@pytest.mark.parametrize("value", [2, 3])
+def test_parametrized(value):
+    record_pid()
+    (pathlib.Path(os.environ["TMGP_PID_DIR"]) / f"value{value}").write_text("")
+    assert dist.get_world_size() == 1
+
+
+@pytest.mark.ranks(2)
+class TestOnRanks:
+    def test_method(self):
+        record_pid()
+        total = torch.tensor(float(dist.get_rank() + 1))
+        dist.all_reduce(total)
+        assert total.item() == 3.0
+
+
+@pytest.mark.ranks(2)
+def test_rank_one_fails(numbers):
+    record_pid()
+    if dist.get_rank() == 1:
+        assert numbers == [1, 2, 4]
+
+
+@pytest.mark.ranks(2)
+def test_unpicklable_fixture(lock):
+    record_pid()
+
+
+def test_no_rank_left_running():
+    '''Unmarked, so it runs in the pytest process, after the marked tests: none of their ranks is left.'''
+    mine = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and state != "Z" and b"resource_tracker" not in cmdline:
+            mine.append(entry.name)
+    assert mine == []
+"""
+
+HANG = f"""
+import time
+
+import pytest
+import torch.distributed as dist
+from conftest import record_pid
+
+
+def hang_here_forever():
+    while True:
+        time.sleep(0.1)
+
+
+@pytest.mark.ranks(2, timeout={HANG_TIMEOUT})
+def test_rank_one_hangs():
+    record_pid()
+    if dist.get_rank() == 1:
+        hang_here_forever()
+    dist.barrier()
+
+
+@pytest.mark.ranks(2)
+def test_not_run_after_x():
+    record_pid()
+"""
+
+SLEEP = """
+import time
+
+import pytest
+from conftest import record_pid
+
+
+@pytest.mark.ranks(2)
+def test_sleeps():
+    record_pid()
+    time.sleep(120)
+"""
+
+ALL_REDUCE = """
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import record_pid
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("tag", range(2))
+def test_all_reduce(tag):
+    record_pid()
+    total = torch.tensor(float(tag * 10 + dist.get_rank()))
+    dist.all_reduce(total)
+    assert total.item() == 2 * tag * 10 + 1
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A user's project: ``tests/`` without ``__init__.py``, a conftest; yields (pytester, the pid directory)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("TMGP_PID_DIR", str(pids))
+    (pytester.path / "tests").mkdir()
+    (pytester.path / "tests" / "conftest.py").write_text(CONFTEST)
+    yield pytester, pids
+    # whatever the run did, none of its ranks may still be running
+    deadline = time.monotonic() + 2.0
+    while (left := [p.name for p in pids.iterdir() if p.name.isdigit() and _alive(int(p.name))]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert left == [], f"rank processes left behind: {left}"
+
+
+def _write(pytester: pytest.Pytester, name: str, source: str) -> str:
+    (pytester.path / "tests" / name).write_text(source)
+    return f"tests/{name}"
+
+
+def _rank_pids(pids: Path) -> list[str]:
+    return [p.name for p in pids.iterdir() if p.name.isdigit()]
+
+
+def test_not_auto_loaded() -> None:
+    """Installing the package must not change other projects' test runs: no pytest11 entry point."""
+    entry_points = importlib.metadata.entry_points(group="pytest11")
+    assert [ep for ep in entry_points if ep.value.startswith("torchmetrics_gradpatch")] == []
+
+
+def test_pass_fail_parametrize_class_and_fixtures(project: tuple[pytest.Pytester, Path]) -> None:
+    pytester, pids = project
+    path = _write(pytester, "test_cases.py", CASES)
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "--strict-markers", "-p", "no:cacheprovider", path)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=5, failed=2)
+    # every rank really ran: 2 + 1 + 1 + 2 + 2 ranks, and each parametrized value reached its rank
+    assert len(_rank_pids(pids)) == 8
+    assert {p.name for p in pids.iterdir() if not p.name.isdigit()} == {"value2", "value3"}
+    # a failed assert: the rank's number, its traceback, pytest's own comparison explanation
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_rank_one_fails _*",
+            "rank 1 of 2 raised: assert [[]1, 2, 3[]] == [[]1, 2, 4[]]",
+            ">           assert numbers == [[]1, 2, 4[]]",
+            "E           assert [[]1, 2, 3[]] == [[]1, 2, 4[]]",
+            "E*At index 2 diff: 3 != 4",
+            "tests/test_cases.py:*: AssertionError",
+        ]
+    )
+    # the fixture that cannot be pickled is named, and no rank was started for it
+    result.stdout.fnmatch_lines(["*fixture 'lock' cannot be sent to the ranks*cannot be pickled*"])
+    assert "test_unpicklable_fixture" in out and "FAILED tests/test_cases.py::test_unpicklable_fixture" in out
+
+
+def test_hang_is_named_with_its_stack_in_time_and_x_stops(project: tuple[pytest.Pytester, Path]) -> None:
+    pytester, pids = project
+    path = _write(pytester, "test_hang.py", HANG)
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "-x", f"--junitxml={junit}", path, timeout=240)
+    result.assert_outcomes(failed=1)  # -x: the second test never ran
+    assert len(_rank_pids(pids)) == 2
+    result.stdout.fnmatch_lines(
+        ["rank 0 of 2 timed out*", "--- rank 1, still running at the deadline; its threads:", "*hang_here_forever*"]
+    )
+    (case,) = [c for c in ET.parse(junit).iter("testcase") if c.get("name") == "test_rank_one_hangs"]
+    assert HANG_TIMEOUT <= float(case.get("time", "0")) < HANG_TIMEOUT + GRACE
+
+
+def test_keyboard_interrupt_leaves_no_rank(project: tuple[pytest.Pytester, Path]) -> None:
+    pytester, pids = project
+    path = _write(pytester, "test_sleep.py", SLEEP)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", path],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(_rank_pids(pids)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(_rank_pids(pids)) == 2, "the ranks never started"
+        proc.send_signal(signal.SIGINT)  # to the pytest process only, as a debugger or CI runner would
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "KeyboardInterrupt" in out
+
+
+def test_under_xdist(project: tuple[pytest.Pytester, Path]) -> None:
+    pytest.importorskip("xdist")
+    pytester, pids = project
+    path = _write(pytester, "test_all_reduce.py", ALL_REDUCE)
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "-n", "2", "-p", "no:cacheprovider", path, timeout=300)
+    result.assert_outcomes(passed=2)
+    assert len(_rank_pids(pids)) == 4
