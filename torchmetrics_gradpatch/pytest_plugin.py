@@ -334,6 +334,22 @@ def _import_test_module(spec: _RankTest) -> types.ModuleType:
     return module
 
 
+def _shorten_middle_entries(info: Any) -> None:
+    """What pytest's default ``--tb=auto`` does: every entry but the first and the last in the short style."""
+    from _pytest._code import Traceback
+
+    entries = list(info.traceback)
+    if len(entries) <= 2:
+        return
+    try:
+        middle = [entry.with_repr_style("short") for entry in entries[1:-1]]
+    except AttributeError:  # pytest < 8 sets the style in place
+        for entry in entries[1:-1]:
+            entry.set_repr_style("short")
+        middle = entries[1:-1]
+    info.traceback = Traceback([entries[0], *middle, entries[-1]])
+
+
 def _report(error: BaseException, spec: _RankTest, comparisons: _Comparisons) -> _RankReport:
     from _pytest._code import ExceptionInfo
     from _pytest._io import TerminalWriter
@@ -343,6 +359,8 @@ def _report(error: BaseException, spec: _RankTest, comparisons: _Comparisons) ->
         error.args = (_PLACEHOLDER,)  # the pytest process writes the message, with its comparison hooks
     assert error.__traceback__ is not None  # it was raised
     info = ExceptionInfo.from_exc_info((type(error), error, error.__traceback__))
+    if spec.tbstyle == "auto":
+        _shorten_middle_entries(info)
     style = {"native": "native", "short": "short", "line": "short", "no": "short"}.get(spec.tbstyle, "long")
     rendered = info.getrepr(style=style, showlocals=spec.showlocals, funcargs=False)  # type: ignore[arg-type]
     out = io.StringIO()
