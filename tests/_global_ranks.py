@@ -240,6 +240,162 @@ def run_all(world_size_rows: int, subgroup_ranks: list[int] | None = None) -> di
     return out
 
 
+# ------------------------------------------------------------------------------------- agreement (issue 12)
+
+
+class MaskedSquaredError(Metric):
+    """A ``cat``-state metric whose ``update`` appends only the masked samples: nothing at all when none is.
+
+    A rank whose mask is all False then syncs torchmetrics' grad-less empty ``torch.tensor([])``.
+    """
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("errors", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
+        if bool(mask.any()):
+            self.errors.append((preds[mask] - target[mask]) ** 2)
+
+    def compute(self) -> torch.Tensor:
+        return dim_zero_cat(self.errors).mean()
+
+
+class MaskedModel(torch.nn.Module):
+    """A backbone on every sample and a head on the selected samples only (as a detection head on positives).
+
+    On a rank with nothing selected the head does not run: its parameters are unused there, which is what
+    DDP's ``find_unused_parameters=True`` is for. Returns the predictions (zero where not selected) and the
+    backbone features.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)  # the same initial weights on every rank and in the reference
+        self.backbone = torch.nn.Linear(FEATURES, 4, dtype=F64)
+        self.head = torch.nn.Linear(4, 1, dtype=F64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = torch.tanh(self.backbone(x))
+        preds = x.new_zeros(x.shape[0])
+        if bool(mask.any()):
+            preds = preds.masked_scatter(mask, self.head(features[mask]).squeeze(-1))
+        return preds, features
+
+
+AUX_WEIGHT = 0.01  # the per-rank activity penalty that reaches the backbone on every rank under DDP
+
+
+def masked_inputs(rank: int, empty_rank: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s features, targets and mask: ``3 + rank`` samples, none selected on ``empty_rank``."""
+    gen = torch.Generator().manual_seed(5000 + 100 * step + rank)
+    rows = 3 + rank
+    x = torch.randn(rows, FEATURES, generator=gen, dtype=F64)
+    target = torch.randn(rows, generator=gen, dtype=F64)
+    mask = torch.arange(rows) % 2 == 0  # at least one sample selected...
+    if rank == empty_rank:
+        mask = torch.zeros(rows, dtype=torch.bool)  # ...except on the empty rank
+    return x, target, mask
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def run_masked(empty_rank: int, ddp: bool, steps: int = 2) -> dict[str, Any]:
+    """The hang of issue 12: ``loss = metric(p, t, mask); loss.backward()`` with one rank's mask all False."""
+    rank = dist.get_rank()
+    model = MaskedModel()
+    net: torch.nn.Module = model
+    if ddp:
+        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    out: dict[str, Any] = {"steps": []}
+    for step in range(steps if ddp else 1):
+        x, target, mask = masked_inputs(rank, empty_rank, step)
+        model.zero_grad(set_to_none=True)
+        metric = MaskedSquaredError(dist_sync_on_step=True).set_dtype(F64)
+        with patched(mode="global"), record_collectives() as forward_calls:
+            preds, features = net(x, mask)
+            loss = metric(preds, target, mask)
+        if ddp:
+            loss = loss + AUX_WEIGHT * (features**2).mean()
+        with record_collectives() as backward_calls:
+            loss.backward()  # on every rank, the empty one included
+        out["steps"].append(
+            {
+                "loss": loss.detach(),
+                "loss_has_graph": loss.grad_fn is not None,
+                "grads": _grads(model),
+                "forward_collectives": forward_calls,
+                "backward_collectives": backward_calls,
+            }
+        )
+    del net
+    return out
+
+
+def run_grad_mode_disagreement(world_size: int) -> dict[str, Any]:
+    """One rank gathers under ``torch.no_grad()`` while the others gather a tensor that requires grad.
+
+    Each case is caught on every rank (it must raise on every rank, from the gather itself); the last gather
+    shows that the group is still in step afterwards.
+    """
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"errors": {}}
+    for culprit in range(world_size):
+        for case in ("direct", "scalar", "metric"):
+            x = gather_input("uneven_rows" if case != "scalar" else "scalar", rank)
+            context = torch.no_grad() if rank == culprit else torch.enable_grad()
+            try:
+                with context, record_collectives() as calls:
+                    if case == "metric":
+                        metric = MaskedSquaredError(dist_sync_on_step=True).set_dtype(F64)
+                        with patched(mode="global"):
+                            metric(x.reshape(-1), torch.zeros(x.numel(), dtype=F64), torch.ones(x.numel(), dtype=bool))
+                    else:
+                        gather_all_tensors(x, mode="global")
+                out["errors"][(culprit, case)] = None
+            except RuntimeError as err:
+                out["errors"][(culprit, case)] = (type(err).__name__, str(err), calls)
+    entries = gather_all_tensors(gather_input("uneven_rows", rank), mode="global")
+    gather_loss(entries, rank).backward()
+    out["after"] = [t.detach() for t in entries]
+    return out
+
+
+def run_no_node_cases() -> dict[str, Any]:
+    """No rank requires grad, or every rank gathers under ``torch.no_grad()``: plain values, no backward node."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for case in ("uneven_rows", "scalar"):
+        x = gather_input(case, rank)
+        for how in ("no_requires_grad", "all_no_grad"):
+            with record_collectives() as calls:
+                if how == "no_requires_grad":
+                    entries = gather_all_tensors(x.detach(), mode="global")
+                else:
+                    with torch.no_grad():
+                        entries = gather_all_tensors(x, mode="global")
+            out[(case, how)] = {
+                "has_graph": [t.grad_fn is not None for t in entries],
+                "others_require_grad": [t.requires_grad for j, t in enumerate(entries) if j != rank],
+                "values": [t.detach().clone() for t in entries],
+                "collectives": calls,
+            }
+    return out
+
+
+def run_agreement(world_size: int) -> dict[str, Any]:
+    """Every issue-12 case for one world size, in one spawn."""
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    out["masked"] = {(e, ddp): run_masked(e, ddp) for e in range(world_size) for ddp in (False, True)}
+    out["disagreement"] = run_grad_mode_disagreement(world_size)
+    out["no_node"] = run_no_node_cases()
+    return out
+
+
 def skip_backward(hang_seconds: float) -> str:
     """Rank 1 gathers in global mode but never runs backward; rank 0 does, and waits for rank 1 forever."""
     rank = dist.get_rank()

@@ -1,7 +1,8 @@
-"""The "global" gradient mode (issue 6): exact single-process gradients under DDP, and its mode plumbing.
+"""The "global" gradient mode (issues 6 and 12): exact single-process gradients under DDP, agreement, plumbing.
 
-Spawned part: each world size (2, and 3 with a subgroup of ranks 0 and 2) is spawned once and runs every case
-in ``tests/_global_ranks.py``; the tests below compare what the ranks returned with single-process float64
+Spawned part: each world size (2, and 3 with a subgroup of ranks 0 and 2) is spawned once for the gradient cases
+and once for the agreement cases of issue 12 (a rank without a graph, a grad-mode disagreement) in
+``tests/_global_ranks.py``; the tests below compare what the ranks returned with single-process float64
 references built here from the same deterministic inputs. The DDP gradient is the average over ranks of each
 rank's gradient, as DDP's all-reduce makes it.
 
@@ -11,6 +12,7 @@ the environment variable, and installation on a (faked) native torchmetrics.
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
 from typing import Any
@@ -49,6 +51,45 @@ def results() -> dict[int, list[dict[str, Any]]]:
         )
         for world_size in WORLD_SIZES
     }
+
+
+@pytest.fixture(scope="module")
+def agreement() -> dict[int, list[dict[str, Any]]]:
+    return {
+        world_size: spawn_ranks(ranks.run_agreement, world_size, args=(world_size,), timeout=240)
+        for world_size in WORLD_SIZES
+    }
+
+
+def global_collectives(local: list[str]) -> list[str]:
+    """The forward collectives global mode issues for the gathers whose local-mode collectives are ``local``.
+
+    Local mode (= unpatched torchmetrics) issues, per gather, ``barrier`` then, for a scalar, the data; for a
+    non-scalar, the shapes, then the data. Global mode drops the barrier, sends ``[*shape, flags]`` (one entry
+    more) in place of the shapes and, for a scalar, the scalar's bytes plus a flags byte (every scalar in these
+    tests is 8 bytes wide: float64 or int64).
+    """
+    out: list[str] = []
+    gathers: list[list[str]] = []
+    for call in local:
+        if call == "barrier":
+            gathers.append([])
+        else:
+            gathers[-1].append(call)
+    for calls in gathers:
+        shapes = ast.literal_eval(calls[0][len("all_gather") :])
+        if len(calls) == 1:  # a scalar
+            assert all(shape == () for shape in shapes)
+            out.append(f"all_gather{[(9,)] * len(shapes)}")
+        else:
+            out.append(f"all_gather{[(shape[0] + 1,) for shape in shapes]}")
+            out.append(calls[1])
+    return out
+
+
+def test_global_collectives_helper() -> None:
+    local = ["barrier", "all_gather[(), ()]", "barrier", "all_gather[(1,), (1,)]", "all_gather[(3,), (3,)]"]
+    assert global_collectives(local) == ["all_gather[(9,), (9,)]", "all_gather[(2,), (2,)]", "all_gather[(3,), (3,)]"]
 
 
 # ------------------------------------------------------------------------------------------- references
@@ -105,9 +146,10 @@ def _check_gather_case(per_member: list[dict[str, Any]], case: str, global_ranks
         for got, same, expected in zip(glob["values"], local["values"], inputs, strict=True):
             assert torch.equal(got, same) and torch.equal(got, expected) and got.dtype == same.dtype
         assert glob["dtypes"] == local["dtypes"]
-        # collectives: the forward issues the local (= unpatched) gather's; the backward exactly one
-        assert glob["forward_collectives"] == local["forward_collectives"]
+        # collectives: local = unpatched (barrier, shapes, data); global drops the barrier, flags ride along
         assert local["forward_collectives"][0] == "barrier"
+        assert glob["forward_collectives"] == global_collectives(local["forward_collectives"])
+        assert len(glob["forward_collectives"]) == (1 if case == "scalar" else 2)
         assert glob["backward_collectives"] == ["all_to_all_single"]
         assert local["backward_collectives"] == []
         # gradients: global = sum over members of each member's loss gradient; local = own loss only
@@ -161,7 +203,8 @@ def test_metric_paths_global_gives_single_process_gradient(
     assert_rel(_ddp(local), reference / world_size)  # scale 1 / world size
     for g, loc in zip(glob, local, strict=True):
         assert torch.equal(g["loss"], loc["loss"])  # the synced values are identical, bit for bit
-        assert g["forward_collectives"] == loc["forward_collectives"]
+        assert g["forward_collectives"] == global_collectives(loc["forward_collectives"])
+        assert "barrier" not in g["forward_collectives"]
         assert g["backward_collectives"] == ["all_to_all_single"] * BACKWARD_GATHERS.get(case, 1)
         assert loc["backward_collectives"] == []
 
@@ -183,14 +226,114 @@ def test_contrastive_global_exact_local_not(
         assert error > 1e-3 * reference.abs().max().item(), "local mode should drop the cross-rank terms"
 
 
+# ------------------------------------------------------------------------------------------- agreement
+
+
+#: (world size, the rank whose mask is all False): first and last of 2; first, middle and last of 3
+EMPTY_RANKS = [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]
+EMPTY_IDS = ["2-first", "2-last", "3-first", "3-middle", "3-last"]
+
+
+def _masked_reference(world_size: int, empty_rank: int, step: int, aux: bool) -> list[torch.Tensor]:
+    """Single-process gradient of the synced masked loss over every rank's samples (+ the mean per-rank penalty)."""
+    model = ranks.MaskedModel()
+    data = [ranks.masked_inputs(r, empty_rank, step) for r in range(world_size)]
+    x, target, mask = (torch.cat([d[i] for d in data]) for i in range(3))  # type: ignore[index]
+    preds, _ = model(x, mask)
+    loss = ((preds[mask] - target[mask]) ** 2).mean()
+    if aux:
+        features = [model(d[0], d[2])[1] for d in data]
+        loss = loss + ranks.AUX_WEIGHT * sum((f**2).mean() for f in features) / world_size
+    return list(torch.autograd.grad(loss, list(model.parameters())))
+
+
+@pytest.mark.parametrize(("world_size", "empty"), EMPTY_RANKS, ids=EMPTY_IDS)
+def test_rank_with_nothing_to_sync_still_joins_the_backward(
+    agreement: dict[int, list[dict[str, Any]]], world_size: int, empty: int
+) -> None:
+    """Issue 12's hang: one rank's mask is all False; every rank's ``loss.backward()`` completes, gradients exact."""
+    reference = _masked_reference(world_size, empty, 0, aux=False)
+    per_rank = [r["masked"][(empty, False)]["steps"][0] for r in agreement[world_size]]
+    for rank, out in enumerate(per_rank):
+        assert out["loss_has_graph"], f"rank {rank}"
+        assert torch.equal(out["loss"], per_rank[0]["loss"])
+        # one cat state: [*shape, flags], then the data; no barrier. One backward collective on every rank.
+        assert len(out["forward_collectives"]) == 2 and out["forward_collectives"][0].startswith("all_gather[(2,)")
+        assert out["backward_collectives"] == ["all_to_all_single"], f"rank {rank}"
+    # the empty rank's loss reaches no parameter of its own: its gradients stay None (really exercised)
+    assert all(g is None for g in per_rank[empty]["grads"])
+    total = [
+        sum(torch.zeros_like(ref) if out["grads"][i] is None else out["grads"][i] for out in per_rank)
+        for i, ref in enumerate(reference)
+    ]
+    for got, ref in zip(total, reference, strict=True):
+        assert_rel(got, world_size * ref)  # the ranks' gradients add up to world_size x the single-process one
+
+
+@pytest.mark.parametrize(("world_size", "empty"), EMPTY_RANKS, ids=EMPTY_IDS)
+def test_rank_with_nothing_to_sync_under_ddp(
+    agreement: dict[int, list[dict[str, Any]]], world_size: int, empty: int
+) -> None:
+    """Under DDP (``find_unused_parameters=True``: the empty rank's head does not run) every rank, every step,
+    holds exactly the single-process gradient."""
+    per_rank = [r["masked"][(empty, True)]["steps"] for r in agreement[world_size]]
+    for step in range(len(per_rank[0])):
+        reference = _masked_reference(world_size, empty, step, aux=True)
+        for rank in range(world_size):
+            out = per_rank[rank][step]
+            assert out["loss_has_graph"]
+            for got, ref in zip(out["grads"], reference, strict=True):
+                assert got is not None, f"rank {rank} step {step}"
+                assert_rel(got, ref)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_grad_mode_disagreement_raises_on_every_rank(
+    agreement: dict[int, list[dict[str, Any]]], world_size: int
+) -> None:
+    per_rank = [r["disagreement"] for r in agreement[world_size]]
+    for (culprit, case), _ in per_rank[0]["errors"].items():
+        for rank, out in enumerate(per_rank):
+            found = out["errors"][(culprit, case)]
+            assert found is not None, f"rank {rank} did not raise ({case}, rank {culprit} under no_grad)"
+            name, message, calls = found
+            others = [r for r in range(world_size) if r != culprit]
+            assert name == "GradModeMismatchError"
+            assert f"Rank(s) [{culprit}] gathered with grad mode off" in message, message
+            assert f"rank(s) {others} with it on" in message, message
+            assert "same grad mode on every rank" in message and "none is left waiting" in message
+            # raised right after the first exchange, before the data: every rank issued the same one collective
+            assert len(calls) == 1 and calls[0].startswith("all_gather"), calls
+    # the group is still in step: a gather after the errors gives every rank's input
+    inputs = [ranks.gather_input("uneven_rows", r).detach() for r in range(world_size)]
+    for out in per_rank:
+        assert all(torch.equal(a, b) for a, b in zip(out["after"], inputs, strict=True))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_no_node_when_nothing_requires_grad_or_grad_is_off_everywhere(
+    agreement: dict[int, list[dict[str, Any]]], world_size: int
+) -> None:
+    for case in ("uneven_rows", "scalar"):
+        inputs = [ranks.gather_input(case, r).detach() for r in range(world_size)]
+        for how in ("no_requires_grad", "all_no_grad"):
+            for out in (r["no_node"][(case, how)] for r in agreement[world_size]):
+                assert out["has_graph"] == [False] * world_size  # no node (own entry: the input itself)
+                assert out["others_require_grad"] == [False] * (world_size - 1)
+                assert all(torch.equal(a, b) for a, b in zip(out["values"], inputs, strict=True))
+                assert len(out["collectives"]) == (1 if case == "scalar" else 2)
+                assert "barrier" not in out["collectives"]
+
+
 # ------------------------------------------------------------------------------------------- safety
 
 
 def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
-        spawn_ranks(ranks.skip_backward, 2, args=(120.0,), timeout=12)
-    assert time.monotonic() - start < 30
+        # 20 s: on a loaded 2-core machine two ranks can take over 10 s just to import torch and connect
+        spawn_ranks(ranks.skip_backward, 2, args=(120.0,), timeout=20)
+    assert time.monotonic() - start < 40
     err = caught.value
     assert err.rank == 0 and err.reason == "timed out", err
     # rank 0 got as far as the backward and was stuck there (not still starting up)
@@ -282,7 +425,14 @@ def test_same_instance_reentered_and_decorator(clean_state: None) -> None:
 
 
 def test_global_mode_installs_even_on_native_torchmetrics(clean_state: None) -> None:
-    """Local mode on torchmetrics >= 1.6 installs nothing; global mode must install (faked native here)."""
+    """Local mode on torchmetrics >= 1.6 installs nothing; global mode must install (faked native where it is not).
+
+    The engine's ``native`` flag is restored to what it was, not forced to ``False`` (on torchmetrics 1.9 forcing
+    it would leak a wrongly installed trampoline into every later test).
+    """
+    was_native = _engine._state.native
+    was_installed = _engine.installed()
+    assert was_installed == (not was_native)  # patch() is on in local mode here: installed unless native
     with _engine._lock:
         _engine._state.native = True
         _engine._sync()
@@ -294,9 +444,9 @@ def test_global_mode_installs_even_on_native_torchmetrics(clean_state: None) -> 
         assert not _engine.installed()
     finally:
         with _engine._lock:
-            _engine._state.native = False
+            _engine._state.native = was_native
             _engine._sync()
-    assert _engine.installed()
+    assert _engine._state.native == was_native and _engine.installed() == was_installed
 
 
 def test_direct_gather_global_in_a_world_of_one() -> None:
