@@ -123,11 +123,13 @@ def smoke(wheel: Path, version: str, torch: str, torchmetrics: str, work: Path) 
     imported = run([str(python), "-c", f"import {PACKAGE}; print({PACKAGE}.__file__)"], cwd=here, env=env).strip()
     if not Path(imported).resolve().is_relative_to(venv.resolve()):
         raise CheckError(f"{PACKAGE} was imported from {imported}, not from the fresh environment {venv}")
+    print(f"imported from {imported}")
     expected = f"torchmetrics-gradpatch {version}"
     for cmd in ([str(python), "-m", PACKAGE, "--version"], [str(venv / "bin" / "torchmetrics-gradpatch"), "--version"]):
         got = run(cmd, cwd=here, env=env).strip()
         if got != expected:
             raise CheckError(f"{' '.join(cmd)} printed {got!r}, expected {expected!r}")
+        print(got)
     status = json.loads(run([str(python), "-m", PACKAGE, "status", "--json"], cwd=here, env=env))
     print(json.dumps(status, indent=2))
     print(run([str(python), "-m", PACKAGE, "check"], cwd=here, env=env, timeout=600))
