@@ -50,8 +50,16 @@ class Hosts:
     interface: str = VETH
 
     def exec_prefix(self, host: int) -> list[str]:
-        """The command prefix that runs a program inside namespace ``host`` (0 or 1)."""
-        return [_ip(), "netns", "exec", self.names[host]]
+        """The command prefix that runs a program inside namespace ``host`` (0 or 1).
+
+        Where util-linux's ``setpriv`` exists, the program also gets SIGTERM when the process that started it
+        dies (``ip netns exec`` and the program replace ``setpriv`` in place, and the parent-death signal
+        survives those execs): a test process killed outright (SIGKILL, pytest-timeout's ``os._exit``) then
+        still stops torchrun, which stops its workers, instead of leaving them to run on.
+        """
+        setpriv = shutil.which("setpriv")
+        prefix = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
+        return [*prefix, _ip(), "netns", "exec", self.names[host]]
 
 
 def _ip() -> str:
