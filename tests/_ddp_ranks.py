@@ -97,6 +97,12 @@ def run_gather_case(case: str, group: Any = None) -> dict[str, Any]:
                 out = tm_dist.gather_all_tensors(x, group)
         else:
             out = tm_dist.gather_all_tensors(x, group)
+    # The same gather through the trampoline in global mode, values only (no graph, so no backward collective);
+    # every rank runs it here, so the ranks agree on the mode. On native torchmetrics this is the comparison
+    # with torchmetrics' own gather that goes through this package's code (local mode installs nothing there).
+    with torchmetrics_gradpatch.patched(mode="global"), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        global_values = [t.detach().clone() for t in tm_dist.gather_all_tensors(x.detach(), group)]
     grad = None
     if x.requires_grad and not no_grad:
         # d/dx of sum_j (j + 1) * out[j].sum() is (rank + 1) everywhere: only the local entry has a graph.
@@ -108,6 +114,7 @@ def run_gather_case(case: str, group: Any = None) -> dict[str, Any]:
         "input": x.detach().clone(),
         "patched": [t.detach().clone() for t in out],
         "reference": reference,
+        "global_values": global_values,
         "local_is_input": out[rank] is x,
         "requires_grad": [t.requires_grad for t in out],
         "grad": grad,
@@ -181,8 +188,17 @@ METRIC_CASES = (
 )
 
 
-def _unpatched_forward_keeps_graph(rank: int) -> bool:
-    """Control: with the patch off, does a synced Metric loss still have a graph? (Only on native torchmetrics.)"""
+def _control(rank: int) -> dict[str, Any]:
+    """Control, the ``forward_cat`` case: with the patch off, and in global mode (which installs everywhere).
+
+    With the patch off, old torchmetrics loses the graph and native torchmetrics keeps it (its gradient is then
+    compared with the single-process reference). In global mode the trampoline is installed on every
+    torchmetrics and every rank receives ``world_size`` times that gradient, so the patch visibly makes the
+    difference on native torchmetrics too. Every rank runs both, in the same order.
+    """
+    from torchmetrics_gradpatch import _engine
+
+    out: dict[str, Any] = {}
     torchmetrics_gradpatch.unpatch()
     try:
         preds, target = inputs(rank, CAT_ROWS[rank])
@@ -190,9 +206,20 @@ def _unpatched_forward_keeps_graph(rank: int) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loss = CatSquaredError(dist_sync_on_step=True)(preds, target)
-        return bool(loss.requires_grad)
+        out["unpatched_keeps_graph"] = bool(loss.requires_grad)
+        out["unpatched_installed"] = _engine.installed()
+        if loss.requires_grad:
+            loss.backward()
+        out["unpatched_grad"] = preds.grad
     finally:
         torchmetrics_gradpatch.patch()
+    preds, target = inputs(rank, CAT_ROWS[rank])
+    preds.requires_grad_()
+    with torchmetrics_gradpatch.patched(mode="global"):
+        out["global_installed"] = _engine.installed()
+        CatSquaredError(dist_sync_on_step=True)(preds, target).backward()
+    out["global_grad"] = preds.grad
+    return out
 
 
 def run_all(subgroup_ranks: list[int] | None = None) -> dict[str, Any]:
@@ -212,7 +239,7 @@ def run_all(subgroup_ranks: list[int] | None = None) -> dict[str, Any]:
     for case in METRIC_CASES:
         value, grad = _metric_case(case, rank)
         out["metric"][case] = {"value": value, "grad": grad}
-    out["unpatched_keeps_graph"] = _unpatched_forward_keeps_graph(rank)
+    out["control"] = _control(rank)
     if subgroup_ranks is not None:
         group = dist.new_group(subgroup_ranks)  # every rank must take part in creating it
         if rank in subgroup_ranks:

@@ -93,24 +93,45 @@ def synced_state_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> t
     return (errors if isinstance(errors, torch.Tensor) else dim_zero_cat(errors)).mean()
 
 
-def errors_off_and_on(call: Callable[[], object]) -> list[tuple[type[BaseException] | None, str]]:
-    """The error ``call()`` raises with the patch off, then on (``(None, "no error")`` if it returns).
+def installing_modes() -> tuple[str, ...]:
+    """The gradient modes in which the patch actually replaces torchmetrics' gather here.
 
-    Used to show bad input fails exactly as with unpatched torchmetrics. The patch state is restored after.
+    On native torchmetrics (>= 1.6) local mode installs nothing, so "patch on" there would run torchmetrics' own
+    code and compare it with itself; the global mode installs the trampoline on every torchmetrics.
     """
     import torchmetrics_gradpatch as tmgp
 
-    was_patched = tmgp.is_patched()
-    found: list[tuple[type[BaseException] | None, str]] = []
+    return ("global",) if tmgp.status().native else ("local", "global")
+
+
+def error_of(call: Callable[[], object]) -> tuple[type[BaseException] | None, str]:
+    """The error ``call()`` raises, as ``(type, message)``; ``(None, "no error")`` if it returns."""
     try:
-        for on in (False, True):
-            tmgp.patch() if on else tmgp.unpatch()
-            try:
-                call()
-            except Exception as err:
-                found.append((type(err), str(err)))
-            else:
-                found.append((None, "no error"))
+        call()
+    except Exception as err:
+        return type(err), str(err)
+    return None, "no error"
+
+
+def errors_off_and_on(call: Callable[[], object]) -> list[tuple[type[BaseException] | None, str]]:
+    """The error ``call()`` raises with the patch off, then on in each of :func:`installing_modes`.
+
+    Used to show bad input fails exactly as with unpatched torchmetrics: the first entry is torchmetrics' own
+    code, every later one the trampoline's. The patch state is restored after.
+    """
+    import torchmetrics_gradpatch as tmgp
+    from torchmetrics_gradpatch import _engine
+
+    before = _engine.snapshot()  # patch()'s switch and mode (open blocks are left alone)
+    found = []
+    try:
+        tmgp.unpatch()
+        assert not _engine.installed()
+        found.append(error_of(call))
+        for mode in installing_modes():
+            tmgp.patch(mode)
+            assert _engine.installed(), f"patch({mode!r}) installed nothing: the comparison would be vacuous"
+            found.append(error_of(call))
     finally:
-        tmgp.patch() if was_patched else tmgp.unpatch()
+        tmgp.patch(before.manual_mode) if before.manual else tmgp.unpatch()
     return found

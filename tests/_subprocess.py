@@ -46,3 +46,25 @@ import atexit, torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 atexit.register(dist.destroy_process_group)
 """
+
+
+def fake_torchmetrics(directory: Path, version: str, signature: str = "result, group=None, *, async_op=False") -> str:
+    """Write a stand-in torchmetrics ``version`` (distribution metadata and module) into ``directory``; return
+    the ``PYTHONPATH`` entry that puts it before the installed one.
+
+    Its gather has ``signature`` -- by default one with an extra keyword, as a future torchmetrics might add --
+    and its ``__init__`` imports ``torchmetrics.utilities.distributed`` first, as the real one does.
+    """
+    (directory / f"torchmetrics-{version}.dist-info").mkdir(parents=True)
+    (directory / f"torchmetrics-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: torchmetrics\nVersion: {version}\n"
+    )
+    (directory / "torchmetrics" / "utilities").mkdir(parents=True)
+    (directory / "torchmetrics" / "__init__.py").write_text(
+        f'__version__ = "{version}"\nimport torchmetrics.utilities.distributed\n'
+    )
+    (directory / "torchmetrics" / "utilities" / "__init__.py").write_text("")
+    (directory / "torchmetrics" / "utilities" / "distributed.py").write_text(
+        f"def gather_all_tensors({signature}):\n    return [result]\n"
+    )
+    return str(directory)

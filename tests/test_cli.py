@@ -8,6 +8,7 @@ only) placed first on ``PYTHONPATH``, which is what the version gate reads.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -16,11 +17,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.version import Version
 
-from tests._subprocess import ROOT
+from tests._subprocess import ROOT, fake_torchmetrics
 
 TORCH = Version(importlib.metadata.version("torch"))
 TORCHMETRICS = Version(importlib.metadata.version("torchmetrics"))
@@ -257,7 +259,7 @@ def test_check_passes_on_this_install(mode: str | None) -> None:
     assert ("native" if NATIVE and not mode else "patched") in proc.stdout, show(proc)
     assert f"gradient mode {mode or 'local'} (" in proc.stdout, show(proc)
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
-    assert "starting 2 gloo ranks" in proc.stderr, show(proc)  # the progress line
+    assert "starting 2 gloo ranks" in proc.stderr and "ranks finished in" in proc.stderr, show(proc)  # progress
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, show(proc)
 
 
@@ -288,6 +290,67 @@ def test_check_reports_ranks_that_cannot_run(
     assert main(["check"]) == 3
     err = capsys.readouterr().err
     assert "the checks could not run: rank 1 timed out" in err and "starting 2 gloo ranks" in err
+    assert "ranks FAILED after" in err and "finished" not in err, err  # the progress line says it failed
+
+
+@needs_supported_torch
+@pytest.mark.parametrize("failed", [False, True])
+def test_live_progress_line_tells_failure_from_success(monkeypatch: pytest.MonkeyPatch, failed: bool) -> None:
+    """On a terminal the progress line ends in "done in" or "FAILED after", never "done" for a failure."""
+    import io
+
+    from torchmetrics_gradpatch._cli import _Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with pytest.raises(KeyError) if failed else contextlib.nullcontext(), _Progress("starting"):
+        if failed:
+            raise KeyError("a rank failed")
+    last = terminal.getvalue().rsplit("\r", 1)[-1]
+    assert last.startswith("starting FAILED after" if failed else "starting done in"), last
+
+
+@needs_supported_torch
+@pytest.mark.parametrize("command", ["status", "check"])
+@pytest.mark.parametrize(
+    ("version", "mode"), [("1.5.9", None), ("1.10.0", "global")], ids=["old-torchmetrics", "native-global-mode"]
+)
+def test_unrecognised_torchmetrics_refused_with_one_message(
+    tmp_path: Path, command: str, version: str, mode: str | None
+) -> None:
+    """torchmetrics is imported after the package; where its gather is not recognised: one message, exit 3."""
+    fake = fake_torchmetrics(tmp_path / "fake", version)
+    proc = cli(command, pythonpath=[fake], env={"TORCHMETRICS_GRADPATCH_MODE": mode} if mode else None)
+    assert proc.returncode == 3, show(proc)
+    assert "Traceback" not in proc.stderr and proc.stdout == "", show(proc)
+    first = proc.stderr.splitlines()[0]
+    assert first == f"torchmetrics-gradpatch: cannot run with torch {TORCH} and torchmetrics {version}.", show(proc)
+    assert "unrecognised signature gather_all_tensors(result, group=None, *, async_op=False)" in proc.stderr
+    assert "starting" not in proc.stderr, show(proc)  # refused before any rank was spawned
+
+
+def analytic_gradient(name: str, rank: int, world_size: int) -> list[Any]:
+    """The local-mode gradient of a check, written out by hand (the reference computes it with autograd)."""
+    import torch
+
+    from torchmetrics_gradpatch import _checks
+
+    with torch.no_grad():
+        if name.startswith("gather"):
+            # loss = sum_i (i + 1) * |e_i|^2 + (sum of every element)^2
+            entries = [_checks._gather_input(name, q) for q in range(world_size)]
+            total = sum(float(e.sum()) for e in entries)
+            return [2 * (rank + 1) * entries[rank] + 2 * total]
+        # loss = mean over every rank's samples of (w.x + b - y)^2; only this rank's predictions carry a graph
+        model = _checks._model()
+        count = sum(_checks._batch_size(name, q) for q in range(world_size))
+        x, y = _checks._batch(name, rank)
+        residual = model(x).squeeze(-1) - y
+        return [(2 / count) * (residual @ x).unsqueeze(0), (2 / count) * residual.sum().reshape(1)]
 
 
 @needs_supported_torch
@@ -297,7 +360,9 @@ def test_checks_compare_against_a_reference_that_catches_a_wrong_gradient() -> N
 
     for name in _checks.CHECKS:
         r0, r1 = _checks.reference(name, 0, 2), _checks.reference(name, 1, 2)
-        assert _checks.matches(r0, r0) and not _checks.matches(None, r0)
+        assert _checks.matches(analytic_gradient(name, 0, 2), r0), name  # the reference itself is right
+        assert _checks.matches([2 * g for g in analytic_gradient(name, 1, 2)], _checks.reference(name, 1, 2, "global"))
+        assert not _checks.matches(None, r0)
         assert not _checks.matches([g * 1.001 for g in r0], r0), name
         assert not _checks.matches([g * 0.5 for g in r0], r0), name
         if name.startswith("metric"):

@@ -76,6 +76,8 @@ def _check_gather(r: dict[str, Any], case: str, local: int) -> None:
     assert torch.equal(patched[local], r["input"].contiguous())
     assert r["warnings"] == []
     assert r["collectives"] == r["reference_collectives"]
+    for j, (got, want) in enumerate(zip(r["global_values"], reference, strict=True)):  # through the trampoline
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), ("global", j)
     if case != "non_contiguous":
         assert r["local_is_input"], "the local entry must be the caller's own tensor"
     else:  # upstream returns result.contiguous(): a copy that is still connected to the caller's graph
@@ -105,10 +107,17 @@ def test_metric_paths_backpropagate_like_single_process(
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
-def test_without_the_patch_old_torchmetrics_loses_the_graph(
-    results: dict[int, list[dict[str, Any]]], world_size: int
-) -> None:
-    """Control: the patch is what makes the difference (on native torchmetrics the graph is kept anyway)."""
-    for r in results[world_size]:
-        assert r["status_in_force"]
-        assert r["unpatched_keeps_graph"] == r["native"]
+def test_the_patch_is_what_makes_the_difference(results: dict[int, list[dict[str, Any]]], world_size: int) -> None:
+    """Control. Patch off: old torchmetrics loses the graph; native torchmetrics keeps it and gives the reference
+    gradient itself. Global mode (installed on every torchmetrics): every rank gets world_size x the reference,
+    so on native torchmetrics too the installed code, not torchmetrics' own, produced it."""
+    reference = _reference_grads("forward_cat", world_size)
+    for rank, r in enumerate(results[world_size]):
+        control = r["control"]
+        assert r["status_in_force"] and not control["unpatched_installed"] and control["global_installed"]
+        if r["native"]:
+            assert control["unpatched_keeps_graph"]
+            torch.testing.assert_close(control["unpatched_grad"], reference[rank], rtol=1e-12, atol=1e-15)
+        else:
+            assert not control["unpatched_keeps_graph"] and control["unpatched_grad"] is None
+        torch.testing.assert_close(control["global_grad"], world_size * reference[rank], rtol=1e-12, atol=1e-15)

@@ -18,7 +18,7 @@ import torch
 
 import torchmetrics_gradpatch as tmgp
 from tests import _reliability_ranks as ranks
-from tests._rank_tools import errors_off_and_on
+from tests._rank_tools import error_of, errors_off_and_on
 from torchmetrics_gradpatch.testing import RankError, spawn_ranks
 
 # Generous for a 2-core machine shared with other suites: spawning 2 ranks that import torch takes ~3 s idle.
@@ -129,19 +129,19 @@ def test_uninitialised_process_group_gives_the_unpatched_error(tensor: torch.Ten
 
     assert not torch.distributed.is_initialized()
     tensor.requires_grad_(tensor.is_floating_point())
-    unpatched, patched = errors_off_and_on(lambda: gather_all_tensors(tensor))
-    assert unpatched[0] is not None and unpatched == patched
-    # the package's own gather, called directly, raises the same too
-    direct = errors_off_and_on(lambda: tmgp.gather_all_tensors(tensor))[1]
-    assert direct == unpatched
+    unpatched, *patched = errors_off_and_on(lambda: gather_all_tensors(tensor))
+    assert unpatched[0] is not None and patched and all(error == unpatched for error in patched)
+    # the package's own gather, called directly, raises the same too, in either mode
+    for mode in ("local", "global"):
+        assert error_of(lambda: tmgp.gather_all_tensors(tensor, mode=mode)) == unpatched  # noqa: B023
 
 
 @pytest.mark.parametrize("value", [1.5, [1.0, 2.0], None, "x", (torch.ones(1),)], ids=repr)
 def test_non_tensor_gives_the_unpatched_error(value: object) -> None:
     from torchmetrics.utilities.distributed import gather_all_tensors
 
-    unpatched, patched = errors_off_and_on(lambda: gather_all_tensors(value))
-    assert unpatched[0] is not None and unpatched == patched
+    unpatched, *patched = errors_off_and_on(lambda: gather_all_tensors(value))
+    assert unpatched[0] is not None and patched and all(error == unpatched for error in patched)
 
 
 # In an initialised group the same comparison runs inside test_properties.py's spawn (saves a spawn here).

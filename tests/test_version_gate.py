@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._subprocess import WORLD_OF_ONE, ok, run_python
+from tests._subprocess import WORLD_OF_ONE, fake_torchmetrics, ok, run_python
 from torchmetrics_gradpatch import UnsupportedVersionError, _version
 
 
@@ -254,20 +254,8 @@ assert not [n for n in sys.modules if n.startswith("torchmetrics_gradpatch")]
 def future_native_torchmetrics(tmp_path: Path) -> dict[str, str]:
     """``PYTHONPATH`` that puts a fake torchmetrics 1.10.0 first: metadata and module, with a gather whose signature
     the engine does not recognise (an extra keyword, as a future torchmetrics might add)."""
-    root = tmp_path / "future"
-    (root / "torchmetrics-1.10.0.dist-info").mkdir(parents=True)
-    (root / "torchmetrics-1.10.0.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: torchmetrics\nVersion: 1.10.0\n"
-    )
-    (root / "torchmetrics" / "utilities").mkdir(parents=True)
-    (root / "torchmetrics" / "__init__.py").write_text(
-        '__version__ = "1.10.0"\nimport torchmetrics.utilities.distributed\n'
-    )
-    (root / "torchmetrics" / "utilities" / "__init__.py").write_text("")
-    (root / "torchmetrics" / "utilities" / "distributed.py").write_text(
-        "def gather_all_tensors(result, group=None, *, async_op=False):\n    return [result]\n"
-    )
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    root = fake_torchmetrics(tmp_path / "future", "1.10.0")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 FUTURE_UNCHANGED = """

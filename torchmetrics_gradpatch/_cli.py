@@ -8,6 +8,10 @@
 ``status [--json]``
     Prints :func:`torchmetrics_gradpatch.status` after importing torchmetrics.
 
+Both commands import torchmetrics after the package. Where the package does not recognise torchmetrics' gather
+(a torchmetrics it does not know, before 1.6; or, with ``TORCHMETRICS_GRADPATCH_MODE=global``, any), that
+import raises :class:`~torchmetrics_gradpatch.UnsupportedVersionError`: both print one message and exit 3.
+
 Refusing unsupported versions without a traceback
 -------------------------------------------------
 Both ways of starting the CLI import the package first: ``python -m torchmetrics_gradpatch`` (runpy imports
@@ -94,8 +98,26 @@ def exit_if_cli(error: BaseException) -> None:
 # --- commands -------------------------------------------------------------------------------------------------
 
 
+def _import_torchmetrics() -> str | None:
+    """Import torchmetrics (the package is imported already); the refusal message if it is not recognised.
+
+    The package recognises torchmetrics' gather when ``torchmetrics.utilities.distributed`` is imported (its
+    post-import hook), so an unrecognised torchmetrics fails *this* import, not the package's.
+    """
+    from torchmetrics_gradpatch import UnsupportedVersionError
+
+    try:
+        import torchmetrics  # noqa: F401
+    except UnsupportedVersionError as err:
+        return refusal_message(err)
+    return None
+
+
 def _status(args: argparse.Namespace) -> int:
-    import torchmetrics  # noqa: F401 - so the status shows where the patch is applied, not "when imported"
+    refusal = _import_torchmetrics()  # so the status shows where the patch is applied, not "when imported"
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return EXIT_CANNOT_RUN
 
     from torchmetrics_gradpatch import status
 
@@ -126,13 +148,16 @@ class _Progress:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self._done.set()
+        seconds = time.monotonic() - self._start
         if self._live:
             self._thread.join()
-            sys.stderr.write(f"\r{self._text} done in {time.monotonic() - self._start:.1f} s\n")
+            outcome = "done in" if exc_type is None else "FAILED after"
+            sys.stderr.write(f"\r{self._text} {outcome} {seconds:.1f} s\n")
         else:
-            sys.stderr.write(f"ranks finished in {time.monotonic() - self._start:.1f} s\n")
+            outcome = "ranks finished in" if exc_type is None else "ranks FAILED after"
+            sys.stderr.write(f"{outcome} {seconds:.1f} s\n")
         sys.stderr.flush()
 
 
@@ -160,6 +185,11 @@ def _rows(table: Iterator[tuple[str, str, str]]) -> list[str]:
 
 
 def _check(args: argparse.Namespace) -> int:
+    refusal = _import_torchmetrics()  # before the ranks start: each would refuse the same way, slower
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return EXIT_CANNOT_RUN
+
     from torchmetrics_gradpatch import _checks
     from torchmetrics_gradpatch.testing import RankError, spawn_ranks
 
