@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,21 +22,27 @@ EXAMPLE = ROOT / "examples" / "ddp_metric_loss.py"
 pytestmark = pytest.mark.skipif(Version(TORCH.base_version) < Version("2.0"), reason=f"torch {TORCH} < 2.0")
 
 
-def torchrun(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node 2 ...`` (this interpreter's torchrun), bounded in time."""
+def torchrun(*args: str, env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node N ...`` (this interpreter's torchrun), bounded in time.
+
+    torchrun runs in its own session; if it outlives the deadline, the whole session (torchrun, its ranks and
+    anything they spawned) is killed before the ``TimeoutExpired`` propagates, so nothing is left behind.
+    """
     script = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     command = [script] if script else [sys.executable, "-m", "torch.distributed.run"]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [*command, "--standalone", "--nproc-per-node", "2", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=ROOT,
-        timeout=240,
-        check=False,
-    )
+    argv = [*command, "--standalone", "--nproc-per-node", str(nproc), *args]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=ROOT, start_new_session=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def show(proc: subprocess.CompletedProcess[str]) -> str:
