@@ -94,6 +94,12 @@ def test_rank_one_fails(numbers):
         assert numbers == [1, 2, 4]
 
 
+@pytest.mark.ranks(1)
+def test_skipped_in_the_rank():
+    record_pid()
+    pytest.skip("not on this torch")
+
+
 @pytest.mark.ranks(2)
 def test_unpicklable_fixture(lock):
     record_pid()
@@ -214,11 +220,11 @@ def test_not_auto_loaded() -> None:
 def test_pass_fail_parametrize_class_and_fixtures(project: tuple[pytest.Pytester, Path]) -> None:
     pytester, pids = project
     path = _write(pytester, "test_cases.py", CASES)
-    result = pytester.runpytest_subprocess("-p", PLUGIN, "--strict-markers", "-p", "no:cacheprovider", path)
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "--strict-markers", "-rfs", "-p", "no:cacheprovider", path)
     out = result.stdout.str()
-    result.assert_outcomes(passed=5, failed=2)
-    # every rank really ran: 2 + 1 + 1 + 2 + 2 ranks, and each parametrized value reached its rank
-    assert len(_rank_pids(pids)) == 8
+    result.assert_outcomes(passed=5, failed=2, skipped=1)
+    # every rank really ran: 2 + 1 + 1 + 2 + 2 + 1 ranks, and each parametrized value reached its rank
+    assert len(_rank_pids(pids)) == 9
     assert {p.name for p in pids.iterdir() if not p.name.isdigit()} == {"value2", "value3"}
     # a failed assert: the rank's number, its traceback, pytest's own comparison explanation
     result.stdout.fnmatch_lines(
@@ -233,6 +239,8 @@ def test_pass_fail_parametrize_class_and_fixtures(project: tuple[pytest.Pytester
     )
     # the fixture that cannot be pickled is named, and no rank was started for it
     result.stdout.fnmatch_lines(["*fixture 'lock' cannot be sent to the ranks*cannot be pickled*"])
+    # pytest.skip() in the ranks skips the test, with the reason
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] tests/test_cases.py:*: rank 0 of 1: not on this torch"])
     assert "test_unpicklable_fixture" in out and "FAILED tests/test_cases.py::test_unpicklable_fixture" in out
 
 

@@ -100,13 +100,17 @@ def _pickled_or_fail(values: dict[str, Any], what: str, item: pytest.Function) -
         try:
             pickle.dumps(value)
         except Exception as err:
-            pytest.fail(
-                f"{item.nodeid}: {what} {name!r} cannot be sent to the ranks: its value {type(value).__name__} "
-                f"cannot be pickled ({type(err).__name__}: {err}). Ranks get fixture values pickled from the pytest "
-                f"process; return something picklable (a path, numbers, tensors) or build the object in the test "
-                f"body.",
-                pytrace=False,
-            )
+            problem = f"{type(err).__name__}: {err}"
+        else:
+            continue
+        pytest.fail(  # outside the except block: the pickling traceback is noise here
+            f"{item.nodeid}: {what} {name!r} cannot be sent to the ranks: its value {type(value).__name__} "
+            f"cannot be pickled ({problem}). Ranks get fixture values pickled from the pytest "
+            f"process: return something picklable (a path, numbers, tensors) or build the object in the test "
+            f"body. A fixture needed only for what it does in the pytest process (monkeypatch.setenv: the ranks "
+            f"inherit the environment) can be requested with @pytest.mark.usefixtures or by another fixture.",
+            pytrace=False,
+        )
     return pickle.dumps(values)
 
 
@@ -160,6 +164,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         failure = error
     else:
         return True
+    primary = failure.reports.get(failure.rank)
+    if isinstance(primary, _RankReport) and primary.outcome == "skipped":
+        # reported at the test's own location, as a skip inside the test would be
+        raise pytest.skip.Exception(f"rank {failure.rank} of {n}: {primary.reason}", _use_item_location=True)
+    if isinstance(primary, _RankReport) and primary.outcome == "xfailed":
+        pytest.xfail(f"rank {failure.rank} of {n}: {primary.reason}")
     details, headline = failure.details, ""
     for rank, report in failure.reports.items():
         if isinstance(report, _RankReport):
@@ -187,6 +197,8 @@ class _RankReport:
     text: str
     raw: str | None = None
     comparisons: dict[int, bytes | None] = field(default_factory=dict)
+    outcome: str = "failed"  # or "skipped" / "xfailed": the rank called pytest.skip() / pytest.xfail()
+    reason: str = ""
 
     def _message(self, explain: Callable[[str, object, object], str | None] | None) -> str:
         from _pytest.assertion.util import format_explanation
@@ -386,6 +398,9 @@ def _run_in_rank(spec: _RankTest) -> None:
     kwargs = pickle.loads(spec.kwargs)
     try:
         function(**kwargs)
+    except (pytest.skip.Exception, pytest.xfail.Exception) as outcome:
+        kind = "xfailed" if isinstance(outcome, pytest.xfail.Exception) else "skipped"
+        raise _RankFailedError(_RankReport(f"{kind}: {outcome.msg}", outcome=kind, reason=str(outcome.msg))) from None
     except BaseException as error:
         if error.__traceback__ is not None:  # drop this frame: the traceback starts in the test, as in pytest
             error = error.with_traceback(error.__traceback__.tb_next)
