@@ -246,3 +246,46 @@ def run_all(subgroup_ranks: list[int] | None = None) -> dict[str, Any]:
             out["subgroup"] = {case: run_gather_case(case, group) for case in ("equal", "uneven_rows", "scalar")}
         dist.barrier()
     return out
+
+
+def uneven_gather_warnings() -> dict[str, Any]:
+    """The warnings of one uneven gather (rows differ per rank) by every path; every rank runs every path alike.
+
+    torchmetrics before 1.6 slices uneven results with a list, which torch >= 2.8 deprecates with a warning at
+    every call; the package's gather must not warn. The unpatched call is the control that this path is the one
+    that warns. Global-mode calls use a tensor without grad, so no backward collective is left pending.
+    """
+    rank = dist.get_rank()
+    x = torch.ones(2 + rank, 3, dtype=torch.float64, requires_grad=True)
+
+    def unpatched() -> list[torch.Tensor]:
+        torchmetrics_gradpatch.unpatch()
+        try:
+            return list(tm_dist.gather_all_tensors(x))
+        finally:
+            torchmetrics_gradpatch.patch()
+
+    def through(mode: str) -> Callable[[], list[torch.Tensor]]:
+        def call() -> list[torch.Tensor]:
+            with torchmetrics_gradpatch.patched(mode=mode):
+                return list(tm_dist.gather_all_tensors(x if mode == "local" else x.detach()))
+
+        return call
+
+    paths: dict[str, Callable[[], list[torch.Tensor]]] = {
+        "direct, local": lambda: torchmetrics_gradpatch.gather_all_tensors(x),
+        "direct, global": lambda: torchmetrics_gradpatch.gather_all_tensors(x.detach(), mode="global"),
+        "torchmetrics' function, local": through("local"),
+        "torchmetrics' function, global": through("global"),
+        "unpatched": unpatched,
+    }
+    out: dict[str, Any] = {}
+    for name, call in paths.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = call()
+        out[name] = {
+            "warnings": [str(w.message) for w in caught],
+            "shapes": [tuple(t.shape) for t in result],
+        }
+    return out

@@ -100,11 +100,14 @@ def unpatched_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tens
         return list(torchmetrics_gather()(tensor, group))
 
 
-def patched_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """torchmetrics' gather inside a ``patched()`` block."""
+def patched_gather(tensor: torch.Tensor, group: Any = None, mode: str = "local") -> list[torch.Tensor]:
+    """torchmetrics' gather inside a ``patched(mode=mode)`` block (every rank must use the same mode)."""
     import torchmetrics_gradpatch as tmgp
+    from torchmetrics_gradpatch import _engine
 
-    with tmgp.patched(), warnings.catch_warnings():
+    with tmgp.patched(mode=mode), warnings.catch_warnings():
+        if not _engine.installed():
+            raise AssertionError(f"patched(mode={mode!r}) installed nothing: patched and unpatched would be the same")
         warnings.simplefilter("error")  # the patched gather must not warn
         return list(torchmetrics_gather()(tensor, group))
 
@@ -180,8 +183,14 @@ def make_tensor(shape: tuple[int, ...], dtype_name: str, seed: int, contiguous: 
     return view
 
 
-def check_example(example: Example, subgroup: Any) -> list[str]:
-    """Run one example on this rank; return the problems found (empty when all is well)."""
+def check_example(example: Example, subgroup: Any, mode: str = "local") -> list[str]:
+    """Run one example on this rank; return the problems found (empty when all is well).
+
+    ``mode="local"``: upstream 1.6 semantics, only the local entry carries a graph and it is the caller's tensor.
+    ``mode="global"`` (every rank alike): the same values, every entry an output of the global node when the
+    tensors require grad, and the gradient of rank ``j``'s tensor summed over the group's ranks.
+    """
+    glob = mode == "global"
     rank, world = dist.get_rank(), dist.get_world_size()
     members = list(range(1, world)) if example.subgroup else list(range(world))
     if rank not in members:
@@ -198,9 +207,10 @@ def check_example(example: Example, subgroup: Any) -> list[str]:
     reference = unpatched_gather(x.detach(), group)
     if example.no_grad:
         with torch.no_grad():
-            out = patched_gather(x, group)
+            out = patched_gather(x, group, mode)
     else:
-        out = patched_gather(x, group)
+        out = patched_gather(x, group, mode)
+    graph = example.requires_grad and not example.no_grad
 
     if len(out) != len(members):
         return [f"{len(out)} entries for a group of {len(members)}"]
@@ -211,10 +221,10 @@ def check_example(example: Example, subgroup: Any) -> list[str]:
             problems.append(f"entry {i} differs from the unpatched gather: {got!r} vs {ref!r}")
         if not same_bits(got, want):
             problems.append(f"entry {i} differs from rank {members[i]}'s tensor")
-        if got.requires_grad:
-            problems.append(f"entry {i} (not local) requires grad")
+        if got.requires_grad != (glob and graph):
+            problems.append(f"entry {i} (not local) requires_grad is {got.requires_grad} in {mode} mode")
     local = out[index]
-    if x.is_contiguous():
+    if x.is_contiguous() and not glob:
         if local is not x:
             problems.append(f"local entry {index} is not the caller's tensor")
     elif not same_bits(local, x):
@@ -223,7 +233,8 @@ def check_example(example: Example, subgroup: Any) -> list[str]:
         problems.append("the unpatched gather's own local entry differs from the caller's tensor")
 
     if example.requires_grad and not example.no_grad:
-        # loss = sum_i (i + 1) * out[i].sum(): only the local entry carries a graph, so d loss / d x = index + 1.
+        # loss = sum_i (i + 1) * out[i].sum(). Local mode: only the local entry carries a graph, so d loss / d x is
+        # index + 1. Global mode: every member's loss sends its (index + 1) back, so the group size times that.
         loss = sum(
             ((i + 1) * entry.real.sum() if entry.is_complex() else (i + 1) * entry.sum()) for i, entry in enumerate(out)
         )
@@ -231,9 +242,10 @@ def check_example(example: Example, subgroup: Any) -> list[str]:
             problems.append("the loss has no graph")
         else:
             loss.backward()
-            want_grad = torch.full_like(x, index + 1)
+            want = (len(members) if glob else 1) * (index + 1)
+            want_grad = torch.full_like(x, want)
             if x.grad is None or not same_bits(x.grad, want_grad):
-                problems.append(f"grad {x.grad!r}, expected {index + 1} everywhere")
+                problems.append(f"grad {x.grad!r}, expected {want} everywhere")
     return problems
 
 
@@ -250,8 +262,11 @@ def _consensus(example: Example, problems: list[str]) -> None:
         raise AssertionError(f"ranks {failed} failed {example}; this rank: {problems or 'ok'}")
 
 
-def run_properties(max_examples: int, empty_gathers_work: bool = True) -> dict[str, Any]:
-    """Hypothesis inside the rank: derandomized, no database, so every rank runs the same examples in order."""
+def run_properties(max_examples: int, empty_gathers_work: bool = True, mode: str = "local") -> dict[str, Any]:
+    """Hypothesis inside the rank: derandomized, no database, so every rank runs the same examples in order.
+
+    ``mode`` is the gradient mode of the patched side (the same on every rank).
+    """
     from hypothesis import HealthCheck, assume, given, settings
     from hypothesis import strategies as st
 
@@ -297,7 +312,7 @@ def run_properties(max_examples: int, empty_gathers_work: bool = True) -> dict[s
     @given(examples())
     def property_holds(example: Example) -> None:
         try:
-            problems = check_example(example, subgroup)
+            problems = check_example(example, subgroup, mode)
         except Exception as err:  # a local failure must still reach the consensus step
             problems = [f"raised {err!r}"]
         _consensus(example, problems)
@@ -357,14 +372,20 @@ def _state_differences(before: dict[str, Any], after: dict[str, Any]) -> list[st
     return out
 
 
-def run_stress(gathers: int, min_ops: int, threads: int = 8) -> dict[str, Any]:
+def run_stress(gathers: int, min_ops: int, threads: int = 8, mode: str = "local") -> dict[str, Any]:
     """Toggle from ``threads`` threads (at least ``min_ops`` calls in all) while gathering ``gathers`` times.
 
     Needs ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` in the environment, so the state seen first is torchmetrics'
     own. The main thread issues exactly ``gathers`` gathers on every rank (the collectives stay in lockstep);
     the toggling threads issue none.
+
+    ``mode="global"``: the threads toggle ``patch("global")`` and ``patched(mode="global")``, which install the
+    trampoline on every torchmetrics (local mode installs nothing on native torchmetrics). The global mode's
+    collectives differ from the unpatched gather's, and each rank's threads toggle on their own, so then each
+    rank gathers over a group of its own (one rank): the patch state can never differ across a group.
     """
     import torchmetrics_gradpatch as tmgp
+    from torchmetrics_gradpatch import _engine
 
     assert not tmgp.is_patched(), "run_stress expects TORCHMETRICS_GRADPATCH_AUTOPATCH=0"
     before = _original_state()
@@ -372,6 +393,12 @@ def run_stress(gathers: int, min_ops: int, threads: int = 8) -> dict[str, Any]:
     stop = threading.Event()
     errors: list[str] = []
     ops = [0] * threads
+    installed_seen = [0] * threads  # blocks that saw the trampoline installed: the toggling really swapped code
+    world = dist.get_world_size()
+    solo = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates every group, in order
+    group = solo[rank] if mode == "global" else None
+    members = [rank] if mode == "global" else list(range(world))
+    index = members.index(rank)
 
     def toggler(t: int) -> None:
         rng = random.Random(rank * 1000 + t)
@@ -379,19 +406,20 @@ def run_stress(gathers: int, min_ops: int, threads: int = 8) -> dict[str, Any]:
             while not stop.is_set() or sum(ops) < min_ops:
                 choice = rng.randrange(5)
                 if choice == 0:
-                    tmgp.patch()
+                    tmgp.patch(mode)
                 elif choice == 1:
                     tmgp.unpatch()
                 elif choice == 2:
-                    with tmgp.patched():
+                    with tmgp.patched(mode=mode):
                         if not tmgp.is_patched():
                             errors.append("is_patched() False inside a block")
+                        installed_seen[t] += _engine.installed()
                 elif choice == 3:
-                    with tmgp.patched(), tmgp.patched():
+                    with tmgp.patched(mode=mode), tmgp.patched():
                         pass
                 else:
                     try:
-                        with tmgp.patched():
+                        with tmgp.patched(mode=mode):
                             raise KeyError("inside")
                     except KeyError:
                         pass
@@ -406,7 +434,6 @@ def run_stress(gathers: int, min_ops: int, threads: int = 8) -> dict[str, Any]:
         worker.start()
     gather = torchmetrics_gather()
     graphs_kept = 0
-    world = dist.get_world_size()
     try:
         for step in range(gathers):
             # Uneven on odd steps, so both paths of the gather run under contention.
@@ -417,20 +444,25 @@ def run_stress(gathers: int, min_ops: int, threads: int = 8) -> dict[str, Any]:
                 warnings.simplefilter("ignore")
                 if in_block:
                     with tmgp.patched():
-                        out = gather(x)
+                        out = gather(x, group)
                 else:
-                    out = gather(x)
-            for r, entry in enumerate(out):
+                    out = gather(x, group)
+            if len(out) != len(members):
+                errors.append(f"step {step}: {len(out)} entries for {len(members)} ranks")
+                continue
+            for r, entry in zip(members, out, strict=True):
                 want_rows = 3 + (r if step % 2 else 0)
                 want = torch.arange(want_rows * 2, dtype=torch.float64).reshape(want_rows, 2).add(r * 100)
                 if not torch.equal(entry.detach(), want):
                     errors.append(f"step {step}: entry {r} has wrong values")
             if in_block:
-                if out[rank] is not x:
+                # local mode: the caller's own tensor; global mode (a group of one): an output of the node
+                kept = out[index] is x if mode == "local" else out[index].requires_grad
+                if not kept:
                     errors.append(f"step {step}: graph lost inside a patched() block")
                 else:
                     graphs_kept += 1
-                    (out[rank] * 2).sum().backward()
+                    (out[index] * 2).sum().backward()
                     if not torch.equal(x.grad, torch.full_like(x, 2.0)):  # type: ignore[arg-type]
                         errors.append(f"step {step}: wrong gradient inside a block")
     finally:
@@ -444,6 +476,7 @@ def run_stress(gathers: int, min_ops: int, threads: int = 8) -> dict[str, Any]:
         "rank": rank,
         "world": world,
         "ops": sum(ops),
+        "installed_seen": sum(installed_seen),
         "graphs_kept": graphs_kept,
         "errors": errors[:20] + ([f"... {len(alive)} threads still alive"] if alive else []),
         "state_differences": _state_differences(before, after),
@@ -536,13 +569,16 @@ def port_check(tag: int) -> tuple[int, int, int, float]:
     return tag, rank, world, float(value)
 
 
-def properties_catch_a_broken_gather(max_examples: int) -> str:
+def properties_catch_a_broken_gather(max_examples: int, mode: str = "local") -> str:
     """Run the property test against a gather that puts the local entry at the *global* rank (wrong in a
     subgroup, upstream's own pitfall); return the failure hypothesis reports, or ``"not caught"``."""
-    from torchmetrics_gradpatch import _engine, _gather
+    from torchmetrics_gradpatch import _engine
+
+    # what the trampoline dispatches to: the engine's module-level name, looked up at every call
+    correct = _engine.gather_all_tensors  # type: ignore[attr-defined]
 
     def broken(result: torch.Tensor, group: Any = None, **kwargs: Any) -> list[torch.Tensor]:
-        out = _gather.gather_all_tensors(result, group, **kwargs)
+        out: list[torch.Tensor] = correct(result, group, **kwargs)
         index = dist.get_rank()  # the bug: not dist.get_rank(group)
         if index < len(out):
             out[index] = result.contiguous()
@@ -550,7 +586,7 @@ def properties_catch_a_broken_gather(max_examples: int) -> str:
 
     _engine.gather_all_tensors = broken  # type: ignore[attr-defined]  # what the trampoline dispatches to
     try:
-        run_properties(max_examples)
+        run_properties(max_examples, mode=mode)
     except AssertionError as err:
         return str(err)
     return "not caught"
