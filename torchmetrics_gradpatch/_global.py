@@ -153,14 +153,15 @@ class _GlobalGather(torch.autograd.Function):
         dist.all_to_all_single(received, send.contiguous(), receive_splits, send_splits, group=ctx.group)
         if not ctx.needs_input_grad[0]:  # this rank's tensor had no graph: it only had to take part
             return None, None, None, None, None
-        if len(shapes) == 1:  # a world of one: nothing was received
-            others = torch.zeros(mine, dtype=ctx.dtype, device=ctx.device)
-        elif len(shapes) == 2:
-            others = received
-        else:
-            others = received.view(len(shapes) - 1, mine).sum(dim=0)
         own = grads[rank]
-        total = others.view(shapes[rank]) if own is None else own + others.view(shapes[rank])
+        if len(shapes) == 1:  # a world of one: nothing was received
+            total = torch.zeros(shapes[rank], dtype=ctx.dtype, device=ctx.device) if own is None else own
+            return total, None, None, None, None
+        # ``received`` and the sum are this function's own buffers: add the own gradient into them in place
+        others = received if len(shapes) == 2 else received.view(len(shapes) - 1, mine).sum(dim=0)
+        total = others.view(shapes[rank])
+        if own is not None:
+            total.add_(own)
         return total, None, None, None, None
 
 
