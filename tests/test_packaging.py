@@ -137,3 +137,12 @@ def test_changelog_has_an_entry_for_the_version_in_keep_a_changelog_layout() -> 
         assert name == "Unreleased" or re.fullmatch(r" - (\d{4}-\d{2}-\d{2}|Unreleased)", rest), (name, rest)
     sections = set(re.findall(r"^### (.+)$", text, flags=re.M))
     assert sections <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, sections
+
+
+def test_lint_runs_actionlint_on_every_workflow() -> None:
+    """tox's lint environment names the workflow files (actionlint finds none by itself outside a git checkout)."""
+    tox = (ROOT / "tox.ini").read_text()
+    (command,) = [line.strip() for line in tox.splitlines() if line.strip().startswith("actionlint ")]
+    named = {word for word in command.split() if word.startswith(".github/workflows/")}
+    workflows = {p.relative_to(ROOT).as_posix() for p in (ROOT / ".github" / "workflows").glob("*.y*ml")}
+    assert workflows and named == workflows, f"lint checks {sorted(named)}, the workflows are {sorted(workflows)}"
