@@ -21,3 +21,10 @@ def test_docs_example_passes_on_two_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_my_metric=EXAMPLE.read_text())
     result = pytester.runpytest_subprocess("-p", "torchmetrics_gradpatch.pytest_plugin", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_the_docs_quote_this_very_file() -> None:
+    """docs/testing-your-metrics.md shows the example verbatim, so what users read is what this module runs."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "testing-your-metrics.md").read_text()
+    quoted = page.split("<!-- docs-example:begin -->\n```python\n", 1)[1].split("```\n<!-- docs-example:end -->", 1)[0]
+    assert quoted == EXAMPLE.read_text()
