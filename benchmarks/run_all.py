@@ -4,19 +4,24 @@
     python benchmarks/run_all.py --quick    # fewer rounds, for a smoke test
     python benchmarks/run_all.py --skip-native   # without the second environment
 
-Every comparison is a ratio measured side by side in this one run, interleaved A B A B, and reported as the
-median with its spread (25th-75th percentile of the per-round ratios, and min-max). Each target is checked
+Every comparison is a ratio measured side by side in this one run, in rounds that alternate their order (A B, then
+B A, so neither side always runs first), and reported as the median with its spread (25th-75th percentile of the
+per-round ratios, min-max, and the 95% confidence interval of the median). Each target is checked
 against the median and the verdict is written as measured -- a missed target says MISSED, and nothing here is
 tuned to make a number pass.
 
 * ``gather``: torchmetrics' own ``gather_all_tensors`` with the patch off (A) and on (B), on 2 and 3 spawned
   gloo ranks, for a scalar, 1k, 64k and 1M float32 elements and an uneven (rows differ per rank) shape.
   Target B/A <= 1.02.
+* ``trampoline``: the trampoline's own cost per call, in µs, in a one-rank gloo group: torchmetrics' function
+  through the trampoline against the package's local gather called directly, and the same pair with a no-op
+  gather behind both (the difference is the trampoline and ``dispatch`` alone). Reported beside the gather times.
 * ``native``: torchmetrics 1.5.x patched (this environment) against native torchmetrics >= 1.6 on the same torch
-  (a second environment, created by ``_envs.py``), whole runs alternated A B A B. Target <= 1.02.
+  (a second environment, created by ``_envs.py``), whole runs alternated A B / B A. Target <= 1.02.
 * ``toggle``: ``with patched(): pass`` against one scan of every loaded module's namespace (what freezegun
   does at each start). Target <= 1 %.
-* ``import``: ``import torchmetrics_gradpatch`` against ``import torchmetrics``, fresh interpreters. Target <= 1.05.
+* ``import``: ``import torchmetrics_gradpatch`` against ``import torchmetrics``, fresh interpreters, the order of
+  the three imports reversed every other round. Target <= 1.05.
 * ``memory``: peak and retained RSS of a patched vs unpatched gather of a large uneven tensor.
 * ``global``: ``benchmarks/bench_global.py``'s ``main()``, when that file exists (another issue's benchmark).
 """
@@ -123,8 +128,9 @@ def bench_native(rounds: int, per_run: int) -> dict[str, Any]:
     log(f"native: {probe_a} (patched) vs {probe_b} (native), {rounds} alternated runs of 2 ranks")
     per_case: dict[str, dict[str, list[float]]] = {c: {"patched": [], "native": []} for c in GATHER_CASES}
     builds = {}
-    for _ in range(rounds):
-        for label, python in (("patched", sys.executable), ("native", native_python)):
+    sides = (("patched", sys.executable), ("native", native_python))
+    for round_ in range(rounds):  # A B, then B A: neither environment always runs first
+        for label, python in sides[:: 1 if round_ % 2 == 0 else -1]:
             raw = worker(python, "shipped", {"world_size": 2, "rounds": per_run, "cases": GATHER_CASES})
             builds[label] = {"torch": raw["torch"], "torch_git": raw["torch_git"], "torchmetrics": raw["torchmetrics"]}
             for name in GATHER_CASES:
@@ -140,6 +146,21 @@ def bench_native(rounds: int, per_run: int) -> dict[str, Any]:
         for name in GATHER_CASES
     }
     return out
+
+
+def bench_trampoline(rounds: int, calls: int) -> dict[str, Any]:
+    log(f"trampoline: torchmetrics' function through the trampoline vs the gather called directly, {rounds} rounds")
+    raw = worker(sys.executable, "trampoline", {"rounds": rounds, "calls": calls})
+    us = {name: [t * 1e6 for t in raw[name]] for name in ("through", "direct", "noop_through", "noop_direct")}
+    return {
+        "calls_per_round": raw["calls"],
+        "gather_through_us": spread(us["through"]),
+        "gather_direct_us": spread(us["direct"]),
+        "gather_difference_us": spread([a - b for a, b in zip(us["through"], us["direct"], strict=True)]),
+        "noop_through_us": spread(us["noop_through"]),
+        "noop_direct_us": spread(us["noop_direct"]),
+        "trampoline_us": spread([a - b for a, b in zip(us["noop_through"], us["noop_direct"], strict=True)]),
+    }
 
 
 def bench_toggle(rounds: int, toggles: int) -> dict[str, Any]:
@@ -168,8 +189,9 @@ def bench_import(rounds: int) -> dict[str, Any]:
     log(f"import: fresh interpreters, {rounds} interleaved rounds of {len(IMPORTS)}")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     times: dict[str, list[float]] = {name: [] for name in IMPORTS}
-    for _ in range(rounds + 1):  # the first round warms the page cache and is dropped
-        for name, stmt in IMPORTS.items():
+    order = list(IMPORTS.items())
+    for round_ in range(rounds + 1):  # the first round warms the page cache and is dropped
+        for name, stmt in order[:: 1 if round_ % 2 == 0 else -1]:  # reversed every other round
             proc = subprocess.run(
                 [sys.executable, "-c", _IMPORT_SNIPPET.format(stmt=stmt)],
                 capture_output=True,
@@ -312,6 +334,22 @@ def markdown(results: dict[str, Any]) -> str:
         ms = [f"{results['gather']['world2'][c]['unpatched_ms']['median']:.3f}" for c in GATHER_CASES]
         lines.append("| (2 ranks, unpatched ms) | " + " | ".join(ms) + " |")
         lines.append("")
+    trampoline = results.get("trampoline")
+    if trampoline and "trampoline_us" in trampoline:
+        own, diff = trampoline["trampoline_us"], trampoline["gather_difference_us"]
+        beside = ""
+        if "world2" in results.get("gather", {}):
+            scalar_us = results["gather"]["world2"]["scalar"]["unpatched_ms"]["median"] * 1e3
+            beside = f", {100 * own['median'] / scalar_us:.2f}% of the 2-rank scalar gather above ({scalar_us:.0f} µs)"
+        lines += [
+            f"Trampoline, per call (µs, medians of {own['n']} rounds of {trampoline['calls_per_round']} calls, "
+            "one-rank gloo group, scalar): its own cost (a no-op gather behind it, minus that no-op called directly) "
+            f"{own['median']:.2f} µs (95% CI {own['ci95_lo']:.2f}-{own['ci95_hi']:.2f}){beside}. With the real local "
+            f"gather: {trampoline['gather_through_us']['median']:.1f} µs through torchmetrics' function vs "
+            f"{trampoline['gather_direct_us']['median']:.1f} µs called directly (difference {diff['median']:.1f} µs, "
+            f"95% CI {diff['ci95_lo']:.1f} to {diff['ci95_hi']:.1f}).",
+            "",
+        ]
     native = results.get("native", {})
     if "sizes" in native:
         env_b = native["environments"]["native"]
@@ -391,14 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke test; figures are noisier)")
     parser.add_argument("--skip-native", action="store_true", help="skip the second-environment comparison")
-    parser.add_argument("--only", nargs="*", help="run only these sections (gather native toggle import memory global)")
+    parser.add_argument(
+        "--only", nargs="*", help="run only these sections (gather trampoline native toggle import memory global)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for latest.json/.md/.png")
     parser.add_argument(
         "--update-readme", action="store_true", help="put latest.md between the README's perf-figures markers"
     )
     opts = parser.parse_args(argv)
     quick = opts.quick
-    wanted = set(opts.only or ["gather", "native", "toggle", "import", "memory", "global"])
+    wanted = set(opts.only or ["gather", "trampoline", "native", "toggle", "import", "memory", "global"])
     if opts.skip_native:
         wanted.discard("native")
 
@@ -415,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     sections = {
         "gather": lambda: bench_gather(rounds=8 if quick else 80),
+        "trampoline": lambda: bench_trampoline(rounds=10 if quick else 60, calls=200 if quick else 2000),
         "native": lambda: bench_native(rounds=2 if quick else 6, per_run=5 if quick else 9),
         "toggle": lambda: bench_toggle(rounds=10 if quick else 40, toggles=2000),
         "import": lambda: bench_import(rounds=3 if quick else 12),
