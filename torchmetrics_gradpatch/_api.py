@@ -195,7 +195,7 @@ def _unwrap(obj: Any) -> Any:
 
 
 def _references(function: Any) -> dict[str, bool]:
-    """Check the paths torchmetrics itself uses to reach its gather (see ``../shared/FACTS.md``)."""
+    """Check the paths torchmetrics itself uses to reach its gather (``docs/design.md`` lists them)."""
     found: dict[str, bool] = {}
     distributed = sys.modules.get(_engine.TARGET_MODULE)
     if distributed is not None:

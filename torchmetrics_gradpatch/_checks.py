@@ -150,8 +150,8 @@ def rank_main(mode: str | None = None) -> tuple[dict[str, Any], dict[str, Outcom
 
     from torchmetrics_gradpatch import patched, status
 
-    # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (FACTS.md); that noise would bury the
-    # table when the checks run unpatched. The patched gather does not warn.
+    # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (tests/test_engine.py shows it); that noise
+    # would bury the table when the checks run unpatched. The patched gather does not warn.
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence", category=UserWarning)
     rank = dist.get_rank()
     outcomes: dict[str, Outcome] = {}

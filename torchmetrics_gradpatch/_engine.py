@@ -8,10 +8,11 @@ by ``Metric.sync``), the default argument of ``Metric._sync_dist`` (bound when t
 whatever user code holds: ``from ... import gather_all_tensors`` aliases, ``functools.partial`` objects,
 metrics built with ``dist_sync_fn=gather_all_tensors``. All of them hold the *same function object*.
 
-Two designs were measured on this project's machines (figures in ``../shared/FACTS.md``):
+Two designs were measured on this project's machines (``docs/design.md``; ``benchmarks/run_all.py``'s toggle
+section re-measures the module scan against a ``patched()`` block):
 
 * Replace the object wherever it is referenced (the freezegun way, or a ``wrapt`` wrapper assigned to each
-  attribute): one scan of every loaded module costs about 1.9 ms, ``gc.get_referrers`` about 12.5 ms, and
+  attribute): one scan of every loaded module costs milliseconds, ``gc.get_referrers`` about ten times that, and
   neither reaches a ``partial`` or a default-argument tuple without walking the whole heap.
 * Change the function object itself (the time-machine way): its ``__code__`` is swapped for a two-line
   trampoline into this package. Every holder of the object sees the change at once, at O(1): under a
@@ -45,7 +46,10 @@ recomputed under the lock at every change and read, lock-free, by :func:`dispatc
 What is installed: on torchmetrics before 1.6 the trampoline goes in whenever the patch is in force. On
 native torchmetrics (1.6.0 and newer) the local mode installs **nothing** -- torchmetrics' own gather already
 has these semantics -- while the global mode installs the trampoline like anywhere else, because no
-torchmetrics has a global-mode backward; it comes out again as soon as the mode is back to local.
+torchmetrics has a global-mode backward; it comes out again as soon as the mode is back to local. On native
+torchmetrics the gather is not even looked at (recognised) until the global mode is wanted, so a future
+torchmetrics whose gather this package does not know imports fine in local mode, and ``patch(mode="global")``
+refuses it with :class:`UnsupportedVersionError`, changing nothing.
 
 torchmetrics need not be imported yet: a ``wrapt`` post-import hook recognises and patches
 ``torchmetrics.utilities.distributed`` the moment it is imported.
