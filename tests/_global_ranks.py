@@ -396,6 +396,13 @@ def run_agreement(world_size: int) -> dict[str, Any]:
     return out
 
 
+def mixed_modes() -> list[tuple[int, ...]]:
+    """Rank 0 gathers in local mode, the others in global mode: their collectives do not match."""
+    rank = dist.get_rank()
+    x = gather_input("uneven_rows", rank)
+    return [tuple(t.shape) for t in gather_all_tensors(x, mode="local" if rank == 0 else "global")]
+
+
 def skip_backward(hang_seconds: float) -> str:
     """Rank 1 gathers in global mode but never runs backward; rank 0 does, and waits for rank 1 forever."""
     rank = dist.get_rank()

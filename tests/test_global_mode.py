@@ -340,6 +340,17 @@ def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
     assert "skip_backward" in err.details and "backward" in err.details
 
 
+def test_ranks_in_different_modes_wait_until_the_timeout() -> None:
+    """What the README says of mixing modes: the forward collectives differ, nothing detects it, the ranks wait.
+
+    (Local mode must keep the unpatched gather's collectives, so it cannot carry a mode check.)
+    """
+    with pytest.raises(RankError) as caught:
+        spawn_ranks(ranks.mixed_modes, 2, timeout=20)
+    assert caught.value.reason == "timed out", caught.value
+    assert "gather_local" in caught.value.details or "gather_global" in caught.value.details, caught.value
+
+
 # ------------------------------------------------------------------------------------------- mode plumbing
 
 
