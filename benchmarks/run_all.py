@@ -269,7 +269,11 @@ def machine() -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the figures and the report do not need it
+        log(f"matplotlib is not installed: no {path.name}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
