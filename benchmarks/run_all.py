@@ -415,18 +415,18 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(report: str) -> None:
-    """Replace the text between ``<!-- perf-figures:begin -->`` and ``<!-- perf-figures:end -->`` in README.md."""
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+def update_docs(report: str) -> None:
+    """Put ``report`` between the ``perf-figures`` begin and end markers of docs/performance.md."""
+    page = ROOT / "docs" / "performance.md"
+    text = page.read_text()
     begin, end = "<!-- perf-figures:begin -->", "<!-- perf-figures:end -->"
     if begin not in text or end not in text:
-        log("README.md has no perf-figures markers; not updated")
+        log("docs/performance.md has no perf-figures markers; not updated")
         return
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{begin}\n{report}\n{end}{tail}")
-    log("updated README.md (Performance figures)")
+    page.write_text(f"{head}{begin}\n{report}\n{end}{tail}")
+    log("updated docs/performance.md (latest figures)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for latest.json/.md/.png")
     parser.add_argument(
-        "--update-readme", action="store_true", help="put latest.md between the README's perf-figures markers"
+        "--update-docs",
+        action="store_true",
+        help="put latest.md into docs/performance.md",
     )
     opts = parser.parse_args(argv)
     quick = opts.quick
@@ -446,13 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     if opts.skip_native:
         wanted.discard("native")
 
-    shown: list[str] = []  # the command as run, without where its output went (--out DIR, --update-readme)
+    shown: list[str] = []  # the command as run, without where its output went (--out DIR, --update-docs)
     args = list(sys.argv[1:] if argv is None else argv)
     while args:
         arg = args.pop(0)
         if arg == "--out" and args:
             args.pop(0)
-        elif not arg.startswith(("--out", "--update-readme")):
+        elif not arg.startswith(("--out", "--update-docs")):
             shown.append(arg)
     command = " ".join(["python benchmarks/run_all.py", *shown])
     results: dict[str, Any] = {"command": command, "machine": machine()}
@@ -484,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(results)
     (opts.out / "latest.md").write_text(report + "\n")
     print(report)
-    if opts.update_readme:
-        update_readme(report)
+    if opts.update_docs:
+        update_docs(report)
     log(f"wrote {opts.out / 'latest.json'} in {results['seconds']} s")
     return 0
 

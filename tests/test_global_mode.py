@@ -418,6 +418,7 @@ def test_blocks_closing_out_of_order_across_threads(clean_state: None) -> None:
         assert tg.status().mode == "local"
         close.set()
         thread.join(10)
+        assert not thread.is_alive()
         assert tg.status().mode == "local"  # the older block closed first: the newer one still decides
     assert tg.status().mode == "local" and _engine._state.block_modes == []
 
@@ -485,3 +486,11 @@ def test_environment_variable_sets_the_import_time_mode() -> None:
     assert bad.returncode != 0
     assert "ValueError: TORCHMETRICS_GRADPATCH_MODE='sideways' is not a gradient mode" in bad.stderr
     assert "local, global" in bad.stderr
+
+
+def test_grad_mode_mismatch_error_is_public() -> None:
+    """Users catch the disagreement error by its public name; it is a RuntimeError like other collective errors."""
+    from torchmetrics_gradpatch import _global
+
+    assert tg.GradModeMismatchError is _global.GradModeMismatchError
+    assert issubclass(tg.GradModeMismatchError, RuntimeError) and "GradModeMismatchError" in tg.__all__

@@ -18,6 +18,7 @@ from torchmetrics_gradpatch._version import UnsupportedVersionError
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradModeMismatchError",
     "Status",
     "UnsupportedVersionError",
     "gather_all_tensors",
@@ -51,6 +52,7 @@ try:
         status,
         unpatch,
     )
+    from torchmetrics_gradpatch._global import GradModeMismatchError
     from torchmetrics_gradpatch._modes import gather_all_tensors
 
     _autopatch = autopatch_requested()
