@@ -15,8 +15,8 @@ section re-measures the module scan against a ``patched()`` block):
   attribute): one scan of every loaded module costs milliseconds, ``gc.get_referrers`` about ten times that, and
   neither reaches a ``partial`` or a default-argument tuple without walking the whole heap.
 * Change the function object itself (the time-machine way): its ``__code__`` is swapped for a two-line
-  trampoline into this package. Every holder of the object sees the change at once, at O(1): under a
-  microsecond, so ``with patched(): pass`` costs far less than 1% of one module scan.
+  trampoline into this package. Every holder of the object sees the change at once, at O(1): a
+  ``with patched(): pass`` block costs a few microseconds, far less than 1% of one module scan.
 
 We use the second. The function object, its ``__defaults__``, ``__globals__``, annotations and identity never
 change; only ``__code__`` is swapped while the patch is in force, and swapped back -- the very same code
