@@ -1,7 +1,7 @@
 """Shared pytest configuration.
 
-Do not import torch or torchmetrics_gradpatch at module level here: the torch1.13 tox environment loads this file
-too, and there ``import torchmetrics_gradpatch`` refuses by design.
+Do not import torch or torchmetrics_gradpatch at module level here, except through ``_ranks_plugin()``: the
+torch1.13 tox environment loads this file too, and there ``import torchmetrics_gradpatch`` refuses by design.
 """
 
 from __future__ import annotations
@@ -14,6 +14,23 @@ import time
 from pathlib import Path
 
 import pytest
+
+
+# --- the project's own tests use @pytest.mark.ranks (issue 13) ---------------------------------------------------
+# Loading the plugin imports the package (so the pytest process is patched from the start, as the test modules'
+# own imports made it anyway). On torch below 2.0 the import refuses: that environment runs only the refusal
+# and CLI tests, which never use the marker, so the plugin stays out there. Any other import error is raised.
+def _ranks_plugin() -> list[str]:
+    try:
+        import torchmetrics_gradpatch  # noqa: F401
+    except ImportError as error:
+        if type(error).__name__ != "UnsupportedVersionError":
+            raise
+        return []
+    return ["torchmetrics_gradpatch.pytest_plugin"]
+
+
+pytest_plugins = _ranks_plugin()
 
 # --- machine-readable result of a tox environment (issue 3) ------------------------------------------------------
 # tox.ini sets TMGP_RESULT_JSON=results/raw/<env>.json; scripts/compat_table.py turns those files into the README's
