@@ -2,14 +2,18 @@
 
 Hypothesis runs *inside* every rank (derandomized, no example database), so all ranks draw the same examples
 in the same order and issue the same collectives; each example ends with a consensus step, so a failure on one
-rank makes every rank fail (and shrink) together. Spawning costs seconds, so one spawn runs many examples.
+rank makes every rank fail (and shrink) together. Spawning costs seconds, so one spawn runs many examples: each
+test runs on its ranks through ``@pytest.mark.ranks`` (the package's pytest plugin, enabled in conftest.py).
 See ``tests/_reliability_ranks.py`` for what is drawn and checked.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from packaging.version import Version
 
 import torchmetrics_gradpatch as tmgp
@@ -39,32 +43,46 @@ def test_newer_torch_gathers_empty_tensors(empty_gathers_work: bool) -> None:
         assert empty_gathers_work
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+def worlds(timeout: float) -> list[Any]:
+    """World sizes 2 and 3, each case run on that many spawned ranks."""
+    return [pytest.param(n, marks=pytest.mark.ranks(n, timeout=timeout)) for n in (2, 3)]
+
+
+def every_rank(value: object) -> list[object]:
+    """Every rank's ``value``, in rank order (a collective: every rank calls it)."""
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+@pytest.mark.parametrize("world_size", worlds(150))
 def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) -> None:
-    seen = spawn_ranks(ranks.run_properties, world_size, args=(50, empty_gathers_work, MODE), timeout=150)
-    assert seen[0]["examples"] >= 50
+    seen = ranks.run_properties(50, empty_gathers_work, MODE)
+    assert seen["examples"] >= 50
     # the draws must actually cover the interesting cases, on every rank alike
-    assert all(s == seen[0] for s in seen)
-    assert seen[0]["uneven"] and seen[0]["zero_size"] and seen[0]["grad"] and seen[0]["subgroup"]
+    assert every_rank(seen) == [seen] * world_size
+    assert seen["uneven"] and seen["zero_size"] and seen["grad"] and seen["subgroup"]
     # the same spawn also checks that a non-tensor gives the unpatched error inside an initialised group
-    assert seen[0]["non_tensor_problems"] == []
+    assert seen["non_tensor_problems"] == []
     # Only bfloat16 and bool may be missing (older gloo); everything else must have been drawn from.
-    assert set(ranks.DTYPES) - set(seen[0]["dtypes"]) <= {"bfloat16", "bool"}
+    assert set(ranks.DTYPES) - set(seen["dtypes"]) <= {"bfloat16", "bool"}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", worlds(800))
 def test_patched_gather_properties_many(world_size: int, empty_gathers_work: bool) -> None:
     examples = sized(full=600, ci=120)
-    seen = spawn_ranks(ranks.run_properties, world_size, args=(examples, empty_gathers_work, MODE), timeout=800)
-    assert seen[0]["examples"] >= examples
-    assert all(s == seen[0] for s in seen)
+    seen = ranks.run_properties(examples, empty_gathers_work, MODE)
+    assert seen["examples"] >= examples
+    assert every_rank(seen) == [seen] * world_size
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.ranks(3, timeout=300)
 def test_the_property_test_catches_a_wrong_local_index() -> None:
     """The check can fail: a gather that uses the global rank instead of the group rank is caught (world 3)."""
-    caught = spawn_ranks(ranks.properties_catch_a_broken_gather, 3, args=(100, MODE), timeout=300)
-    assert all(message != "not caught" for message in caught), caught
-    assert "subgroup=True" in caught[0]
+    caught = ranks.properties_catch_a_broken_gather(100, MODE)
+    assert caught != "not caught"
+    assert "subgroup=True" in caught
