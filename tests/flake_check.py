@@ -3,9 +3,10 @@
     python tests/flake_check.py [--runs 20] [-- extra pytest args]
 
 No reruns: the rerunfailures plugin is disabled (``-p no:rerunfailures``), so a flaky test fails its run. The
-spawned-rank suite is every ``tests/test_*.py`` that starts ranks (``spawn_ranks`` or torchrun), without the tests
-marked slow; the Lightning test is not repeated here (it needs Lightning: ``tox -e lightning``). Stops at the first
-failing run; writes a summary to ``results/raw/flake.json`` and ends with a line "N passed, M failed" counting runs.
+spawned-rank suite is every ``tests/test_*.py`` that starts ranks (``spawn_ranks``, ``@pytest.mark.ranks`` or
+torchrun), without the tests marked slow; the Lightning test is not repeated here (it needs Lightning:
+``tox -e lightning``). Stops at the first failing run; writes a summary to ``results/raw/flake.json`` and ends with
+a line "N passed, M failed" counting runs.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-#: what marks a test file as starting real ranks: our runner, the Core DDP ranks, torchrun. (tests/test_lightning.py,
-#: Lightning's ddp_spawn, needs Lightning and has its own environment, `tox -e lightning`; it takes a minute a run.)
-SPAWN_MARKERS = ("spawn_ranks", "_ddp_ranks", "torchrun")
+#: what marks a test file as starting real ranks: our runner, the pytest plugin's marker, the Core DDP ranks, torchrun.
+#: (tests/test_lightning.py, Lightning's ddp_spawn, needs Lightning and has its own environment, `tox -e lightning`;
+#: it takes a minute a run.)
+SPAWN_MARKERS = ("spawn_ranks", "pytest.mark.ranks", "_ddp_ranks", "torchrun")
 
 
 def spawned_suite() -> list[str]:
