@@ -27,7 +27,6 @@ from torchmetrics import __version__ as tm_version
 
 import torchmetrics_gradpatch as tg
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch.testing import spawn_ranks
 
 FUNCTION = tm_dist.gather_all_tensors
 # On native torchmetrics (>= 1.6) local mode installs nothing by design; the global mode installs the same
@@ -296,20 +295,20 @@ def test_the_direct_gather_never_warns() -> None:
         assert tg.gather_all_tensors(x)[0] is x
 
 
+@pytest.mark.ranks(2, timeout=120)
 def test_the_uneven_gather_never_warns() -> None:
     """The uneven path (2 ranks, different rows) is the one torchmetrics < 1.6 warns on with torch >= 2.8."""
     from tests._ddp_ranks import uneven_gather_warnings
 
-    per_rank = spawn_ranks(uneven_gather_warnings, 2, timeout=120)
-    for rank, paths in enumerate(per_rank):
-        for name, seen in paths.items():
-            assert seen["shapes"] == [(2, 3), (3, 3)], (rank, name, seen)
-            if name != "unpatched":
-                assert seen["warnings"] == [], (rank, name, seen)
+    paths = uneven_gather_warnings()
+    for name, seen in paths.items():
+        assert seen["shapes"] == [(2, 3), (3, 3)], name
+        if name != "unpatched":
+            assert seen["warnings"] == [], name
     old_torchmetrics = Version(tm_version) < Version("1.6")
     if old_torchmetrics and Version(Version(torch.__version__).base_version) >= Version("2.8"):
         # the control: this really is the path that warns, so the empty lists above say something
-        assert any("non-tuple sequence" in w for w in per_rank[0]["unpatched"]["warnings"]), per_rank[0]
+        assert any("non-tuple sequence" in w for w in paths["unpatched"]["warnings"]), paths
 
 
 def test_errors_are_the_unpatched_ones() -> None:
