@@ -141,6 +141,26 @@ def _die_or_keep_syncing(die_rank: int, out: Path) -> None:
 
 
 @record  # a failing rank's traceback also lands in torchrun's error summary
+def _node_group(size: int) -> Any:
+    """This node's group, one subgroup per node, the way multi-node jobs make node-local groups.
+
+    ``dist.new_subgroups`` where it works; torch 2.0's refuses without CUDA ("Subgroups can only be created when
+    CUDA is available", before any collective), so there every rank creates every node's group with
+    ``dist.new_group``, which is what ``new_subgroups`` does on newer torch.
+    """
+    try:
+        return dist.new_subgroups(group_size=size)[0]
+    except ValueError as err:
+        if "CUDA" not in str(err):
+            raise
+    rank, mine = dist.get_rank(), None
+    for start in range(0, dist.get_world_size(), size):
+        group = dist.new_group(list(range(start, start + size)))  # every rank takes part in creating all
+        if start <= rank < start + size:
+            mine = group
+    return mine
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for rank<N>.pt")
@@ -150,8 +170,7 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.die_rank is not None:
         _die_or_keep_syncing(args.die_rank, args.out)
-    # One subgroup per node, the way multi-node jobs make node-local groups; every rank takes part in creating all.
-    node_group, _ = dist.new_subgroups(group_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+    node_group = _node_group(int(os.environ["LOCAL_WORLD_SIZE"]))
     result: dict[str, Any] = {"identity": _identity(node_group), "cases": {}}
     for scope, kind, mode in CASES:
         group = None if scope == "world" else node_group

@@ -328,7 +328,10 @@ def test_unrecognised_torchmetrics_refused_with_one_message(
     assert proc.returncode == 3, show(proc)
     assert "Traceback" not in proc.stderr and proc.stdout == "", show(proc)
     first = proc.stderr.splitlines()[0]
-    assert first == f"torchmetrics-gradpatch: cannot run with torch {TORCH} and torchmetrics {version}.", show(proc)
+    import torch  # the CLI names the torch that runs: its __version__ (2.0.1+cu117), not the metadata's (2.0.1)
+
+    expected = f"torchmetrics-gradpatch: cannot run with torch {torch.__version__} and torchmetrics {version}."
+    assert first == expected, show(proc)
     assert "unrecognised signature gather_all_tensors(result, group=None, *, async_op=False)" in proc.stderr
     assert "starting" not in proc.stderr, show(proc)  # refused before any rank was spawned
 

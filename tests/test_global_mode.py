@@ -247,6 +247,14 @@ def _masked_reference(world_size: int, empty_rank: int, step: int, aux: bool) ->
     return list(torch.autograd.grad(loss, list(model.parameters())))
 
 
+needs_empty_state_sync = pytest.mark.skipif(
+    not ranks.EMPTY_STATE_SYNCED,
+    reason="torchmetrics < 1.4 does not sync an empty list state (the rank skips that gather, so the ranks' "
+    "collectives mismatch with or without this package)",
+)
+
+
+@needs_empty_state_sync
 @pytest.mark.parametrize(("world_size", "empty"), EMPTY_RANKS, ids=EMPTY_IDS)
 def test_rank_with_nothing_to_sync_still_joins_the_backward(
     agreement: dict[int, list[dict[str, Any]]], world_size: int, empty: int
@@ -270,6 +278,7 @@ def test_rank_with_nothing_to_sync_still_joins_the_backward(
         assert_rel(got, world_size * ref)  # the ranks' gradients add up to world_size x the single-process one
 
 
+@needs_empty_state_sync
 @pytest.mark.parametrize(("world_size", "empty"), EMPTY_RANKS, ids=EMPTY_IDS)
 def test_rank_with_nothing_to_sync_under_ddp(
     agreement: dict[int, list[dict[str, Any]]], world_size: int, empty: int

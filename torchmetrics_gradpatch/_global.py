@@ -127,6 +127,12 @@ class _GlobalGather(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
         shapes: list[torch.Size] = ctx.shapes
         rank: int = ctx.rank
+        own = grads[rank]
+        if len(shapes) == 1:  # a world of one: nothing to exchange, so no collective (and no gloo work to free)
+            if not ctx.needs_input_grad[0]:
+                return None, None, None, None, None
+            total = torch.zeros(shapes[rank], dtype=ctx.dtype, device=ctx.device) if own is None else own
+            return total, None, None, None, None
         numels = [math.prod(shape) for shape in shapes]
         mine = numels[rank]
         # Rank r sends its gradient for entry j to rank j; its own piece stays home (split size 0).
@@ -153,10 +159,6 @@ class _GlobalGather(torch.autograd.Function):
         dist.all_to_all_single(received, send.contiguous(), receive_splits, send_splits, group=ctx.group)
         if not ctx.needs_input_grad[0]:  # this rank's tensor had no graph: it only had to take part
             return None, None, None, None, None
-        own = grads[rank]
-        if len(shapes) == 1:  # a world of one: nothing was received
-            total = torch.zeros(shapes[rank], dtype=ctx.dtype, device=ctx.device) if own is None else own
-            return total, None, None, None, None
         # ``received`` and the sum are this function's own buffers: add the own gradient into them in place
         others = received if len(shapes) == 2 else received.view(len(shapes) - 1, mine).sum(dim=0)
         total = others.view(shapes[rank])
