@@ -214,7 +214,7 @@ def _pinned(factor: str) -> str:
 def cost(record: dict[str, Any]) -> str:
     run = record["run"]
     return (
-        f"Measured here ({run.get('host', {}).get('cpus', '?')} CPUs shared with other work, "
+        f"Measured on {run.get('host', {}).get('cpus', '?')} CPUs shared with other work ("
         f"{run.get('started_at', '?')[:10]}): `{run.get('command', '?')}` ran "
         f"{len(run.get('completed', record['environments']))} of {len(record['environments'])} environments in "
         f"{run.get('wall_min', '?')} min with a peak of {run.get('peak_disk_gb', '?')} GB (uv cache plus environment)"
