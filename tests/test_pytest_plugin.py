@@ -258,6 +258,10 @@ def test_hang_is_named_with_its_stack_in_time_and_x_stops(project: tuple[pytest.
     assert HANG_TIMEOUT <= float(case.get("time", "0")) < HANG_TIMEOUT + GRACE
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_keyboard_interrupt_leaves_no_rank(project: tuple[pytest.Pytester, Path]) -> None:
     pytester, pids = project
     path = _write(pytester, "test_sleep.py", SLEEP)
@@ -267,6 +271,9 @@ def test_keyboard_interrupt_leaves_no_rank(project: tuple[pytest.Pytester, Path]
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # As in a terminal: a suite started in the background by a non-interactive shell (nohup, `cmd &`, some CI
+        # runners) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all.
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 90
