@@ -237,15 +237,17 @@ def main() -> int:
     parser.add_argument("--raw", type=Path, default=RAW, help="the run's results directory (default: results/raw)")
     parser.add_argument("--rerun", type=Path, help="results directory of a re-run of some environments, merged over")
     parser.add_argument("--rerun-reason", default="", help="why those environments were re-run (shown in the table)")
-    parser.add_argument("--add", type=Path, help="results directory of a later run of environments the record lacks")
+    parser.add_argument(
+        "--add", type=Path, action="append", help="results of a later run of cells the record lacks (repeatable)"
+    )
     args = parser.parse_args()
     record = json.loads(args.source.read_text()) if args.source else load_raw(args.raw)
+    for added in args.add or []:  # new cells first, so that a re-run can then be merged over one of them
+        record = merge_added(record, load_raw(added))
     if args.rerun:
         if not args.rerun_reason:
             parser.error("--rerun needs --rerun-reason: the table says why a cell was re-run")
         record = merge_rerun(record, load_raw(args.rerun), args.rerun_reason)
-    if args.add:
-        record = merge_added(record, load_raw(args.add))
     if not record["environments"]:
         print("no results: run scripts/run_matrix.py first", file=sys.stderr)
         return 2
