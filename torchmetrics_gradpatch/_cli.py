@@ -98,8 +98,8 @@ def exit_if_cli(error: BaseException) -> None:
 # --- commands -------------------------------------------------------------------------------------------------
 
 
-def _import_torchmetrics() -> str | None:
-    """Import torchmetrics (the package is imported already); the refusal message if it is not recognised.
+def _torchmetrics_refused() -> bool:
+    """Import torchmetrics (the package is imported already); if it is not recognised, print the refusal.
 
     The package recognises torchmetrics' gather when ``torchmetrics.utilities.distributed`` is imported (its
     post-import hook), so an unrecognised torchmetrics fails *this* import, not the package's.
@@ -109,14 +109,13 @@ def _import_torchmetrics() -> str | None:
     try:
         import torchmetrics  # noqa: F401
     except UnsupportedVersionError as err:
-        return refusal_message(err)
-    return None
+        print(refusal_message(err), file=sys.stderr)
+        return True
+    return False
 
 
 def _status(args: argparse.Namespace) -> int:
-    refusal = _import_torchmetrics()  # so the status shows where the patch is applied, not "when imported"
-    if refusal is not None:
-        print(refusal, file=sys.stderr)
+    if _torchmetrics_refused():  # imported so the status shows where the patch is applied, not "when imported"
         return EXIT_CANNOT_RUN
 
     from torchmetrics_gradpatch import status
@@ -185,9 +184,7 @@ def _rows(table: Iterator[tuple[str, str, str]]) -> list[str]:
 
 
 def _check(args: argparse.Namespace) -> int:
-    refusal = _import_torchmetrics()  # before the ranks start: each would refuse the same way, slower
-    if refusal is not None:
-        print(refusal, file=sys.stderr)
+    if _torchmetrics_refused():  # before the ranks start: each would refuse the same way, slower
         return EXIT_CANNOT_RUN
 
     from torchmetrics_gradpatch import _checks
