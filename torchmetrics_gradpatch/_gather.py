@@ -25,22 +25,55 @@ between the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-__all__ = ["gather_local"]
+__all__ = ["gather_entries", "gather_local"]
 
 
-def _gather_same_shape(result: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:
-    """All-gather tensors of one shape, then put the caller's tensor (with its graph) at its own index."""
+def gather_entries(
+    result: torch.Tensor,
+    shapes: Sequence[Sequence[int]],
+    group: Any,
+    rank: int,
+    new_buffer: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like,
+) -> list[torch.Tensor]:
+    """One ``all_gather`` of the data, given every rank's shape: one entry per rank, the caller's own at ``rank``.
+
+    ``shapes[i]`` is the shape of group rank ``i``'s tensor (the caller exchanged them); ``rank`` is the caller's
+    rank within ``group``. Equal shapes are gathered as they are. Otherwise every rank pads its tensor to the largest
+    size on every dimension, the padded tensors are gathered and each entry is trimmed back to its rank's shape
+    (sliced with a tuple: a list index is deprecated from torch 2.8 and warns). The entry at ``rank`` is ``result``
+    itself, so its graph is kept; every other entry is a buffer without a graph, and no gathered copy of the
+    caller's own tensor outlives the call.
+
+    Both modes' forwards use it, so they trim and order entries the same way. ``new_buffer`` allocates the receive
+    buffers: local mode keeps torchmetrics' zeroed ones; global mode takes ``torch.empty_like`` (``all_gather``
+    writes every element, so zeroing is only cost).
+    """
+    if all(list(shape) == list(shapes[0]) for shape in shapes):
+        with torch.no_grad():
+            entries = [new_buffer(result) for _ in shapes]
+            dist.all_gather(entries, result, group)
+        entries[rank] = result
+        return entries
+    max_shape = [max(sizes) for sizes in zip(*shapes, strict=True)]
+    pad: list[int] = []
+    for have, most in zip(reversed(shapes[rank]), reversed(max_shape), strict=True):
+        pad.extend((0, int(most) - int(have)))
     with torch.no_grad():
-        gathered = [torch.zeros_like(result) for _ in range(world_size)]
-        dist.all_gather(gathered, result, group)
-    gathered[dist.get_rank(group)] = result
-    return gathered
+        padded = F.pad(result, pad)
+        buffers = [new_buffer(padded) for _ in shapes]
+        dist.all_gather(buffers, padded, group)
+    del padded
+    return [
+        result if idx == rank else buffer[tuple(slice(int(n)) for n in shape)]
+        for idx, (buffer, shape) in enumerate(zip(buffers, shapes, strict=True))
+    ]
 
 
 def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
@@ -60,32 +93,12 @@ def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.T
     result = result.contiguous()
     world_size = dist.get_world_size(group)
     dist.barrier(group=group)
+    rank = dist.get_rank(group)
 
     if result.ndim == 0:
-        return _gather_same_shape(result, group, world_size)
+        return gather_entries(result, [()] * world_size, group, rank)
 
     local_size = torch.tensor(result.shape, device=result.device)
     local_sizes = [torch.zeros_like(local_size) for _ in range(world_size)]
     dist.all_gather(local_sizes, local_size, group=group)
-    max_size = torch.stack(local_sizes).max(dim=0).values
-    if all(bool((size == max_size).all()) for size in local_sizes):
-        return _gather_same_shape(result, group, world_size)
-
-    # Uneven shapes: pad to the largest size on every dimension, gather, trim. The padded copy and the
-    # buffers carry no graph; the local entry is replaced by ``result`` below instead of being trimmed.
-    pad: list[int] = []
-    for missing in reversed((max_size - local_size).tolist()):
-        pad.extend((0, int(missing)))
-    with torch.no_grad():
-        padded = F.pad(result, pad)
-        buffers = [torch.zeros_like(padded) for _ in range(world_size)]
-        dist.all_gather(buffers, padded, group)
-    rank = dist.get_rank(group)
-    del padded
-    gathered: list[torch.Tensor] = []
-    for idx, (buffer, size) in enumerate(zip(buffers, local_sizes, strict=True)):
-        if idx == rank:
-            gathered.append(result)
-        else:
-            gathered.append(buffer[tuple(slice(int(n)) for n in size.tolist())])
-    return gathered
+    return gather_entries(result, [size.tolist() for size in local_sizes], group, rank)

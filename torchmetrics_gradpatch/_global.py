@@ -12,12 +12,13 @@ cross-rank terms included (local mode drops them).
 
 Forward: the exchange that also decides
 ---------------------------------------
-The forward is its own gather, not the local-mode one: every rank of the group must be in global mode anyway
-(the backward is a collective), so the unpatched gather's ``barrier`` buys nothing here and is dropped. Each
-rank contributes, besides its tensor, two flags: *its tensor requires grad* and *grad mode is on*.
+The forward does not call the local-mode gather (it shares only its data step): every rank of the group must be
+in global mode anyway (the backward is a collective), so the unpatched gather's ``barrier`` buys nothing here and
+is dropped. Each rank contributes, besides its tensor, two flags: *its tensor requires grad* and *grad mode is on*.
 
 * Non-scalar: one ``all_gather`` of ``[*shape, flags]`` (int64, ``ndim + 1`` entries per rank), then one
-  ``all_gather`` of the data, padded to the largest shape when the shapes differ. Two collectives.
+  ``all_gather`` of the data, padded to the largest shape when the shapes differ: the local gather's own data step
+  (:func:`~torchmetrics_gradpatch._gather.gather_entries`). Two collectives.
 * Scalar: one ``all_gather`` of the scalar's bytes with the flags byte appended (``uint8``). One collective.
 
 Every rank then holds every rank's flags and reaches the same decision, with no further collective:
@@ -86,8 +87,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch.autograd.function import once_differentiable
+
+from torchmetrics_gradpatch._gather import gather_entries
 
 __all__ = ["GradModeMismatchError", "gather_global"]
 
@@ -192,29 +194,6 @@ def _exchange_shapes(
     return [row[:-1] for row in rows], [row[-1] for row in rows]
 
 
-def _exchange_data(
-    result: torch.Tensor, shapes: list[list[int]], group: Any, world_size: int, rank: int
-) -> list[torch.Tensor]:
-    """One ``all_gather`` of the data, padded to the largest shape if the shapes differ, trimmed back."""
-    if all(shape == shapes[0] for shape in shapes):
-        entries = [torch.empty_like(result) for _ in range(world_size)]
-        dist.all_gather(entries, result, group)
-        entries[rank] = result
-        return entries
-    max_shape = [max(sizes) for sizes in zip(*shapes, strict=True)]
-    pad: list[int] = []
-    for have, most in zip(reversed(shapes[rank]), reversed(max_shape), strict=True):
-        pad.extend((0, most - have))
-    padded = F.pad(result, pad)
-    buffers = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(buffers, padded, group)
-    del padded
-    return [
-        result if idx == rank else buffer[tuple(slice(n) for n in shape)]
-        for idx, (buffer, shape) in enumerate(zip(buffers, shapes, strict=True))
-    ]
-
-
 def _mismatch(flags: list[int]) -> GradModeMismatchError:
     off = [r for r, f in enumerate(flags) if not f & _GRAD_MODE]
     on = [r for r, f in enumerate(flags) if f & _GRAD_MODE]
@@ -254,8 +233,8 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
     if any_requires_grad and len(grad_modes) > 1:
         raise _mismatch(all_flags)
     if shapes is not None:
-        with torch.no_grad():
-            entries = _exchange_data(result, shapes, resolved, world_size, rank)
+        # the local gather's data step (same padding and trimming), into uninitialised buffers
+        entries = gather_entries(result, shapes, resolved, rank, torch.empty_like)
     if not (any_requires_grad and grad_modes == {True}):
         return entries
     leaf = (
