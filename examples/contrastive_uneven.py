@@ -107,17 +107,32 @@ def torch_all_gather_verdict(step: int, world_size: int) -> str:
     try:
         shapes = spawn_ranks(_torch_all_gather_uneven, world_size, args=(step,), timeout=120)
     except RankError as err:
-        last = re.sub(r"\[/[^\]]*\] ", "", err.details.strip().splitlines()[-1])[:150]  # drop gloo's source path
-        return f"rows per rank {sizes}: REFUSED, the job failed (rank {err.rank} {err.reason}: {last})"
+        reason = f"rank {err.rank} {err.reason}: {_first_sentence(err.details)}"
+        return f"rows per rank {sizes}: REFUSED, as expected (it needs equal shapes): {reason}"
     wrong = [s for s in shapes if [shape[0] for shape in s] != sizes]
     return f"rows per rank {sizes}: {'MIS-GATHERED' if wrong else 'gathered'}, returned shapes {shapes}"
+
+
+def _first_sentence(details: str) -> str:
+    """The first sentence of the error's last line, without gloo's source path and the peer's address (which
+    changes every run): the message itself, not gloo's advice that follows it."""
+    lines = details.strip().splitlines() or ["(no message)"]
+    last = re.sub(r"\[/[^\]]*\] ", "", lines[-1])
+    last = re.sub(r" \[[0-9.:a-f]+\]:\d+", "", last)
+    return last.split(". ", 1)[0].rstrip(".")
 
 
 def main(show_torch: bool) -> int:
     world_size = int(os.environ["WORLD_SIZE"])
     if int(os.environ["RANK"]) == 0 and show_torch:
         # Before this job's group exists, in separate processes: an aborted gloo process cannot be recovered.
-        print(f"torch.distributed.nn.functional.all_gather, uneven batches: {torch_all_gather_verdict(0, world_size)}")
+        verdict = torch_all_gather_verdict(0, world_size)
+        print(
+            f"torch.distributed.nn.functional.all_gather on the same uneven batches, in throwaway processes: {verdict}"
+        )
+        print(
+            "(expected: the limitation that gather_all_tensors(x, mode='global') removes; this example's run follows)"
+        )
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()

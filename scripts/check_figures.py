@@ -53,6 +53,7 @@ _LIST_ITEM = re.compile(r"^(\s*)([-*+]|\d+[.)])\s+")
 _TABLE_ROW = re.compile(r"^\s*\|")
 _COMMENT = re.compile(r"<!--(.*?)-->", re.S)
 _ALLOW = re.compile(r"<!--\s*not-measured:(.*?)-->", re.S)
+_COMMENT_ALONE = re.compile(r"^\s*<!--.*-->\s*$")
 _ALLOW_ALONE = re.compile(r"^\s*<!--\s*not-measured:.*-->\s*$")
 _INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 _LINK_TARGET = re.compile(r"\]\(\s*<?([^)\s>]+)>?[^)]*\)")
@@ -148,6 +149,8 @@ def blocks(text: str) -> list[Block]:
         if _ALLOW_ALONE.match(line):
             close()
             pending_allow |= allowed_figures(line)
+            continue
+        if _COMMENT_ALONE.match(line):  # a marker such as <!-- name:begin -->: neither a block nor a break
             continue
         if _HEADING.match(line):
             current = start("heading", None)

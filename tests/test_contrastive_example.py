@@ -31,5 +31,9 @@ def test_contrastive_example_gradient_is_the_single_process_gradient(world_size:
     assert any(0 in s for s in sizes), "some step must have a rank without rows"
     assert all(float(error) <= 1e-12 for _, _, error in steps), show(proc)
     assert "gradient: OK" in proc.stdout, show(proc)
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("torch.distributed.nn.functional.all_gather")]
-    assert "REFUSED" in line or "MIS-GATHERED" in line, line
+    # torch's own all-gather on the same shapes: an expected, labelled refusal (or wrong shapes), whole, not a crash
+    lines = proc.stdout.splitlines()
+    (line,) = [x for x in lines if x.startswith("torch.distributed.nn.functional.all_gather")]
+    assert "REFUSED, as expected (it needs equal shapes)" in line or "MIS-GATHERED" in line, line
+    assert "GLHF" not in line and "/pytorch/" not in line, line  # gloo's advice and source path are dropped
+    assert lines[lines.index(line) + 1].startswith("(expected: the limitation that gather_all_tensors"), show(proc)
