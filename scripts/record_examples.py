@@ -60,7 +60,9 @@ def _executable(command: list[str]) -> list[str]:
 def record(name: str) -> str:
     """Run one command and return the artifact's text (header, stdout, stderr, exit status)."""
     command, _ = RUNS[name]
-    dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    # uncommitted changes to code (pages and artifacts excluded: recording rewrites them)
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!*.md", ":!results")
+    dirty = " (with uncommitted changes to code)" if changed else ""
     header = [
         f"# command: {' '.join(command)}   (run from the repository root by scripts/record_examples.py)",
         f"# commit: {_git('rev-parse', '--short', 'HEAD')}{dirty}",
