@@ -56,6 +56,7 @@ _ALLOW = re.compile(r"<!--\s*not-measured:(.*?)-->", re.S)
 _COMMENT_ALONE = re.compile(r"^\s*<!--.*-->\s*$")
 _ALLOW_ALONE = re.compile(r"^\s*<!--\s*not-measured:.*-->\s*$")
 _INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+_INLINE_CODE_ACROSS_LINES = re.compile(r"(`+)(.+?)\1", re.S)  # a block's text: code spans may wrap
 _LINK_TARGET = re.compile(r"\]\(\s*<?([^)\s>]+)>?[^)]*\)")
 _HREF = re.compile(r"""\bhref\s*=\s*["']([^"']+)["']""", re.I)
 
@@ -246,7 +247,7 @@ def named_artifacts(block: Block, page: Path, root: Path) -> list[str]:
             continue
         text = part.text()
         candidates = [(target, True) for target in _LINK_TARGET.findall(text) + _HREF.findall(text)]
-        candidates += [(code.strip(), False) for _, code in _INLINE_CODE.findall(text)]
+        candidates += [(code.strip(), False) for _, code in _INLINE_CODE_ACROSS_LINES.findall(text)]
         for target, is_link in candidates:
             target = target.split("#", 1)[0].split("?", 1)[0]
             if not target or "://" in target:

@@ -176,3 +176,8 @@ def test_the_command_line_exits_non_zero_and_prints_each_problem(
     assert check_figures.main(["--root", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "README.md:1: '5x': its paragraph names no artifact" in out and "1 problem(s) in 1 page(s)" in out
+
+
+def test_an_artifact_named_after_a_code_span_that_wraps_is_found(tmp_path: Path) -> None:
+    page = "A marked test took 1.56 s (`python\nbench.py --rounds 20`, `results/run.txt`).\n"
+    assert _tree(tmp_path, page, PROVENANCE + "1.56 s\n") == []
