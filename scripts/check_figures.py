@@ -75,7 +75,7 @@ _VERSION_WORDS = re.compile(
     re.I,
 )
 _BOUND = re.compile(r"(?:<=?|>=?|≤|≥|==|~=)\s*$")
-_CONFIDENCE = re.compile(r"^\s?%?\s*(?:CI\b|confidence)", re.I)
+_CONFIDENCE = re.compile(r"^\s*(?:CI\b|confidence)", re.I)
 _THOUSANDS = re.compile(r"(?<=\d)[,\u202f\u2009](?=\d{3}(?!\d))")
 _NUMBER_TOKEN = re.compile(r"(?<![\d.])\d+(?:\.\d+)?(?![\d])(?!\.\d)")
 _COMMAND = re.compile(r"\bcommand|(?:^|`|\$ )(?:python3?|torchrun|tox|bash|pytest|\.ci/run) ", re.I | re.M)
@@ -195,6 +195,7 @@ def number_value(number: str) -> str:
 def prose(line: str) -> str:
     """The line without HTML comments, link targets and inline code (replaced by spaces, so columns stay)."""
     blank = lambda m: " " * len(m.group(0))  # noqa: E731
+    line = line.replace("+-", "\u00b1 ")  # "+-5-15 %" reads as "± 5-15 %"
     line = _COMMENT.sub(blank, line)
     line = _LINK_TARGET.sub(lambda m: "](" + " " * (len(m.group(0)) - 3) + ")", line)
     return _INLINE_CODE.sub(blank, line)
@@ -208,28 +209,27 @@ def figures(number: int, line: str) -> list[Figure]:
     def taken(start: int, end: int) -> bool:
         return any(start < e and s < end for s, e, _ in spans)
 
-    def context_excludes(start: int, end: int) -> bool:
-        before = text[:start]
-        return bool(_BOUND.search(before) or _VERSION_WORDS.search(before))
+    def after_bound(start: int) -> bool:  # <= 1.05, >= 3,000: a target or a bound, not a measurement
+        return bool(_BOUND.search(text[:start]))
+
+    def after_package(start: int) -> bool:  # torch 2.0-2.4: versions (only unitless figures can be versions)
+        return bool(_VERSION_WORDS.search(text[:start]))
 
     for match in _BRACKETED.finditer(text):
-        numbers = tuple(n for n in match.groups() if n)
-        spans.append((match.start(), match.end(), numbers))
+        spans.append((match.start(), match.end(), tuple(n for n in match.groups() if n)))
     for match in _FIGURE_WITH_UNIT.finditer(text):
         start, end = match.span()
-        if taken(start, end) or context_excludes(start, end):
+        if taken(start, end) or after_bound(start):
             continue
-        if match.group(0).rstrip().endswith("%") and _CONFIDENCE.match(text[match.end() - 1 :][1:]):
+        if match.group(0).endswith("%") and _CONFIDENCE.match(text[end:]):  # 95% CI: a confidence level
             continue
-        numbers = tuple(n for n in (match.group(1), match.group(2)) if n)
-        numbers = tuple(re.sub(_DASH + "$", "", n) for n in numbers)
+        numbers = tuple(re.sub(_DASH + "$", "", n) for n in (match.group(1), match.group(2)) if n)
         spans.append((start, end, numbers))
     for pattern in (_DECIMAL_RANGE, _LONG_DECIMAL):
         for match in pattern.finditer(text):
             start, end = match.span()
-            if taken(start, end) or context_excludes(start, end):
-                continue
-            spans.append((start, end, tuple(match.groups())))
+            if not (taken(start, end) or after_bound(start) or after_package(start)):
+                spans.append((start, end, tuple(match.groups())))
     out = []
     for start, end, numbers in sorted(spans):
         if re.match(r"[eE][-+]?\d", text[end : end + 3]):  # scientific notation: 8.9e-16
