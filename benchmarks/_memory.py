@@ -43,7 +43,7 @@ def reset_peak() -> None:
         refs.write("5")
 
 
-def settled_rss_kib(poll: float = 0.005, stable: int = 4, limit: float = 2.0) -> tuple[int, float]:
+def settled_rss_kib(poll: float = 0.01, stable: int = 8, limit: float = 3.0) -> tuple[int, float]:
     """RSS once it has not changed for ``stable`` polls ``poll`` seconds apart (at most ``limit`` s); and the wait.
 
     No collective is issued, so gloo's worker threads can drop the finished works (see the module docstring).
