@@ -2,8 +2,11 @@
 
     python benchmarks/bench_soak.py                      # 10,000 gathers, 1,000 steps per mode (several minutes)
     python benchmarks/bench_soak.py --gathers 600 --steps 120   # a smoke test (not written to results/)
+    python benchmarks/bench_soak.py --update-docs                # also put soak.md into docs/memory.md
 
-Two spawned gloo ranks per gradient mode (``local``, ``global``), each a fresh pair of processes:
+Two spawned gloo ranks per gradient mode (``local``, ``global``), each a fresh pair of processes, and, as a
+reference, ``unpatched``: torchmetrics' own gather with the patch off, gathers only (unpatched torchmetrics < 1.6
+gives a Metric loss no graph, so its steps cannot run ``backward()``).
 
 * **gathers**: torchmetrics' own ``gather_all_tensors`` (patched, in that mode) of a tensor that requires grad,
   cycling through a scalar, an even ``(64, 64)`` and an uneven ``(~240, 64)`` shape (rows differ per rank and
@@ -16,8 +19,9 @@ Two spawned gloo ranks per gradient mode (``local``, ``global``), each a fresh p
 Every ``len // samples`` operations each rank records its RSS (``/proc/self/status``, once it has stopped
 changing) and the number of ``torch.Tensor`` objects the garbage collector tracks, after ``gc.collect()``.
 Verdict per mode, phase and rank, from the first sample after warm-up (10% of the run) to the last: the live
-tensor count must not change and RSS must grow by less than ``--rss-bound`` MiB; the least-squares slope is
-reported beside it. Without ``--out`` the full run writes ``benchmarks/results/soak/soak.json`` and ``soak.md``.
+tensor count must not change and RSS must grow by less than ``--rss-bound`` MiB; the least-squares slope and
+the growth over the second half of the run are reported beside it. Without ``--out`` the full run writes
+``benchmarks/results/soak/soak.json`` and ``soak.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from torchmetrics.utilities.data import dim_zero_cat  # noqa: E402
 
 from benchmarks._memory import live_tensors, settled_rss_kib  # noqa: E402
 
-MODES = ("local", "global")
+MODES = ("local", "global", "unpatched")
 WARMUP = 0.1  # the fraction of each phase before the baseline sample
 
 
@@ -126,22 +130,29 @@ def soak_rank(mode: str, gathers: int, steps: int, samples: int) -> dict[str, An
     import torchmetrics_gradpatch as tmgp
 
     warnings.simplefilter("ignore")  # torchmetrics < 1.6 warns at every uneven gather on torch >= 2.8
-    tmgp.patch(mode)
+    if mode == "unpatched":
+        tmgp.unpatch()
+    else:
+        tmgp.patch(mode)
     rank = dist.get_rank()
     torch.manual_seed(rank)
     started = time.monotonic()
     gather_samples = run_phase(lambda i: gather_all_tensors(gather_input(rank, i)), gathers, samples)
     gather_seconds = time.monotonic() - started
-    losses = LossSteps(rank)
-    started = time.monotonic()
-    step_samples = run_phase(losses.step, steps, samples)
-    step_seconds = time.monotonic() - started
-    dist.barrier()
-    return {
+    out: dict[str, Any] = {
         "rank": rank,
         "gathers": {"samples": gather_samples, "seconds": gather_seconds},
-        "steps": {"samples": step_samples, "seconds": step_seconds},
     }
+    if mode != "unpatched":
+        losses = LossSteps(rank)
+        started = time.monotonic()
+        out["steps"] = {
+            "samples": run_phase(losses.step, steps, samples),
+            "seconds": time.monotonic() - started,
+        }
+    dist.barrier()
+    tmgp.patch()
+    return out
 
 
 def slope(points: list[tuple[float, float]]) -> float:
@@ -158,13 +169,17 @@ def verdict(samples: list[dict[str, int]], per: int, unit: str, rss_bound_mib: f
     total = samples[-1]["done"]
     after = [s for s in samples if s["done"] >= WARMUP * total]
     first, last = after[0], after[-1]
+    half = next(s for s in samples if s["done"] >= total / 2)
+    second_half = (last["rss_kib"] - half["rss_kib"]) / 1024
     rss_growth = (last["rss_kib"] - first["rss_kib"]) / 1024
     tensor_growth = last["tensors"] - first["tensors"]
     rss_slope = slope([(s["done"], s["rss_kib"]) for s in after]) * per
     flat = tensor_growth == 0 and rss_growth < rss_bound_mib
     text = (
         f"from {first['done']} to {last['done']} {unit}: RSS {first['rss_kib'] / 1024:.1f} -> "
-        f"{last['rss_kib'] / 1024:.1f} MiB ({rss_growth:+.1f} MiB, slope {rss_slope:+.1f} KiB per {per} {unit}), "
+        f"{last['rss_kib'] / 1024:.1f} MiB ({rss_growth:+.1f} MiB, slope {rss_slope:+.1f} KiB per {per} {unit}, "
+        "second half "
+        f"{second_half:+.1f} MiB), "
         f"live tensors {first['tensors']} -> {last['tensors']} ({tensor_growth:+d}): "
         + ("flat" if flat else f"NOT FLAT (bound: no tensor growth, RSS growth < {rss_bound_mib} MiB)")
     )
@@ -173,6 +188,7 @@ def verdict(samples: list[dict[str, int]], per: int, unit: str, rss_bound_mib: f
         "to": last["done"],
         "rss_growth_mib": round(rss_growth, 2),
         "rss_slope_kib": round(rss_slope, 2),
+        "rss_growth_second_half_mib": round(second_half, 2),
         "per": per,
         "tensor_growth": tensor_growth,
         "flat": flat,
@@ -200,8 +216,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"{', '.join(f'{v:.1f}' for v in m['loadavg'])} (end: {', '.join(f'{v:.1f}' for v in results['loadavg_end'])}"
         f"); {results['seconds']:.0f} s.",
         "",
-        f"{results['gathers']} gathers and {results['steps']} Metric-loss steps (with backward) per mode, 2 gloo "
-        f"ranks; RSS once settled and gc-tracked torch tensors after gc.collect(), sampled {results['samples']} "
+        f"{results['gathers']} gathers and {results['steps']} Metric-loss steps (with backward) per gradient mode "
+        "(unpatched, the reference: gathers only), 2 gloo ranks; RSS once settled and gc-tracked torch tensors "
+        f"after gc.collect(), sampled {results['samples']} "
         "times per phase. A leak of one gathered uneven entry per call would add about "
         f"{results['leak_reference_mib']:.0f} MiB over the gather phase.",
         "",
@@ -209,9 +226,26 @@ def markdown(results: dict[str, Any]) -> str:
     for mode in results["modes"]:
         for phase in ("gathers", "steps"):
             for rank in results["runs"][mode]:
-                lines.append(f"- {mode}, {phase}, rank {rank['rank']}: {rank[phase]['verdict']['verdict']}")
-    lines += ["", "Verdict: " + ("flat in every mode, phase and rank" if results["flat"] else "NOT FLAT (see above)")]
+                if phase in rank:
+                    lines.append(f"- {mode}, {phase}, rank {rank['rank']}: {rank[phase]['verdict']['verdict']}")
+    lines += [
+        "",
+        "Verdict: " + ("flat in every mode, phase and rank" if results["flat"] else "NOT FLAT (see above)"),
+    ]
     return "\n".join(lines)
+
+
+def update_docs(report: str, out_dir: Path | None) -> None:
+    """Put ``report`` between the ``soak`` markers of docs/memory.md, naming its artifact."""
+    page = ROOT / "docs" / "memory.md"
+    begin, end = "<!-- soak:begin -->", "<!-- soak:end -->"
+    text = page.read_text()
+    if out_dir is None or begin not in text or end not in text:
+        raise SystemExit(f"--update-docs needs a written artifact and the soak markers in {page}")
+    where = out_dir.resolve().relative_to(ROOT).as_posix()
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    page.write_text(f"{head}{begin}\nFrom `{where}/soak.md`:\n\n{report}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,14 +253,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gathers", type=int, default=10_000)
     parser.add_argument("--steps", type=int, default=1_000)
     parser.add_argument("--samples", type=int, default=20, help="samples per phase")
-    parser.add_argument("--rss-bound", type=float, default=4.0, help="MiB of RSS growth after warm-up still 'flat'")
+    parser.add_argument(
+        "--rss-bound",
+        type=float,
+        default=4.0,
+        help="MiB of RSS growth after warm-up still 'flat'",
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--out", type=Path, help="directory for soak.json/.md (default: results/soak for a full run)")
+    parser.add_argument("--update-docs", action="store_true", help="put soak.md into docs/memory.md")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="directory for soak.json/.md (default: results/soak for a full run)",
+    )
     opts = parser.parse_args(argv)
     full = (opts.gathers, opts.steps) == (10_000, 1_000)
     out_dir = opts.out or (HERE / "results" / "soak" if full else None)
 
-    from benchmarks import bench_soak  # this module by name, so the spawned ranks can unpickle soak_rank
+    from benchmarks import (
+        bench_soak,
+    )  # this module by name, so the spawned ranks can unpickle soak_rank
     from torchmetrics_gradpatch.testing import spawn_ranks
 
     shown = [a for a in (sys.argv[1:] if argv is None else argv)]
@@ -254,12 +300,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     started = time.monotonic()
     for mode in opts.modes:
-        print(f"[{time.strftime('%H:%M:%S')}] {mode}: {opts.gathers} gathers, {opts.steps} steps", flush=True)
-        ranks = spawn_ranks(bench_soak.soak_rank, 2, args=(mode, opts.gathers, opts.steps, opts.samples), timeout=3600)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {mode}: {opts.gathers} gathers, {opts.steps} steps",
+            flush=True,
+        )
+        ranks = spawn_ranks(
+            bench_soak.soak_rank,
+            2,
+            args=(mode, opts.gathers, opts.steps, opts.samples),
+            timeout=3600,
+        )
         for rank in ranks:
-            per_gathers, per_steps = max(1, opts.gathers // 10), max(1, opts.steps // 10)
-            rank["gathers"]["verdict"] = verdict(rank["gathers"]["samples"], per_gathers, "gathers", opts.rss_bound)
-            rank["steps"]["verdict"] = verdict(rank["steps"]["samples"], per_steps, "steps", opts.rss_bound)
+            for phase, count in (("gathers", opts.gathers), ("steps", opts.steps)):
+                if phase in rank:
+                    per = max(1, count // 10)
+                    rank[phase]["verdict"] = verdict(rank[phase]["samples"], per, phase, opts.rss_bound)
         results["runs"][mode] = ranks
     results["seconds"] = round(time.monotonic() - started, 1)
     results["loadavg_end"] = load()
@@ -268,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in results["runs"].values()
         for rank in ranks
         for phase in ("gathers", "steps")
+        if phase in rank
     )
     report = markdown(results)
     print(report)
@@ -276,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "soak.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         (out_dir / "soak.md").write_text(report + "\n")
         print(f"wrote {out_dir / 'soak.json'} and soak.md")
+    if opts.update_docs:
+        update_docs(report, out_dir)
     return 0 if results["flat"] else 1
 
 

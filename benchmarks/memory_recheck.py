@@ -111,7 +111,7 @@ def write(name: str, results: dict[str, Any], lines: list[str]) -> None:
     print(f"wrote {OUT / name}.json and .md")
 
 
-def recheck(what: str, index: int | None) -> None:
+def recheck(what: str, index: int | None, shown: str) -> None:
     """run_all.py's memory section (after the quick gather section for ``after-gather``), saved with its commit."""
     sections = ["memory"] if what == "alone" else ["gather", "memory"]
     args = ["--only", *sections] + (["--quick"] if what == "after-gather" else [])
@@ -122,7 +122,8 @@ def recheck(what: str, index: int | None) -> None:
         report = (Path(tmp) / "latest.md").read_text().rstrip("\n")
     results.update(header("python benchmarks/run_all.py " + " ".join(args), started))
     name = f"{results['commit'].split('+')[0]}-{what}" + ("" if index is None else f"-{index}")
-    write(name, results, [f"At commit {results['commit']} (`python benchmarks/memory_recheck.py {what}`):", "", report])
+    run = "" if index is None else f"run {index} of "
+    write(name, results, [f"At commit {results['commit']}, {run}`{shown}`:", "", report])
 
 
 def timing(rounds: int) -> None:
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         timing(opts.rounds)
     else:
         for index in range(opts.repeat):
-            recheck(opts.what, index + 1 if opts.repeat > 1 else None)
+            shown = " ".join(["python benchmarks/memory_recheck.py", *(sys.argv[1:] if argv is None else argv)])
+            recheck(opts.what, index + 1 if opts.repeat > 1 else None, shown)
     return 0
 
 
