@@ -2,7 +2,8 @@
 
     python benchmarks/bench_soak.py                      # 10,000 gathers, 1,000 steps per mode (several minutes)
     python benchmarks/bench_soak.py --gathers 600 --steps 120   # a smoke test (not written to results/)
-    python benchmarks/bench_soak.py --update-docs                # also put soak.md into docs/memory.md
+    python benchmarks/bench_soak.py --update-docs                # also put the figures into docs/memory.md
+    python benchmarks/bench_soak.py --docs-from benchmarks/results/soak/soak.json   # only the docs, from a run
 
 Two spawned gloo ranks per gradient mode (``local``, ``global``), each a fresh pair of processes, and, as a
 reference, ``unpatched``: torchmetrics' own gather with the patch off, gathers only (unpatched torchmetrics < 1.6
@@ -45,29 +46,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torchmetrics import MeanSquaredError, Metric  # noqa: E402
-from torchmetrics.utilities.data import dim_zero_cat  # noqa: E402
+from torchmetrics import MeanSquaredError  # noqa: E402
 
 from benchmarks._memory import live_tensors, settled_rss_kib  # noqa: E402
+from tests._rank_tools import CatSquaredError  # noqa: E402 - the tests' cat-state MSE
 
 MODES = ("local", "global", "unpatched")
 WARMUP = 0.1  # the fraction of each phase before the baseline sample
-
-
-class CatSquaredError(Metric):
-    """Mean squared error from a list ("cat") state: every rank's batch is gathered, uneven across ranks."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("errors", default=[], dist_reduce_fx="cat")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.errors.append((preds - target) ** 2)
-
-    def compute(self) -> torch.Tensor:
-        return dim_zero_cat(self.errors).mean()
 
 
 def gather_input(rank: int, call: int) -> torch.Tensor:
@@ -235,17 +220,44 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(report: str, out_dir: Path | None) -> None:
-    """Put ``report`` between the ``soak`` markers of docs/memory.md, naming its artifact."""
+def docs_block(results: dict[str, Any], artifact: str) -> str:
+    """The soak's figures for docs/memory.md: a table naming its artifact, without run details (those stay there)."""
+    lines = [
+        f"From `{artifact}` (its command, commit and machine load are stated there): {results['gathers']:,} gathers "
+        f"and {results['steps']:,} Metric-loss steps with backward per gradient mode, 2 gloo ranks; unpatched "
+        "torchmetrics' own gather as the reference. Growth is counted from the end of the warm-up (the first "
+        "10% of each phase) to the last sample.",
+        "",
+        "| mode | phase | rank | RSS growth | in the second half | live tensors |",
+        "|------|-------|-----:|-----------:|-------------------:|-------------:|",
+    ]
+    for mode in results["modes"]:
+        for phase in ("gathers", "steps"):
+            for rank in results["runs"][mode]:
+                if phase in rank:
+                    samples = rank[phase]["samples"]  # the verdict's own arithmetic, unrounded, as in soak.md
+                    total = samples[-1]["done"]
+                    first = next(s for s in samples if s["done"] >= WARMUP * total)
+                    half = next(s for s in samples if s["done"] >= total / 2)
+                    growth, second = ((samples[-1]["rss_kib"] - s["rss_kib"]) / 1024 for s in (first, half))
+                    lines.append(
+                        f"| {mode} | {phase} | {rank['rank']} | {growth:+.1f} MiB | {second:+.1f} MiB | "
+                        f"{first['tensors']} -> {samples[-1]['tensors']} |"
+                    )
+    verdict = "flat in every mode, phase and rank" if results["flat"] else "NOT FLAT in some mode, phase or rank"
+    return "\n".join([*lines, "", f"Verdict: {verdict}."])
+
+
+def update_docs(results: dict[str, Any], artifact: Path) -> None:
+    """Put :func:`docs_block` between the ``soak`` markers of docs/memory.md."""
     page = ROOT / "docs" / "memory.md"
     begin, end = "<!-- soak:begin -->", "<!-- soak:end -->"
     text = page.read_text()
-    if out_dir is None or begin not in text or end not in text:
-        raise SystemExit(f"--update-docs needs a written artifact and the soak markers in {page}")
-    where = out_dir.resolve().relative_to(ROOT).as_posix()
+    if begin not in text or end not in text:
+        raise SystemExit(f"no soak markers in {page}")
+    block = docs_block(results, artifact.resolve().relative_to(ROOT).with_suffix(".md").as_posix())
     head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    page.write_text(f"{head}{begin}\nFrom `{where}/soak.md`:\n\n{report}\n{end}{tail}")
+    page.write_text(f"{head}{begin}\n{block}\n{end}{rest.split(end, 1)[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,13 +272,17 @@ def main(argv: list[str] | None = None) -> int:
         help="MiB of RSS growth after warm-up still 'flat'",
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--update-docs", action="store_true", help="put soak.md into docs/memory.md")
+    parser.add_argument("--update-docs", action="store_true", help="put the figures into docs/memory.md")
+    parser.add_argument("--docs-from", type=Path, help="only put this saved soak.json's figures into docs/memory.md")
     parser.add_argument(
         "--out",
         type=Path,
         help="directory for soak.json/.md (default: results/soak for a full run)",
     )
     opts = parser.parse_args(argv)
+    if opts.docs_from:
+        update_docs(json.loads(opts.docs_from.read_text()), opts.docs_from)
+        return 0
     full = (opts.gathers, opts.steps) == (10_000, 1_000)
     out_dir = opts.out or (HERE / "results" / "soak" if full else None)
 
@@ -333,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "soak.md").write_text(report + "\n")
         print(f"wrote {out_dir / 'soak.json'} and soak.md")
     if opts.update_docs:
-        update_docs(report, out_dir)
+        if out_dir is None:
+            raise SystemExit("--update-docs needs a written artifact: a full run or --out")
+        update_docs(results, out_dir / "soak.json")
     return 0 if results["flat"] else 1
 
 

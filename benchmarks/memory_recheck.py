@@ -4,8 +4,8 @@
     python benchmarks/memory_recheck.py after-gather        # run_all.py --only gather memory --quick
     python benchmarks/memory_recheck.py timing --rounds 15  # RSS after a gather, by what happens in between
 
-Each run writes ``benchmarks/results/memory-recheck/<commit>-<what>[-<i>].json`` and ``.md``, stating the
-command, the commit and the load average at start and end.
+Each run writes ``benchmarks/results/memory-recheck/<what>[-<i>].json`` and ``.md`` (replacing an earlier run's),
+stating the command, the commit and the load average at start and end.
 
 ``timing`` answers why a reading right after a gather can show the gather's input and receive buffers (192 MiB
 here, patched or not) although nothing of the package holds them (``benchmarks/_memory.py`` explains gloo's
@@ -121,7 +121,7 @@ def recheck(what: str, index: int | None, shown: str) -> None:
         results = json.loads((Path(tmp) / "latest.json").read_text())
         report = (Path(tmp) / "latest.md").read_text().rstrip("\n")
     results.update(header("python benchmarks/run_all.py " + " ".join(args), started))
-    name = f"{results['commit'].split('+')[0]}-{what}" + ("" if index is None else f"-{index}")
+    name = what + ("" if index is None else f"-{index}")
     run = "" if index is None else f"run {index} of "
     write(name, results, [f"At commit {results['commit']}, {run}`{shown}`:", "", report])
 
@@ -156,7 +156,7 @@ def timing(rounds: int) -> None:
             counts = ", ".join(f"{v}: {n}" for v, n in sorted(collections.Counter(values).items()))
             lines.append(f"- {name}: {counts}")
         lines.append("")
-    write(f"{results['commit'].split('+')[0]}-timing", results, lines)
+    write("timing", results, lines)
 
 
 def main(argv: list[str] | None = None) -> int:

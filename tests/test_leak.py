@@ -1,7 +1,7 @@
 """Nothing accumulates across gathers and Metric-loss steps, in either gradient mode, on two real gloo ranks.
 
 A short version of ``benchmarks/bench_soak.py`` (same workload, same sampling): after a warm-up, the number of
-``torch.Tensor`` objects the garbage collector tracks must not change at all, and RSS must stay within a
+``torch.Tensor`` objects the garbage collector tracks must not grow at all, and RSS must stay within a
 generous bound. Holding on to anything a gather returns, or to a step's graph, adds tensors at every call, so
 the count catches a leak of any size; the RSS bound only guards against growth outside Python objects.
 """
@@ -22,10 +22,10 @@ RSS_BOUND_MIB = 32.0
 
 
 def assert_flat(samples: list[dict[str, int]], what: str) -> None:
-    """From the second sample (after warm-up) on: the same tensor count, RSS growth under the bound."""
+    """From the second sample (after warm-up) on: no more tensors than then, RSS growth under the bound."""
     warm, last = samples[1], samples[-1]
     counts = [s["tensors"] for s in samples[1:]]
-    assert counts == [warm["tensors"]] * len(counts), f"{what}: live tensors grew after warm-up: {samples}"
+    assert max(counts) <= warm["tensors"], f"{what}: live tensors grew after warm-up: {samples}"
     growth = (last["rss_kib"] - warm["rss_kib"]) / 1024
     assert growth < RSS_BOUND_MIB, f"{what}: RSS grew by {growth:.1f} MiB after warm-up: {samples}"
 
