@@ -7,8 +7,6 @@ clock, so the ranks stay in lockstep. Timings are taken on every rank and return
 
 from __future__ import annotations
 
-import gc
-import os
 import time
 import warnings
 from typing import Any
@@ -79,63 +77,4 @@ def as_shipped(rounds: int, case_names: list[str]) -> dict[str, Any]:
         tensor = torch.randn(shape_of(rank))
         _block(gather, tensor, 2)
         out[name] = [_block(gather, tensor, calls) for _ in range(rounds)]
-    return out
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:  # "5" resets VmHWM (peak RSS) to the current RSS
-        refs.write("5")
-
-
-def memory(rounds: int, rows: int, cols: int) -> dict[str, list[dict[str, float]]]:
-    """Peak and retained RSS of one uneven gather, patch off (A) and on (B), interleaved.
-
-    Rank r holds ``rows - r * rows // 4`` rows. "retained" is RSS while the returned list is still held,
-    minus RSS before the call, measured after one more barrier (gloo frees its staging copy of the gathered
-    data only when the next collective runs; that copy is the same with or without the patch); "peak" is the
-    high-water mark during the call minus RSS before it. MiB. One unmeasured warm-up call per mode first.
-    """
-    import torchmetrics_gradpatch as tmgp
-
-    warnings.simplefilter("ignore")
-    rank = dist.get_rank()
-    gather = _gather()
-    x = torch.randn(rows - rank * (rows // 4), cols)
-    out: dict[str, list[dict[str, float]]] = {"unpatched": [], "patched": []}
-    for warm in (tmgp.unpatch, tmgp.patch):
-        warm()
-        del_me = gather(x)
-        del del_me
-        dist.barrier()
-    for _ in range(rounds):
-        for mode in ("unpatched", "patched"):
-            (tmgp.patch if mode == "patched" else tmgp.unpatch)()
-            gc.collect()
-            dist.barrier()
-            before = _rss_kib("VmRSS")
-            _reset_peak()
-            result = gather(x)
-            peak = _rss_kib("VmHWM")
-            dist.barrier()
-            held = _rss_kib("VmRSS")
-            local_is_caller = result[rank] is x
-            del result
-            gc.collect()
-            out[mode].append(
-                {
-                    "retained_mib": (held - before) / 1024,
-                    "peak_mib": (peak - before) / 1024,
-                    "local_entry_is_callers_tensor": float(local_is_caller),
-                }
-            )
-    out["tensor_mib"] = [{"rank": rank, "mib": x.numel() * x.element_size() / 2**20, "pid": os.getpid()}]
-    tmgp.patch()
     return out

@@ -132,7 +132,9 @@ def main() -> None:
         result["torch"] = torch.__version__
         result["torch_git"] = torch.version.git_version
     elif job == "memory":
-        result = _spawn(_ranks.memory, args["world_size"], (args["rounds"], args["rows"], args["cols"]))
+        from benchmarks import _memory
+
+        result = _spawn(_memory.gather_memory, args["world_size"], (args["rounds"], args["rows"], args["cols"]))
     elif job == "toggle":
         result = toggle(args["rounds"], args["toggles"])
     elif job == "trampoline":

@@ -22,7 +22,8 @@ tuned to make a number pass.
   does at each start). Target <= 1 %.
 * ``import``: ``import torchmetrics_gradpatch`` against ``import torchmetrics``, fresh interpreters, the order of
   the three imports reversed every other round. Target <= 1.05.
-* ``memory``: peak and retained RSS of a patched vs unpatched gather of a large uneven tensor.
+* ``memory``: peak and retained RSS of a patched vs unpatched gather of a large uneven tensor, every round's
+  readings reported (right after the call, and once gloo's worker thread has let go of the finished gather).
 * ``global``: ``benchmarks/bench_global.py``'s ``main()``, when that file exists (another issue's benchmark).
 """
 
@@ -212,6 +213,12 @@ def bench_import(rounds: int) -> dict[str, Any]:
 
 
 def bench_memory(rounds: int, rows: int, cols: int) -> dict[str, Any]:
+    """Per rank and mode: every round's readings (``_memory.gather_memory``) and their medians; the verdict.
+
+    The verdict compares what stays once gloo's worker thread has let go of the finished all_gather ("settled")
+    and what the returned list keeps alive; the reading right after the call is reported beside them, round by
+    round, because it may still include the gather's input and receive buffers (see ``benchmarks/_memory.py``).
+    """
     log(f"memory: uneven gather of {rows}x{cols} float32 (rank 1: {rows - rows // 4} rows) on 2 ranks")
     # Every allocation above 1 MiB gets its own mmap, so a freed tensor leaves RSS at once.
     raw = worker(
@@ -220,22 +227,32 @@ def bench_memory(rounds: int, rows: int, cols: int) -> dict[str, Any]:
         {"world_size": 2, "rounds": rounds, "rows": rows, "cols": cols},
         env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
     )
+    keys = ("settled_mib", "held_by_result_mib", "immediate_mib", "peak_mib", "settle_ms")
     out: dict[str, Any] = {"ranks": []}
     for rank_raw in raw:
-        info = rank_raw["tensor_mib"][0]
+        info = rank_raw["tensor"]
         entry: dict[str, Any] = {"rank": info["rank"], "tensor_mib": info["mib"]}
         for mode in ("unpatched", "patched"):
-            entry[mode] = {
-                "retained_mib": spread([r["retained_mib"] for r in rank_raw[mode]]),
-                "peak_mib": spread([r["peak_mib"] for r in rank_raw[mode]]),
-                "local_entry_is_callers_tensor": all(r["local_entry_is_callers_tensor"] for r in rank_raw[mode]),
-            }
-        retained_a = entry["unpatched"]["retained_mib"]["median"]
-        retained_b = entry["patched"]["retained_mib"]["median"]
-        entry["no_extra_copy_retained"] = retained_b <= retained_a + 1.0
+            rounds_ = rank_raw[mode]
+            entry[mode] = {key: spread([r[key] for r in rounds_]) for key in keys}
+            entry[mode]["rounds"] = {key: [round(r[key], 1) for r in rounds_] for key in keys}
+            entry[mode]["local_entry_is_callers_tensor"] = all(r["local_entry_is_callers_tensor"] for r in rounds_)
+        a, b = entry["unpatched"], entry["patched"]
+        entry["no_extra_copy_retained"] = (
+            b["settled_mib"]["max"] <= a["settled_mib"]["min"] + 1.0
+            and b["held_by_result_mib"]["max"] <= a["held_by_result_mib"]["min"]
+        )
+
+        def per_round(side: dict[str, Any], key: str) -> str:
+            return "/".join(f"{v:.0f}" for v in side["rounds"][key])
+
         entry["verdict"] = (
-            f"rank {info['rank']}: retained {retained_b:.0f} MiB patched vs {retained_a:.0f} MiB unpatched; "
-            f"peak {entry['patched']['peak_mib']['median']:.0f} vs {entry['unpatched']['peak_mib']['median']:.0f} MiB: "
+            f"rank {info['rank']}: retained {b['settled_mib']['median']:.0f} MiB patched vs "
+            f"{a['settled_mib']['median']:.0f} MiB unpatched (settled RSS, rounds {per_round(b, 'settled_mib')} vs "
+            f"{per_round(a, 'settled_mib')}; held by the result {b['held_by_result_mib']['median']:.0f} vs "
+            f"{a['held_by_result_mib']['median']:.0f}); right after the call {per_round(b, 'immediate_mib')} vs "
+            f"{per_round(a, 'immediate_mib')}; peak {b['peak_mib']['median']:.0f} vs {a['peak_mib']['median']:.0f} "
+            "MiB: "
             + ("no extra copy retained" if entry["no_extra_copy_retained"] else "MISSED: the patch retains more")
         )
         out["ranks"].append(entry)
@@ -397,7 +414,7 @@ def markdown(results: dict[str, Any]) -> str:
         ]
     memory = results.get("memory")
     if memory and "ranks" in memory:
-        lines += ["Memory (uneven gather, 2 ranks, MiB above the RSS before the call, medians):", ""]
+        lines += ["Memory (uneven gather, 2 ranks, MiB above the settled RSS before it; medians, then rounds):", ""]
         lines += [f"- {entry['verdict']}" for entry in memory["ranks"]]
         lines.append("")
     glob = results.get("global")
