@@ -337,10 +337,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-two-ranks", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 rounds of few calls")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="directory for percall.json/.md")
+    parser.add_argument("--update-docs", action="store_true", help="put percall.md into docs/performance.md")
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.rounds, opts.calls, opts.two_rank_rounds, opts.two_rank_calls = 3, 50, 3, 10
-    shown = [a for a in (sys.argv[1:] if argv is None else argv)]
+    shown = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-docs"]
     if "--out" in shown:
         at = shown.index("--out")
         del shown[at : at + 2]
@@ -360,7 +361,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (opts.out / "percall.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     (opts.out / "percall.md").write_text(report + "\n")
     print(report)
+    if opts.update_docs:
+        update_docs(report, (opts.out.resolve() / "percall.md").relative_to(ROOT).as_posix())
     return results
+
+
+def update_docs(report: str, where: str) -> None:
+    """Put ``report`` between the ``percall`` begin and end markers of docs/performance.md."""
+    page = ROOT / "docs" / "performance.md"
+    text = page.read_text()
+    begin, end = "<!-- percall:begin -->", "<!-- percall:end -->"
+    if begin not in text or end not in text:
+        print("docs/performance.md has no percall markers; not updated", file=sys.stderr)
+        return
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    source = f"From `{where}`:"
+    page.write_text(f"{head}{begin}\n{source}\n\n{report}\n{end}{tail}")
 
 
 if __name__ == "__main__":
