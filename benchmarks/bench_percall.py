@@ -265,6 +265,13 @@ def _verdict(stats: dict[str, float], target: float) -> str:
     return f"MISSED (> {target:g})"
 
 
+def _table(title: str, cases: list[str], rows: list[str], cell: Callable[[str, str], str]) -> list[str]:
+    """A markdown table under ``title``: one row per name in ``rows``, one column per case, ``cell(case, row)``."""
+    lines = [title, "", "| µs per call | " + " | ".join(cases) + " |", "| --- |" + " --- |" * len(cases)]
+    lines += [f"| {row} | " + " | ".join(cell(case, row) for case in cases) + " |" for row in rows]
+    return [*lines, ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     load = ", ".join(f"{v:.2f}" for v in m["loadavg_start"])
@@ -279,18 +286,19 @@ def markdown(results: dict[str, Any]) -> str:
     one = results.get("one_rank")
     if one:
         first = next(iter(one.values()))
-        lines += [
+
+        def one_cell(case: str, row: str) -> str:
+            if row in one[case]["us"]:
+                return f"{one[case]['us'][row]['median']:.2f}"
+            return _interval(one[case]["difference_us"][row])
+
+        lines += _table(
             f"One rank (world-size-1 gloo group, {results['rounds']} rounds of {first['calls_per_block']['gathers']} "
             f"calls per series; the no-op pair {first['calls_per_block']['noop']} calls):",
-            "",
-            "| µs per call | " + " | ".join(one) + " |",
-            "| --- | " + " | ".join("---" for _ in one) + " |",
-        ]
-        for name in (*GATHER_SERIES, *MODE_SERIES, *NOOP_SERIES):
-            lines.append(f"| {name} | " + " | ".join(f"{one[c]['us'][name]['median']:.2f}" for c in one) + " |")
-        for label, _, _ in DIFFERENCES:
-            lines.append(f"| {label} | " + " | ".join(_interval(one[c]["difference_us"][label]) for c in one) + " |")
-        lines.append("")
+            list(one),
+            [*GATHER_SERIES, *MODE_SERIES, *NOOP_SERIES, *(label for label, _, _ in DIFFERENCES)],
+            one_cell,
+        )
         for case, entry in one.items():
             patched = entry["difference_us"]["patched - unpatched"]
             trampoline = entry["difference_us"]["trampoline + dispatch (no-op gather behind it)"]
@@ -302,29 +310,24 @@ def markdown(results: dict[str, Any]) -> str:
     two = results.get("two_ranks")
     if two:
         first = next(iter(two.values()))
-        lines += [
+
+        def two_cell(case: str, row: str) -> str:
+            wall, cpu = two[case]["wall"], two[case]["cpu"]
+            if row in wall["us"]:
+                return f"{wall['us'][row]['median']:.1f} / {cpu['us'][row]['median']:.1f}"
+            return _interval(wall["difference_us"][row], 1) + " / " + _interval(cpu["difference_us"][row], 1)
+
+        lines += _table(
             f"Two ranks (spawned, gloo on loopback, rank 0, {results['two_rank_rounds']} rounds of "
             f"{first['calls_per_block']} calls per series): wall time / calling thread's CPU time",
-            "",
-            "| µs per call | " + " | ".join(two) + " |",
-            "| --- | " + " | ".join("---" for _ in two) + " |",
-        ]
-        for name in (*GATHER_SERIES, *MODE_SERIES):
-            cells = [
-                f"{two[c]['wall']['us'][name]['median']:.1f} / {two[c]['cpu']['us'][name]['median']:.1f}" for c in two
-            ]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        for label, _, _ in DIFFERENCES:
-            if label not in first["wall"]["difference_us"]:
-                continue
-            cells = [
-                _interval(two[c]["wall"]["difference_us"][label], 1)
-                + " / "
-                + _interval(two[c]["cpu"]["difference_us"][label], 1)
-                for c in two
-            ]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        lines.append("")
+            list(two),
+            [
+                *GATHER_SERIES,
+                *MODE_SERIES,
+                *(label for label, _, _ in DIFFERENCES if label in first["wall"]["difference_us"]),
+            ],
+            two_cell,
+        )
     return "\n".join(lines)
 
 
