@@ -379,8 +379,10 @@ def update_docs(report: str, where: str) -> None:
         return
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    source = f"From `{where}`:"
-    page.write_text(f"{head}{begin}\n{source}\n\n{report}\n{end}{tail}")
+    # The report's first paragraph (when, command, commit, load) is provenance: it stays in the artifact only.
+    body = report.split("\n\n", 1)[1]
+    source = f"From `{where}` (its first line gives the command, commit and load average of the run):"
+    page.write_text(f"{head}{begin}\n{source}\n\n{body}\n{end}{tail}")
 
 
 if __name__ == "__main__":

@@ -413,7 +413,10 @@ def update_docs(report: str) -> None:
         return
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    page.write_text(f"{head}{begin}\n{report}\n{end}{tail}")
+    # The report's first paragraph (when, command, load) is provenance: it stays in the artifact only.
+    body = report.split("\n\n", 1)[1]
+    source = "From `benchmarks/results/latest.md` (its first line gives the command and load average of the run):"
+    page.write_text(f"{head}{begin}\n{source}\n\n{body}\n{end}{tail}")
     log("updated docs/performance.md (latest figures)")
 
 

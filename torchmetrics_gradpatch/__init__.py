@@ -78,7 +78,9 @@ try:
 
     _autopatch = autopatch_requested()
     _engine.configure(native=_version.is_native(_tm_version), torchmetrics_version=str(_tm_version))
-    if _autopatch:
+    # Once per process: a reload of this package, or a second copy imported after clearing sys.modules, finds the
+    # engine's state (kept on sys) and leaves it as the program set it, mode included.
+    if _autopatch and not _had_engine_state:
         patch()
 except BaseException as _error:
     try:

@@ -6,7 +6,9 @@ is ``0``. Blocks are counted, not stacked, so they nest, may be closed in any or
 each one's exit undoes exactly its own entry -- also when the block raises. Calling ``patch()`` or
 ``unpatch()`` inside a block changes only the ``patch()`` switch: it takes effect once the blocks are closed.
 
-The gradient mode (``"local"`` or ``"global"``; README, "Gradient modes"), in one sentence: the mode of the
+``patched`` works with and without parentheses: ``@patched`` is ``@patched()``.
+
+The gradient mode (``"local"`` or ``"global"``, in any case; README, "Gradient modes"), in one sentence: the mode of the
 most recently opened ``patched(mode=...)`` block that is still open wins; with none open, the mode ``patch()``
 was given while it is on; otherwise the default mode. The default mode is ``TORCHMETRICS_GRADPATCH_MODE``
 (read once, at import; ``"local"`` when unset) and is also what ``patch()`` without a mode stands for, so it
