@@ -3,7 +3,7 @@
 Run by ``run_all.py`` in this environment or in the second (native torchmetrics) one, with the repository
 root on ``PYTHONPATH``. Jobs: ``gather`` (patched vs unpatched, spawned ranks), ``shipped`` (the gather as
 the environment ships it, spawned ranks), ``memory`` (spawned ranks), ``toggle`` and ``trampoline``
-(in-process).
+(in-process; the latter is ``bench_percall.py``'s one-rank section).
 """
 
 from __future__ import annotations
@@ -67,55 +67,10 @@ def toggle(rounds: int, toggles: int) -> dict[str, Any]:
 
 
 def trampoline(rounds: int, calls: int) -> dict[str, Any]:
-    """The trampoline's own cost per call, in a one-rank gloo group (no other rank adds noise).
+    """What the package adds per call, one-rank gloo group: ``benchmarks/bench_percall.py``'s one-rank section."""
+    from benchmarks.bench_percall import one_rank
 
-    ``through``: torchmetrics' ``gather_all_tensors`` with the patch in force (local mode), i.e. the trampoline,
-    ``dispatch`` and the package's local gather; ``direct``: that same local gather called directly. Their
-    difference is what the trampoline and ``dispatch`` add to a real gather. The ``noop_*`` series repeat both
-    with a gather that only returns ``[result]`` put behind the trampoline and called directly, so the
-    difference is the trampoline's own cost without a collective's noise. Rounds alternate A B / B A.
-    """
-    import torch
-    import torch.distributed as dist
-    from torchmetrics.utilities.distributed import gather_all_tensors as through
-
-    import torchmetrics_gradpatch as tmgp
-    from torchmetrics_gradpatch import _engine, _gather
-
-    direct = getattr(_gather, "gather_local", None) or _gather.gather_all_tensors  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    tmgp.patch("local")
-    if not _engine.installed():
-        raise SystemExit("trampoline: the patch installs nothing here (native torchmetrics): nothing to measure")
-    x = torch.ones(())
-    if through(x)[0] is not x or direct(x)[0] is not x:
-        raise SystemExit("trampoline: the local entry is not the caller's tensor")
-
-    def noop(result: Any, group: Any = None, **kwargs: Any) -> list[Any]:
-        return [result]
-
-    def block(fn: Any) -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        return (time.perf_counter() - start) / calls
-
-    real = _engine.gather_all_tensors  # what dispatch calls, looked up at every call
-    series: dict[str, list[float]] = {"through": [], "direct": [], "noop_through": [], "noop_direct": []}
-    for name in ("through", "direct"):  # warm-up
-        block(through if name == "through" else direct)
-    for round_ in range(rounds):
-        for name in ("through", "direct")[:: 1 if round_ % 2 == 0 else -1]:
-            series[name].append(block(through if name == "through" else direct))
-        _engine.gather_all_tensors = noop
-        try:
-            for name in ("noop_through", "noop_direct")[:: 1 if round_ % 2 == 0 else -1]:
-                series[name].append(block(through if name == "noop_through" else noop))
-        finally:
-            _engine.gather_all_tensors = real
-    dist.barrier()
-    dist.destroy_process_group()
-    return {"calls": calls, **series}
+    return one_rank(rounds, calls)
 
 
 def main() -> None:

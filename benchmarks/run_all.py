@@ -13,9 +13,9 @@ tuned to make a number pass.
 * ``gather``: torchmetrics' own ``gather_all_tensors`` with the patch off (A) and on (B), on 2 and 3 spawned
   gloo ranks, for a scalar, 1k, 64k and 1M float32 elements and an uneven (rows differ per rank) shape.
   Target B/A <= 1.02.
-* ``trampoline``: the trampoline's own cost per call, in µs, in a one-rank gloo group: torchmetrics' function
-  through the trampoline against the package's local gather called directly, and the same pair with a no-op
-  gather behind both (the difference is the trampoline and ``dispatch`` alone). Reported beside the gather times.
+* ``trampoline``: what the package adds per call, in µs, in a one-rank gloo group: ``bench_percall.py``'s one-rank
+  section (patched against unpatched, against the package's gather called directly, and the trampoline and
+  ``dispatch`` alone with a no-op gather behind them). ``bench_percall.py`` run by itself adds the two-rank section.
 * ``native``: torchmetrics 1.5.x patched (this environment) against native torchmetrics >= 1.6 on the same torch
   (a second environment, created by ``_envs.py``), whole runs alternated A B / B A. Target <= 1.02.
 * ``toggle``: ``with patched(): pass`` against one scan of every loaded module's namespace (what freezegun
@@ -150,18 +150,8 @@ def bench_native(rounds: int, per_run: int) -> dict[str, Any]:
 
 
 def bench_trampoline(rounds: int, calls: int) -> dict[str, Any]:
-    log(f"trampoline: torchmetrics' function through the trampoline vs the gather called directly, {rounds} rounds")
-    raw = worker(sys.executable, "trampoline", {"rounds": rounds, "calls": calls})
-    us = {name: [t * 1e6 for t in raw[name]] for name in ("through", "direct", "noop_through", "noop_direct")}
-    return {
-        "calls_per_round": raw["calls"],
-        "gather_through_us": spread(us["through"]),
-        "gather_direct_us": spread(us["direct"]),
-        "gather_difference_us": spread([a - b for a, b in zip(us["through"], us["direct"], strict=True)]),
-        "noop_through_us": spread(us["noop_through"]),
-        "noop_direct_us": spread(us["noop_direct"]),
-        "trampoline_us": spread([a - b for a, b in zip(us["noop_through"], us["noop_direct"], strict=True)]),
-    }
+    log(f"trampoline: per-call cost in a one-rank gloo group (bench_percall.py's one-rank section), {rounds} rounds")
+    return {"rounds": rounds, "one_rank": worker(sys.executable, "trampoline", {"rounds": rounds, "calls": calls})}
 
 
 def bench_toggle(rounds: int, toggles: int) -> dict[str, Any]:
@@ -356,21 +346,19 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("| (2 ranks, unpatched ms) | " + " | ".join(ms) + " |")
         lines.append("")
     trampoline = results.get("trampoline")
-    if trampoline and "trampoline_us" in trampoline:
-        own, diff = trampoline["trampoline_us"], trampoline["gather_difference_us"]
-        beside = ""
-        if "world2" in results.get("gather", {}):
-            scalar_us = results["gather"]["world2"]["scalar"]["unpatched_ms"]["median"] * 1e3
-            beside = f", {100 * own['median'] / scalar_us:.2f}% of the 2-rank scalar gather above ({scalar_us:.0f} µs)"
-        lines += [
-            f"Trampoline, per call (µs, medians of {own['n']} rounds of {trampoline['calls_per_round']} calls, "
-            "one-rank gloo group, scalar): its own cost (a no-op gather behind it, minus that no-op called directly) "
-            f"{own['median']:.2f} µs (95% CI {own['ci95_lo']:.2f}-{own['ci95_hi']:.2f}){beside}. With the real local "
-            f"gather: {trampoline['gather_through_us']['median']:.1f} µs through torchmetrics' function vs "
-            f"{trampoline['gather_direct_us']['median']:.1f} µs called directly (difference {diff['median']:.1f} µs, "
-            f"95% CI {diff['ci95_lo']:.1f} to {diff['ci95_hi']:.1f}).",
-            "",
-        ]
+    if trampoline and "one_rank" in trampoline:
+        from benchmarks.bench_percall import DIFFERENCES
+
+        rounds = trampoline["rounds"]
+        lines.append(f"Per call, one-rank gloo group (µs, median [95% CI] of {rounds} rounds' differences):")
+        lines.append("")
+        for case, entry in trampoline["one_rank"].items():
+            cells = []
+            for label, _, _ in DIFFERENCES:
+                d = entry["difference_us"][label]
+                cells.append(f"{label} {d['median']:.2f} [{d['ci95_lo']:.2f} to {d['ci95_hi']:.2f}]")
+            lines.append(f"- {case}: " + "; ".join(cells))
+        lines.append("")
     native = results.get("native", {})
     if "sizes" in native:
         env_b = native["environments"]["native"]
@@ -442,7 +430,10 @@ def update_docs(report: str) -> None:
         return
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    page.write_text(f"{head}{begin}\n{report}\n{end}{tail}")
+    # The report's first paragraph (when, command, load) is provenance: it stays in the artifact only.
+    body = report.split("\n\n", 1)[1]
+    source = "From `benchmarks/results/latest.md` (its first line gives the command and load average of the run):"
+    page.write_text(f"{head}{begin}\n{source}\n\n{body}\n{end}{tail}")
     log("updated docs/performance.md (latest figures)")
 
 
@@ -478,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     sections = {
         "gather": lambda: bench_gather(rounds=8 if quick else 80),
-        "trampoline": lambda: bench_trampoline(rounds=10 if quick else 60, calls=200 if quick else 2000),
+        "trampoline": lambda: bench_trampoline(rounds=5 if quick else 41, calls=100 if quick else 1500),
         "native": lambda: bench_native(rounds=2 if quick else 6, per_run=5 if quick else 9),
         "toggle": lambda: bench_toggle(rounds=10 if quick else 40, toggles=2000),
         "import": lambda: bench_import(rounds=3 if quick else 12),

@@ -572,19 +572,20 @@ def port_check(tag: int) -> tuple[int, int, int, float]:
 def properties_catch_a_broken_gather(max_examples: int, mode: str = "local") -> str:
     """Run the property test against a gather that puts the local entry at the *global* rank (wrong in a
     subgroup, upstream's own pitfall); return the failure hypothesis reports, or ``"not caught"``."""
-    from torchmetrics_gradpatch import _engine
+    from torchmetrics_gradpatch import _engine, _modes
 
-    # what the trampoline dispatches to: the engine's module-level name, looked up at every call
-    correct = _engine.gather_all_tensors  # type: ignore[attr-defined]
+    # what the trampoline dispatches to: the mode's gather in _modes.GATHERS, chosen at every state change
+    correct = _modes.gather_for(mode)
 
-    def broken(result: torch.Tensor, group: Any = None, **kwargs: Any) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = correct(result, group, **kwargs)
+    def broken(result: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = correct(result, group)
         index = dist.get_rank()  # the bug: not dist.get_rank(group)
         if index < len(out):
             out[index] = result.contiguous()
         return out
 
-    _engine.gather_all_tensors = broken  # type: ignore[attr-defined]  # what the trampoline dispatches to
+    _modes.GATHERS[mode] = broken
+    _engine.refresh()
     try:
         run_properties(max_examples, mode=mode)
     except AssertionError as err:

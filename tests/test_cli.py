@@ -201,6 +201,39 @@ def test_launched_as_cli(monkeypatch: pytest.MonkeyPatch, argv0: str, orig_argv:
     assert _cli.launched_as_cli() is expected
 
 
+# --- --version and --help answer without torch -------------------------------------------------------------------
+
+_WITHOUT_TORCH = """
+import runpy, sys
+sys.argv = ["torchmetrics_gradpatch", *{args!r}]
+try:
+    runpy.run_module("torchmetrics_gradpatch", run_name="__main__", alter_sys=True)
+except SystemExit as done:
+    code = done.code
+heavy = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "torchmetrics"))
+print("EXIT", code, "HEAVY", heavy)
+"""
+
+
+@needs_supported_torch
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["check", "--help"]])
+def test_version_and_help_import_neither_torch_nor_torchmetrics(args: list[str]) -> None:
+    """They run ``python -m torchmetrics_gradpatch`` as runpy does, then list what got imported."""
+    proc = cli(command=[sys.executable, "-c", _WITHOUT_TORCH.format(args=args)])
+    assert proc.returncode == 0, show(proc)
+    assert proc.stdout.strip().endswith("EXIT 0 HEAVY []"), show(proc)
+    if args == ["--version"]:
+        assert proc.stdout.startswith(f"torchmetrics-gradpatch {importlib.metadata.version('torchmetrics_gradpatch')}")
+    else:
+        assert proc.stdout.startswith("usage: torchmetrics-gradpatch"), show(proc)
+
+
+@needs_supported_torch
+def test_version_through_python_m() -> None:
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("torchmetrics-gradpatch "), show(proc)
+
+
 # --- status -------------------------------------------------------------------------------------------------------
 
 
@@ -210,6 +243,7 @@ def test_status_prints_versions_and_mode() -> None:
     assert proc.returncode == 0, show(proc)
     assert f"torchmetrics:     {TORCHMETRICS}" in proc.stdout, show(proc)
     assert ("native" if NATIVE else "gather:           patched") in proc.stdout, show(proc)
+    assert "in force:         yes: patch() is on" in proc.stdout, show(proc)
 
 
 @needs_supported_torch

@@ -86,18 +86,19 @@ def from_unpatched() -> Iterator[tuple[Any, ...]]:
 def keeps_graph(gather: Any) -> bool:
     """Whether a call of ``gather`` goes through the patch, and its local entry carries the caller's graph."""
     through: list[bool] = []
-    real = _engine.dispatch
+    namespace = FUNCTION.__globals__  # the trampoline looks its dispatch up there at each call
 
     def counting(result: Any, group: Any = None) -> list[Any]:
         through.append(True)
-        return real(result, group)
+        return _engine.dispatch(result, group)
 
-    _engine.dispatch = counting  # type: ignore[assignment]  # the trampoline looks the name up at each call
+    saved = namespace.get(_engine.DISPATCH_NAME)
+    namespace[_engine.DISPATCH_NAME] = counting
     try:
         x = torch.arange(3.0, requires_grad=True)
         out = gather(x)
     finally:
-        _engine.dispatch = real  # type: ignore[assignment]
+        namespace[_engine.DISPATCH_NAME] = saved if saved is not None else _engine.dispatch
     kept = out[0].requires_grad
     if kept:
         out[0].sum().backward()

@@ -392,7 +392,7 @@ def clean_state() -> Any:
 
 def test_mode_is_validated_everywhere() -> None:
     for call in (
-        lambda: tg.gather_all_tensors(torch.ones(1), mode="Global"),
+        lambda: tg.gather_all_tensors(torch.ones(1), mode="globall"),  # names are case-insensitive, not fuzzy
         lambda: tg.patch(mode="sideways"),
         lambda: tg.patched(mode="grad"),
         lambda: tg.patched(mode=1),  # type: ignore[arg-type]

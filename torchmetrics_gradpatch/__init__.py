@@ -1,9 +1,25 @@
 """Keep the autograd graph through torchmetrics' distributed gather, on every torchmetrics from 0.11 on.
 
-``import torchmetrics_gradpatch`` at program start is all most users need: it checks the installed versions
-and patches ``torchmetrics.utilities.distributed.gather_all_tensors`` so that the local rank's entry of every
-synced metric state keeps its graph (torchmetrics 1.6.0 semantics, PR #2754). See the README for the
-gradient this gives each rank, and :mod:`torchmetrics_gradpatch._engine` for how every reference is reached.
+``import torchmetrics_gradpatch`` at program start is all most users need: it checks the installed versions and
+patches ``torchmetrics.utilities.distributed.gather_all_tensors`` so that the local rank's entry of every synced
+metric state keeps its graph (torchmetrics 1.6.0 semantics). The import itself loads neither torch nor
+torchmetrics: the patch lands the moment torchmetrics is imported (at once if it already is).
+
+Public names:
+
+* :func:`patch`, :func:`unpatch`, :func:`is_patched` -- switch the patch on and off, and ask whether it is in force;
+* :func:`patched` -- ``with patched():`` / ``@patched`` keeps it in force for a block or a call;
+  ``patched(mode="global")`` also chooses the gradient mode there;
+* :func:`status` / :class:`Status` -- what is patched, where, and in which gradient mode (also
+  ``python -m torchmetrics_gradpatch status``);
+* :func:`gather_all_tensors` -- the graph-preserving gather itself, with ``mode="local"`` or ``"global"``;
+* :class:`UnsupportedVersionError`, :class:`GradModeMismatchError` -- the two errors the package raises.
+
+Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"global"``), in the API and in
+``TORCHMETRICS_GRADPATCH_MODE`` alike. ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching.
+
+Documentation: the README (install, gradient modes, examples) and docs/ in the source distribution and repository:
+docs/gradient-modes.md, docs/testing-your-metrics.md, docs/design.md, docs/performance.md.
 
 On PyTorch below 2.0, or a torchmetrics whose gather is not recognised, the import raises
 :class:`UnsupportedVersionError` and leaves torchmetrics -- and ``sys.modules`` -- exactly as they were.
@@ -30,10 +46,16 @@ __all__ = [
 ]
 
 
+#: Whether an earlier import (or copy) of this package left the engine's process-wide state (_engine.SHARED_NAME).
+_had_engine_state = hasattr(sys, "_torchmetrics_gradpatch_engine")
+
+
 def _forget_this_package() -> None:
     """Drop this package and its submodules from ``sys.modules`` so a failed import leaves no trace."""
     for name in [n for n in sys.modules if n == __name__ or n.startswith(__name__ + ".")]:
         del sys.modules[name]
+    if not _had_engine_state and hasattr(sys, "_torchmetrics_gradpatch_engine"):
+        delattr(sys, "_torchmetrics_gradpatch_engine")
 
 
 try:
@@ -52,12 +74,13 @@ try:
         status,
         unpatch,
     )
-    from torchmetrics_gradpatch._global import GradModeMismatchError
-    from torchmetrics_gradpatch._modes import gather_all_tensors
+    from torchmetrics_gradpatch._modes import GradModeMismatchError, gather_all_tensors
 
     _autopatch = autopatch_requested()
     _engine.configure(native=_version.is_native(_tm_version), torchmetrics_version=str(_tm_version))
-    if _autopatch:
+    # Once per process: a reload of this package, or a second copy imported after clearing sys.modules, finds the
+    # engine's state (kept on sys) and leaves it as the program set it, mode included.
+    if _autopatch and not _had_engine_state:
         patch()
 except BaseException as _error:
     try:

@@ -6,7 +6,9 @@ is ``0``. Blocks are counted, not stacked, so they nest, may be closed in any or
 each one's exit undoes exactly its own entry -- also when the block raises. Calling ``patch()`` or
 ``unpatch()`` inside a block changes only the ``patch()`` switch: it takes effect once the blocks are closed.
 
-The gradient mode (``"local"`` or ``"global"``; README, "Gradient modes"), in one sentence: the mode of the
+``patched`` works with and without parentheses: ``@patched`` is ``@patched()``.
+
+The gradient mode (``"local"`` or ``"global"``, in any case; README, "Gradient modes"), in one sentence: the mode of the
 most recently opened ``patched(mode=...)`` block that is still open wins; with none open, the mode ``patch()``
 was given while it is on; otherwise the default mode. The default mode is ``TORCHMETRICS_GRADPATCH_MODE``
 (read once, at import; ``"local"`` when unset) and is also what ``patch()`` without a mode stands for, so it
@@ -27,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 import wrapt
 
@@ -46,8 +48,8 @@ def patch(mode: str | None = None) -> None:
     """Put the graph-preserving gather in force until :func:`unpatch`. Idempotent.
 
     Args:
-        mode: ``"local"`` or ``"global"`` (README, "Gradient modes"); ``None`` means the default mode
-            (``TORCHMETRICS_GRADPATCH_MODE``, else ``"local"``). Calling ``patch`` again changes the mode.
+        mode: ``"local"`` or ``"global"`` (README, "Gradient modes"; case-insensitive); ``None`` means the default
+            mode (``TORCHMETRICS_GRADPATCH_MODE``, else ``"local"``). Calling ``patch`` again changes the mode.
 
     In local mode on a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed; the
     global mode is installed on every torchmetrics. If torchmetrics is not imported yet, the patch lands the
@@ -73,8 +75,8 @@ def is_patched() -> bool:
     return _engine.in_force()
 
 
-class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@patched()``
-    """Context manager and decorator that keeps the patch in force for a block or a call.
+class _Patched:
+    """What :func:`patched` returns: a context manager and decorator keeping the patch in force.
 
     ``with patched(): ...`` and ``@patched()`` nest, are thread-safe and, on exit, undo only their own entry
     (also when the block raises), so the state found at entry is restored unless the block itself called
@@ -86,14 +88,14 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
     newer block with a mode is; ``patched()`` leaves the mode alone (see the module docstring).
     """
 
-    def __init__(self, mode: str | None = None) -> None:
+    def __init__(self, mode: object = None) -> None:
         self._mode = None if mode is None else check_mode(mode)
         # The same instance may be open several times, also in several threads at once: one entry per open
         # block, oldest first, each the opening thread and the engine's token for it.
         self._entries: list[tuple[int, int | None]] = []
         self._entries_lock = threading.Lock()
 
-    def __enter__(self) -> patched:
+    def __enter__(self) -> _Patched:
         token = _engine.enter_block(self._mode)
         with self._entries_lock:
             self._entries.append((threading.get_ident(), token))
@@ -126,34 +128,70 @@ class patched:  # noqa: N801 - used like a function: ``with patched():`` / ``@pa
 
             @functools.wraps(function)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                with patched(self._mode):
+                with _Patched(self._mode):
                     return await function(*args, **kwargs)
 
             return cast(F, run_async)
 
         @wrapt.decorator
         def run(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            with patched(self._mode):
+            with _Patched(self._mode):
                 return wrapped(*args, **kwargs)
 
         return cast(F, run(function))
 
 
+@overload
+def patched(mode: F, /) -> F: ...
+
+
+@overload
+def patched(mode: str | None = None) -> _Patched: ...
+
+
+def patched(mode: str | F | None = None) -> _Patched | F:
+    """Keep the patch in force for a block (``with patched():``) or for every call of a function (``@patched``).
+
+    ``@patched`` and ``@patched()`` are the same decorator; ``patched(mode="global")`` (or ``"local"``,
+    case-insensitive) also sets the gradient mode while its block is open and no newer block with a mode is.
+    Blocks nest, are thread-safe and, on exit, undo only their own entry (also when the block raises); see
+    :class:`_Patched` for decorating coroutine and generator functions.
+    """
+    if callable(mode):  # @patched without parentheses: Python passed the decorated function as ``mode``
+        return _Patched()(mode)
+    return _Patched(mode)
+
+
 @dataclass(frozen=True)
 class Status:
-    """What a person debugging a cluster job needs to know about the patch in this process."""
+    """What a person debugging a cluster job needs to know about the patch in this process.
+
+    ``state`` says in one word what a gather called now runs, and ties the other fields together:
+
+    * ``"patched"``: the patch is in force and this package's gather runs in place of torchmetrics' own;
+      ``applied_to`` names where (never empty in this state, and empty in every other);
+    * ``"native"``: the patch is in force on a torchmetrics that keeps the graph itself (1.6.0 and newer) in local
+      mode: nothing needs applying, torchmetrics' own gather runs and keeps the graph;
+    * ``"pending"``: the patch is in force and lands the moment torchmetrics is imported;
+    * ``"off"``: the patch is not in force (``unpatch()``, or ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` and no
+      ``patch()`` since): torchmetrics' own gather runs.
+    """
 
     torch_version: str
     torchmetrics_version: str
     native: bool  #: this torchmetrics keeps the local graph itself (1.6.0+)
-    in_force: bool  #: patch() is on or a patched() block is open
+    in_force: bool  #: patch() is on or a patched() block is open (state is not "off")
     graph_preserving: bool  #: a gather called now keeps the local rank's graph
     torchmetrics_imported: bool
-    applied_to: tuple[str, ...]  #: where our code is installed (empty when native or not in force)
-    references: dict[str, bool]  #: known paths into the gather and whether each reaches the patched function
+    applied_to: tuple[str, ...]  #: where our code is installed: non-empty exactly when state is "patched"
+    references: dict[str, bool]  #: known paths into the gather and whether each reaches the same function object
     autopatch: bool  #: what TORCHMETRICS_GRADPATCH_AUTOPATCH asked of the import
     mode: str = "local"  #: gradient mode a gather called now uses: "local", "global", or "off" when not in force
     default_mode: str = "local"  #: TORCHMETRICS_GRADPATCH_MODE (or "local"): the mode of patch() without one
+    state: str = "off"  #: "patched", "native", "pending" or "off" (see the class docstring)
+    manual: bool = False  #: patch() is on
+    blocks: int = 0  #: patched() blocks open now
+    mode_from: str = ""  #: what chose ``mode``: "patched(mode=...)", "patch()", "default", or "" when off
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -165,28 +203,56 @@ class Status:
         """The status as indented JSON."""
         return json.dumps(self.as_dict(), indent=2, sort_keys=True)
 
+    def _in_force_text(self) -> str:
+        if not self.in_force:
+            if self.autopatch:
+                return "no: unpatch() has switched off the patch the import put in force"
+            return f"no: {AUTOPATCH_ENV}=0 kept the import from patching, and patch() has not been called"
+        reasons = []
+        if self.manual:
+            reasons.append("patch() is on")
+        if self.blocks:
+            reasons.append(f"{self.blocks} patched() block{'s are' if self.blocks > 1 else ' is'} open")
+        return "yes: " + " and ".join(reasons)
+
+    def _gather_text(self) -> str:
+        if self.state == "patched":
+            return "patched: torchmetrics_gradpatch's gather runs in place of torchmetrics' own (see applied to)"
+        if self.state == "native":
+            return "native: torchmetrics keeps the graph itself, so nothing needs applying"
+        if self.state == "pending":
+            return "patched as soon as torchmetrics is imported"
+        own = " (which keeps the graph itself)" if self.native else " (which drops the graph)"
+        return "not patched: torchmetrics' own gather runs" + own
+
+    def _mode_text(self) -> str:
+        default = f"{self.default_mode} (from {MODE_ENV})" if self.default_mode != "local" else "local"
+        if not self.in_force:
+            return f"off (not in force); patch() without a mode would use {default}"
+        chosen = {
+            "patched(mode=...)": "chosen by an open patched(mode=...) block",
+            "patch()": "the mode given to patch()",
+            "default": "the default mode",
+        }.get(self.mode_from, self.mode_from)
+        return f"{self.mode}, {chosen}; patch() without a mode uses {default}"
+
     def __str__(self) -> str:
-        if self.native and not self.applied_to:
-            mode = "native (torchmetrics keeps the graph itself; nothing patched)"
-        elif self.in_force and self.torchmetrics_imported:
-            mode = "patched"
-        elif self.in_force:
-            mode = "patched as soon as torchmetrics is imported"
-        else:
-            mode = "not patched"
         lines = [
             f"torch:            {self.torch_version}",
             f"torchmetrics:     {self.torchmetrics_version}",
-            f"gather:           {mode}",
+            f"in force:         {self._in_force_text()}",
+            f"gather:           {self._gather_text()}",
             f"graph preserved:  {'yes' if self.graph_preserving else 'NO'}",
-            f"gradient mode:    {self.mode} (default {self.default_mode}, {MODE_ENV})",
-            f"autopatch:        {'on' if self.autopatch else 'off'} ({AUTOPATCH_ENV})",
+            f"gradient mode:    {self._mode_text()}",
+            f"at import:        {'patched' if self.autopatch else 'not patched'} ({AUTOPATCH_ENV}"
+            f"{'' if self.autopatch else '=0'})",
         ]
         lines += [f"applied to:       {where}" for where in self.applied_to]
-        lines += [
-            f"reference:        {path}: {'reaches it' if ok else 'DOES NOT reach it'}"
-            for path, ok in self.references.items()
-        ]
+        if self.state == "patched":  # only then does "reaching the function" mean reaching the patch
+            lines += [
+                f"reference:        {path}: {'reaches the patched function' if ok else 'DOES NOT reach it'}"
+                for path, ok in self.references.items()
+            ]
         return "\n".join(lines)
 
 
@@ -215,34 +281,53 @@ def _references(function: Any) -> dict[str, bool]:
 
 
 def status() -> Status:
-    """Report versions, native/patched, whether the graph is kept, and where the patch is applied."""
+    """Report versions, whether the patch is in force and where it is applied, and whether the graph is kept."""
     state = _engine.snapshot()
     installed = _engine.installed()
+    in_force = state.manual or state.blocks > 0
+    distributed = sys.modules.get(_engine.TARGET_MODULE)
     applied: tuple[str, ...] = ()
     if installed and state.function is not None:
         applied = (
             f"{_engine.TARGET_MODULE}.{_engine.TARGET_NAME}.__code__ (function object at "
             f"{id(state.function):#x}; every reference to that object sees the patch)",
         )
-    in_force = state.manual or state.blocks > 0
+        where = "patched"
+    elif not in_force:
+        where = "off"
+    elif state.native and state.mode == "local":
+        where = "native"
+    elif distributed is None:
+        where = "pending"
+    else:  # in force, torchmetrics imported, nothing installed: the adoption must have failed; say it plainly
+        where = "off"
     function = state.function
-    distributed = sys.modules.get(_engine.TARGET_MODULE)
     if function is None and distributed is not None:
         # Native torchmetrics in local mode: the engine never adopted (nor checked) the gather; report the
         # references to whatever function torchmetrics holds, without judging its signature.
         function = _unwrap(getattr(distributed, _engine.TARGET_NAME, None))
+    if state.block_modes:
+        mode_from = "patched(mode=...)"
+    elif state.manual:
+        mode_from = "patch()"
+    else:
+        mode_from = "default" if in_force else ""
     return Status(
         torch_version=_versions()[0],
         torchmetrics_version=state.torchmetrics_version,
         native=state.native,
         in_force=in_force,
-        graph_preserving=state.native or installed or (in_force and state.function is None),
+        graph_preserving=(state.native and where != "patched") or where in ("patched", "pending"),
         torchmetrics_imported=distributed is not None,
         applied_to=applied,
         references=_references(function) if function is not None else {},
         autopatch=autopatch_requested(),
         mode=state.mode if in_force else "off",
         default_mode=state.default_mode,
+        state=where,
+        manual=state.manual,
+        blocks=state.blocks,
+        mode_from=mode_from,
     )
 
 
@@ -266,16 +351,21 @@ def autopatch_requested() -> bool:
 
 
 def mode_requested() -> str:
-    """Read ``TORCHMETRICS_GRADPATCH_MODE``; raise ``ValueError`` naming the variable if it is not a mode."""
+    """Read ``TORCHMETRICS_GRADPATCH_MODE`` (the same case rule as ``patch(mode=...)``; unset or blank: local).
+
+    Raises ``ValueError`` naming the variable if it is not a mode.
+    """
     raw = os.environ.get(MODE_ENV, "")
-    value = raw.strip().lower() or "local"
-    if value in MODES:
-        return value
-    allowed = ", ".join(MODES)
-    raise ValueError(
-        f"{MODE_ENV}={raw!r} is not a gradient mode; use one of: {allowed} (unset means local). "
-        "See the README section 'Gradient modes'."
-    )
+    if not raw.strip():
+        return "local"
+    try:
+        return check_mode(raw)
+    except ValueError:
+        allowed = ", ".join(MODES)
+        raise ValueError(
+            f"{MODE_ENV}={raw!r} is not a gradient mode; use one of: {allowed}, in any case (unset means local). "
+            "See the README section 'Gradient modes'."
+        ) from None
 
 
 # The default mode is read once, when the package is imported; an invalid value makes the import fail.

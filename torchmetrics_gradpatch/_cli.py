@@ -283,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--mode",
+        type=lambda text: text.strip().lower(),  # the package's one rule for mode names: case-insensitive
         choices=("local", "global"),
         default=None,
         help="run the checks inside patched(mode=MODE) (default: as imported, TORCHMETRICS_GRADPATCH_MODE)",

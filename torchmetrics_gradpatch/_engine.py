@@ -14,7 +14,7 @@ section re-measures the module scan against a ``patched()`` block):
 * Replace the object wherever it is referenced (the freezegun way, or a ``wrapt`` wrapper assigned to each
   attribute): one scan of every loaded module costs milliseconds, ``gc.get_referrers`` about ten times that, and
   neither reaches a ``partial`` or a default-argument tuple without walking the whole heap.
-* Change the function object itself (the time-machine way): its ``__code__`` is swapped for a two-line
+* Change the function object itself (the time-machine way): its ``__code__`` is swapped for a one-line
   trampoline into this package. Every holder of the object sees the change at once, at O(1): a
   ``with patched(): pass`` block costs a few microseconds, far less than 1% of one module scan.
 
@@ -23,6 +23,20 @@ change; only ``__code__`` is swapped while the patch is in force, and swapped ba
 object -- when it is not. The original code's location is also recorded on the function
 (``__torchmetrics_gradpatch_original__``) while patched, so a re-imported copy of this package can still
 restore it; the attribute is removed on restore.
+
+The trampoline runs with torchmetrics' globals, so it reaches :func:`dispatch` through one name the engine puts
+into that module's namespace (``DISPATCH_NAME``) when it first installs the trampoline: a dict lookup, where an
+``import`` statement in the trampoline cost most of a microsecond per call. The name stays there after
+``unpatch()`` (a call that already entered the trampoline in another thread must still find it).
+:func:`dispatch` calls the function the state chose (``_State.gather``), recomputed under the lock at every change.
+
+One state per process
+---------------------
+The state (:class:`_State`, with its lock and the trampoline's code object) is kept on :mod:`sys`
+(``SHARED_NAME``), not in this module: ``importlib.reload`` of any module of the package (notebook autoreload
+reloads them all) or a second copy imported after clearing ``sys.modules`` re-runs this module's code, and each
+copy then finds the same state -- so torchmetrics' gather keeps working, ``is_patched()`` answers the same in
+every copy, and any copy's ``unpatch()`` restores the original code without a false warning.
 
 Coexistence
 -----------
@@ -40,8 +54,8 @@ close in any order and from any thread). All state changes happen under one lock
 Gradient mode (``"local"`` or ``"global"``, see :mod:`torchmetrics_gradpatch._global`): the mode of the most
 recently opened ``patched(mode=...)`` block that is still open; with no such block, the mode ``patch()`` was
 given while ``patch()`` is on; otherwise the default mode (``TORCHMETRICS_GRADPATCH_MODE``, else ``"local"``).
-Blocks opened without a mode count towards "in force" but never choose the mode. The effective mode is
-recomputed under the lock at every change and read, lock-free, by :func:`dispatch` at every call.
+Blocks opened without a mode count towards "in force" but never choose the mode. The effective mode, and the
+gather it means, are recomputed under the lock at every change and read, lock-free, by :func:`dispatch`.
 
 What is installed: on torchmetrics before 1.6 the trampoline goes in whenever the patch is in force. On
 native torchmetrics (1.6.0 and newer) the local mode installs **nothing** -- torchmetrics' own gather already
@@ -62,24 +76,30 @@ import sys
 import threading
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import wrapt
 
-from torchmetrics_gradpatch._modes import gather_all_tensors
+from torchmetrics_gradpatch import _modes
 from torchmetrics_gradpatch._version import UnsupportedVersionError
 
 TARGET_MODULE = "torchmetrics.utilities.distributed"
 TARGET_NAME = "gather_all_tensors"
 _ORIGINAL_ATTR = "__torchmetrics_gradpatch_original__"
-
-_lock = threading.RLock()
+#: The one name the trampoline looks up: put into torchmetrics' module namespace (the patched function's
+#: ``__globals__``) when the trampoline is first installed, and left there, so a call already inside the
+#: trampoline while another thread unpatches still finds it.
+DISPATCH_NAME = "__torchmetrics_gradpatch_dispatch__"
+#: Where the process-wide state lives (see "One state per process" above): an attribute of :mod:`sys`.
+SHARED_NAME = "_torchmetrics_gradpatch_engine"
+_SCHEMA = 2  # bumped whenever _State changes shape; a state of another shape is not shared
 
 
 @dataclass
 class _State:
-    """Everything the engine knows; mutated only under ``_lock``."""
+    """Everything the engine knows; mutated only under ``lock``. One per process (see :func:`_shared_state`)."""
 
     manual: bool = False  # patch() is on
     blocks: int = 0  # open patched() blocks
@@ -97,20 +117,43 @@ class _State:
     block_modes: list[tuple[int, str]] = field(default_factory=list)  # open patched(mode=...) blocks, oldest first
     next_token: int = 0
     mode: str = "local"  # the effective mode (see "State model"), recomputed by _refresh_mode()
+    # What dispatch() calls: the effective mode's gather while the patch is in force and torchmetrics' gather is
+    # recognised, else None (dispatch then runs the original). Recomputed by _refresh_mode().
+    gather: Callable[..., Any] | None = None
+    trampoline: types.CodeType | None = None  # the trampoline code object every copy of this module installs
+    schema: int = _SCHEMA
+    lock: Any = field(default_factory=threading.RLock)
 
 
-_state = _State()
+def _shared_state() -> _State:
+    """The process's engine state: the one an earlier import (or copy) of this module left on :mod:`sys`, else new.
+
+    ``importlib.reload`` of this module, or a second copy imported after ``sys.modules`` was cleared, re-runs this
+    module's code; keeping the state outside the module is what keeps torchmetrics' patched function, the patch's
+    state and the lock the same for every copy.
+    """
+    existing: Any = getattr(sys, SHARED_NAME, None)
+    if getattr(existing, "schema", None) == _SCHEMA:
+        return existing  # type: ignore[no-any-return]
+    state = _State()
+    setattr(sys, SHARED_NAME, state)
+    return state
+
+
+_state = _shared_state()
+_lock = _state.lock
 
 
 def _trampoline(result, group=None):  # type: ignore[no-untyped-def]
     # This code object is transplanted into torchmetrics' own function; it runs with torchmetrics' globals
-    # and the function's own defaults, so it may only use builtins. Its signature mirrors the original's.
-    from torchmetrics_gradpatch._engine import dispatch
+    # and the function's own defaults, so it may only use builtins and the one name the engine put into those
+    # globals (DISPATCH_NAME: a dict lookup, no import). Its signature mirrors the original's.
+    return __torchmetrics_gradpatch_dispatch__(result, group)  # type: ignore[name-defined]  # noqa: F821
 
-    return dispatch(result, group)
 
-
-_TRAMPOLINE_CODE = _trampoline.__code__
+if _state.trampoline is None:
+    _state.trampoline = _trampoline.__code__
+_TRAMPOLINE_CODE: types.CodeType = _state.trampoline
 
 
 def _is_trampoline(code: types.CodeType) -> bool:
@@ -121,13 +164,18 @@ def _is_trampoline(code: types.CodeType) -> bool:
 
 
 def dispatch(result: Any, group: Any = None) -> list[Any]:
-    """Entry point of the trampoline: the graph-preserving gather while in force, else the original."""
-    state = _state
-    if (state.manual or state.blocks) and state.original_clone is not None:
-        return gather_all_tensors(result, group, mode=state.mode)
-    if state.original_clone is None:  # cannot happen once recognised; keep the failure explicit
+    """Entry point of the trampoline: the effective mode's gather while in force, else the original.
+
+    The hot path of every patched gather: one attribute read and one call. Everything else (the mode, whether
+    the patch is in force, which function that means) was decided under the lock when the state last changed.
+    """
+    gather = _state.gather
+    if gather is not None:
+        return gather(result, group)  # type: ignore[no-any-return]
+    original = _state.original_clone
+    if original is None:  # cannot happen once recognised; keep the failure explicit
         raise RuntimeError("torchmetrics_gradpatch: trampoline called before torchmetrics was recognised")
-    return state.original_clone(result, group)  # type: ignore[no-any-return]
+    return original(result, group)  # type: ignore[no-any-return]
 
 
 def recognise(module: types.ModuleType, torchmetrics_version: str, *, native: bool = False) -> types.FunctionType:
@@ -182,6 +230,7 @@ def _adopt(module: types.ModuleType) -> None:
         _state.original_clone = types.FunctionType(
             original, function.__globals__, function.__name__, function.__defaults__, function.__closure__
         )
+        _refresh_mode()
         _sync()
 
 
@@ -204,13 +253,25 @@ def _wanted() -> bool:
 
 
 def _refresh_mode() -> None:
-    """Recompute the effective gradient mode (see "State model"). Under ``_lock``."""
+    """Recompute the effective gradient mode (see "State model") and what dispatch calls. Under ``_lock``.
+
+    The gather function is looked up only once torchmetrics' gather is recognised: torchmetrics (and so torch) is
+    imported by then, and ``import torchmetrics_gradpatch`` alone imports neither.
+    """
     if _state.block_modes:
         _state.mode = _state.block_modes[-1][1]
     elif _state.manual:
         _state.mode = _state.manual_mode
     else:
         _state.mode = _state.default_mode
+    in_force_now = _state.manual or _state.blocks > 0
+    _state.gather = _modes.gather_for(_state.mode) if in_force_now and _state.function is not None else None
+
+
+def refresh() -> None:
+    """Recompute what dispatch calls (after :data:`torchmetrics_gradpatch._modes.GATHERS` changed)."""
+    with _lock:
+        _refresh_mode()
 
 
 def _sync() -> None:
@@ -223,6 +284,7 @@ def _sync() -> None:
     current = function.__code__
     if _wanted():
         if current is _TRAMPOLINE_CODE:
+            function.__globals__[DISPATCH_NAME] = dispatch  # this copy's (a reloaded module's) dispatch
             return
         if current is not _state.original_code and not _is_trampoline(current):
             raise RuntimeError(
@@ -231,6 +293,7 @@ def _sync() -> None:
                 "Remove the other patch, or import torchmetrics_gradpatch before it."
             )
         function.__dict__[_ORIGINAL_ATTR] = _state.original_code
+        function.__globals__[DISPATCH_NAME] = dispatch
         function.__code__ = _TRAMPOLINE_CODE
         _state.ours_installed = True
     elif _is_trampoline(current):

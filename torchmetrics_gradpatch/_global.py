@@ -90,15 +90,12 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from torchmetrics_gradpatch._gather import gather_entries
+from torchmetrics_gradpatch._modes import GradModeMismatchError  # defined where importing it needs no torch
 
 __all__ = ["GradModeMismatchError", "gather_global"]
 
 _REQUIRES_GRAD = 1  # flag bits each rank sends with its shape
 _GRAD_MODE = 2
-
-
-class GradModeMismatchError(RuntimeError):
-    """Ranks gathered in global mode with different grad modes while a tensor requires grad (raised on every rank)."""
 
 
 class _GlobalGather(torch.autograd.Function):

@@ -1,0 +1,261 @@
+"""The API's edges: reloaded and re-imported copies, mode names, ``@patched`` bare, ``status()`` text, the docstring.
+
+Reloads and second copies change module objects for good, so they run in fresh interpreters (``_run``), each with a
+one-rank gloo group so torchmetrics' gather really runs; the script fails (non-zero exit, its traceback shown) on
+the first wrong answer, and turns every warning into an error, so a false warning fails it too.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchmetrics_gradpatch as tg
+from tests._subprocess import ROOT, run_python
+from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch._cli import build_parser
+
+NATIVE = tg.status().native
+MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
+
+_PRELUDE = f"""
+import gc, importlib, sys, warnings
+warnings.simplefilter("error")
+import torch, torch.distributed as dist
+import torchmetrics_gradpatch as tg
+import torchmetrics.utilities.distributed as tm_dist
+from torchmetrics_gradpatch import _engine
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+MODE = {MODE!r}
+FUNCTION = tm_dist.gather_all_tensors
+ORIGINAL = FUNCTION.__code__ if not _engine.installed() else _engine._state.original_code
+tg.patch(MODE)
+
+def gather_keeps_graph():
+    x = torch.arange(3.0, requires_grad=True)
+    out = FUNCTION(x)
+    return out[0] is x or (out[0].requires_grad and out[0].grad_fn is not None)
+
+def check_patched(package):
+    assert package.is_patched(), package.status()
+    assert _engine.installed() and FUNCTION.__code__ is not ORIGINAL, package.status()
+    assert package.status().state == "patched" and package.status().applied_to
+    assert gather_keeps_graph()
+
+def check_unpatched(package):
+    assert not package.is_patched(), package.status()
+    assert FUNCTION.__code__ is ORIGINAL, "unpatch() must give back the very same code object"
+    assert package.status().state == "off" and not package.status().applied_to
+    assert FUNCTION(torch.ones(()))[0].item() == 1.0
+"""
+_EPILOGUE = """
+tg.patch()
+gc.collect()
+dist.barrier()
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+def _run(body: str) -> None:
+    proc = run_python(_PRELUDE + textwrap.dedent(body) + _EPILOGUE, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), f"{proc.stdout}\n{proc.stderr}"
+
+
+# --- reloads and second copies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_reloading_the_engine_keeps_the_gather_working_and_unpatch_truthful() -> None:
+    _run(
+        """
+        check_patched(tg)
+        importlib.reload(_engine)
+        check_patched(tg)  # the state (the function, the mode, in force) survived the reload
+        tg.unpatch()
+        check_unpatched(tg)
+        tg.patch(MODE)
+        check_patched(tg)
+        """
+    )
+
+
+@pytest.mark.timeout(240)
+def test_reloading_every_submodule_like_autoreload() -> None:
+    _run(
+        """
+        names = sorted(n for n in sys.modules if n.startswith("torchmetrics_gradpatch"))
+        assert "torchmetrics_gradpatch._engine" in names and "torchmetrics_gradpatch._gather" in names, names
+        for name in names:
+            importlib.reload(sys.modules[name])
+            tg = sys.modules["torchmetrics_gradpatch"]
+            check_patched(tg)
+        tg.unpatch()
+        check_unpatched(tg)
+        with tg.patched(MODE):
+            check_patched(tg)
+        check_unpatched(tg)
+        """
+    )
+
+
+@pytest.mark.timeout(240)
+def test_a_second_copy_shares_the_state_and_the_old_copy_stays_truthful() -> None:
+    _run(
+        """
+        old = tg
+        check_patched(old)
+        for name in [n for n in sys.modules if n.startswith("torchmetrics_gradpatch")]:
+            del sys.modules[name]
+        import torchmetrics_gradpatch as new
+        assert new is not old
+        new.patch(MODE)
+        check_patched(new)
+        check_patched(old)
+        old.unpatch()  # no warning ("another tool has replaced the code" would be false): warnings are errors here
+        check_unpatched(old)
+        check_unpatched(new)
+        new.patch(MODE)
+        check_patched(old)
+        with old.patched(MODE):
+            new.unpatch()
+            check_patched(new)
+        check_unpatched(new)
+        tg = new
+        """
+    )
+
+
+# --- mode names: one rule everywhere ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restored() -> Iterator[None]:
+    yield
+    while _engine._state.blocks:
+        _engine.exit_block()
+    tg.patch()
+
+
+def test_mode_names_are_case_insensitive_in_the_api(restored: None) -> None:
+    tg.patch(mode="Local")
+    assert tg.status().mode == "local"
+    with tg.patched(mode=" GLOBAL "):
+        assert tg.status().mode == "global"
+    with pytest.raises(ValueError, match="is not a gradient mode"):
+        tg.patch(mode="globl")
+
+
+def test_mode_names_are_case_insensitive_in_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchmetrics_gradpatch._api import mode_requested
+
+    for raw, mode in (("Global", "global"), (" LOCAL ", "local"), ("", "local")):
+        monkeypatch.setenv("TORCHMETRICS_GRADPATCH_MODE", raw)
+        assert mode_requested() == mode
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_MODE", "globl")
+    with pytest.raises(ValueError, match="TORCHMETRICS_GRADPATCH_MODE='globl' is not a gradient mode"):
+        mode_requested()
+
+
+def test_mode_names_are_case_insensitive_on_the_command_line() -> None:
+    assert build_parser().parse_args(["check", "--mode", "Global"]).mode == "global"
+
+
+def test_the_direct_gather_takes_any_case() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.tensor([1.0, 2.0])
+        for mode in ("Local", "GLOBAL"):
+            out = tg.gather_all_tensors(x, mode=mode)
+            assert out[0] is x
+        with pytest.raises(ValueError, match="is not a gradient mode"):
+            tg.gather_all_tensors(x, mode="both")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# --- @patched without parentheses ---------------------------------------------------------------------------------
+
+
+def test_patched_without_parentheses_is_patched_with_them(restored: None) -> None:
+    tg.unpatch()
+
+    @tg.patched
+    def inside(x: int) -> tuple[int, bool]:
+        """Doc."""
+        return x, tg.is_patched()
+
+    assert inside(2) == (2, True) and inside.__name__ == "inside" and inside.__doc__ == "Doc."
+    assert not tg.is_patched()
+    with pytest.raises(ValueError, match=r"not a gradient mode; use one of 'local', 'global' \(to decorate"):
+        tg.patch(inside)  # type: ignore[arg-type]
+
+
+# --- status() -----------------------------------------------------------------------------------------------------
+
+
+def _consistent(status: tg.Status) -> None:
+    assert status.in_force == (status.state != "off"), status
+    assert bool(status.applied_to) == (status.state == "patched"), status
+    if status.state == "native":
+        assert status.native and status.graph_preserving and status.mode == "local"
+
+
+def test_status_is_consistent_and_plain_in_every_state(restored: None) -> None:
+    import torchmetrics.utilities.distributed  # noqa: F401 - the patch lands when torchmetrics is imported
+
+    tg.patch(MODE)
+    on = tg.status()
+    _consistent(on)
+    assert on.state == "patched" and "in force:         yes: patch() is on" in str(on)
+    assert "reaches the patched function" in str(on)
+    tg.unpatch()
+    off = tg.status()
+    _consistent(off)
+    text = str(off)
+    assert off.state == "off" and "in force:         no: unpatch() has switched off" in text
+    assert "reaches" not in text and "autopatch: on" not in text and "applied to" not in text
+    assert "gradient mode:    off (not in force)" in text
+    with tg.patched():
+        block = tg.status()
+        _consistent(block)
+        assert "1 patched() block is open" in str(block)
+        assert f"gradient mode:    {tg.status().mode}, the default mode" in str(block)
+
+
+def test_status_on_native_torchmetrics_in_local_mode_says_nothing_needs_applying(restored: None) -> None:
+    """On torchmetrics >= 1.6 (faked here where it is not) local mode is in force with nothing applied."""
+    was_native = _engine._state.native
+    tg.patch("local")
+    with _engine._lock:
+        _engine._state.native = True
+        _engine._sync()
+    try:
+        native = tg.status()
+        _consistent(native)
+        assert native.in_force and native.state == "native" and native.applied_to == ()
+        assert "nothing needs applying" in str(native) and "reaches" not in str(native)
+    finally:
+        with _engine._lock:
+            _engine._state.native = was_native
+            _engine._sync()
+    assert _engine.installed() == (not was_native)
+
+
+# --- help(torchmetrics_gradpatch) ---------------------------------------------------------------------------------
+
+
+def test_the_package_docstring_points_only_at_public_names_and_docs() -> None:
+    doc = tg.__doc__ or ""
+    assert not re.search(r"torchmetrics_gradpatch\._|:mod:`[^`]*\._", doc), "private modules in the docstring"
+    for name in re.findall(r":(?:func|class):`(\w+)`", doc):
+        assert name in tg.__all__, f"{name} is not a public name"
+    assert set(tg.__all__) <= set(re.findall(r":(?:func|class):`(\w+)`", doc)), "a public name is missing"
+    for page in re.findall(r"docs/[\w-]+\.md", doc):
+        assert (ROOT / page).is_file(), page
