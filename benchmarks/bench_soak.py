@@ -226,7 +226,7 @@ def docs_block(results: dict[str, Any], artifact: str) -> str:
         f"From `{artifact}` (its command, commit and machine load are stated there): {results['gathers']:,} gathers "
         f"and {results['steps']:,} Metric-loss steps with backward per gradient mode, 2 gloo ranks; unpatched "
         "torchmetrics' own gather as the reference. Growth is counted from the end of the warm-up (the first "
-        "10% of each phase) to the last sample.",
+        "tenth of each phase) to the last sample.",
         "",
         "| mode | phase | rank | RSS growth | in the second half | live tensors |",
         "|------|-------|-----:|-----------:|-------------------:|-------------:|",

@@ -17,8 +17,9 @@ The rules (docs/development.md#figures-in-the-docs has them for writers):
    package name (torch 2.0-2.4), a confidence level (95% CI, 95 % confidence interval), and numbers inside
    inline code. Fenced code blocks are checked like prose.
 2. **Where its artifact is named.** A figure's block is its paragraph, list item, table (all rows) or fenced code
-   block. A table, a code block or a list also belongs to the paragraph just before it (its lead-in). The block
-   must link to, or name in backticks, a file (or folder) under ``results/`` or ``benchmarks/results/`` that
+   block. A table, a code block or a list also belongs to the paragraph just before it (its lead-in), and every
+   block of a generated region (between ``<!-- name:begin -->`` and ``<!-- name:end -->`` markers, which a script
+   writes from one artifact) also belongs to the region's first block. The block must link to, or name in backticks, a file (or folder) under ``results/`` or ``benchmarks/results/`` that
    exists and is not git-ignored.
 3. **The figure must be in it as written**: the same digits, after dropping thousands separators (1,417 ->
    1417) and signs. One of the named artifacts must contain it as a whole number token (1.06 is not found in
@@ -55,6 +56,8 @@ _COMMENT = re.compile(r"<!--(.*?)-->", re.S)
 _ALLOW = re.compile(r"<!--\s*not-measured:(.*?)-->", re.S)
 _COMMENT_ALONE = re.compile(r"^\s*<!--.*-->\s*$")
 _ALLOW_ALONE = re.compile(r"^\s*<!--\s*not-measured:.*-->\s*$")
+_REGION_BEGIN = re.compile(r"^\s*<!--\s*[\w./-]+:begin\s*-->\s*$")
+_REGION_END = re.compile(r"^\s*<!--\s*[\w./-]+:end\s*-->\s*$")
 _INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 _INLINE_CODE_ACROSS_LINES = re.compile(r"(`+)(.+?)\1", re.S)  # a block's text: code spans may wrap
 _LINK_TARGET = re.compile(r"\]\(\s*<?([^)\s>]+)>?[^)]*\)")
@@ -90,6 +93,7 @@ class Block:
     lines: list[tuple[int, str]] = field(default_factory=list)
     lead: Block | None = None
     allowed: set[str] = field(default_factory=set)
+    region: Block | None = None  # the first block of the generated region this block stands in, if any
 
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
@@ -112,6 +116,8 @@ def blocks(text: str) -> list[Block]:
     list_lead: Block | None = None
     fence = ""
     pending_allow: set[str] = set()
+    in_region = False
+    region_first: Block | None = None
 
     def close() -> None:
         nonlocal current, previous
@@ -121,10 +127,15 @@ def blocks(text: str) -> list[Block]:
         current = None
 
     def start(kind: str, lead: Block | None) -> Block:
-        nonlocal pending_allow
+        nonlocal pending_allow, region_first
         close()
         block = Block(kind, lead=lead, allowed=pending_allow)
         pending_allow = set()
+        if in_region:
+            if region_first is None:
+                region_first = block
+            else:
+                block.region = region_first
         return block
 
     def lead_in() -> Block | None:
@@ -151,7 +162,11 @@ def blocks(text: str) -> list[Block]:
             close()
             pending_allow |= allowed_figures(line)
             continue
-        if _COMMENT_ALONE.match(line):  # a marker such as <!-- name:begin -->: neither a block nor a break
+        if _REGION_BEGIN.match(line) or _REGION_END.match(line):
+            close()
+            in_region, region_first = bool(_REGION_BEGIN.match(line)), None
+            continue
+        if _COMMENT_ALONE.match(line):  # any other comment alone on its line: neither a block nor a break
             continue
         if _HEADING.match(line):
             current = start("heading", None)
@@ -242,7 +257,7 @@ def named_artifacts(block: Block, page: Path, root: Path) -> list[str]:
     """Paths under results/ or benchmarks/results/ that the block (or its lead-in) links to or names in backticks,
     relative to the root: links resolved from the page, backticked names from the root (or the page)."""
     names: list[str] = []
-    for part in (block, block.lead, block.lead.lead if block.lead else None):
+    for part in (block, block.lead, block.lead.lead if block.lead else None, block.region):
         if part is None:
             continue
         text = part.text()
