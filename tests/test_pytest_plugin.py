@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+import torchmetrics_gradpatch
+
 pytest_plugins = ["pytester"]
 
 PLUGIN = "torchmetrics_gradpatch.pytest_plugin"
@@ -468,3 +470,78 @@ def test_tb_line_points_at_the_test_file_and_given_is_refused(project: tuple[pyt
     result.stdout.fnmatch_lines([f"{pytester.path}/tests/test_line.py:9: rank 0 of 1 raised: assert 1 == 2"])
     assert "pytest_plugin.py" not in result.stdout.str().partition("test_given")[0]
     result.stdout.fnmatch_lines(["*@given cannot be combined with @pytest.mark.ranks*"])
+
+
+# --- coverage of code that runs only in the ranks ------------------------------------------------------------------
+
+MYMOD = """
+def in_the_pytest_process():
+    return 1
+
+
+def in_the_ranks_only(x):
+    if x > 0:
+        return "positive"
+    return "other"
+"""
+
+COVERED = """
+import pytest
+import mymod
+
+
+def test_in_the_pytest_process():
+    assert mymod.in_the_pytest_process() == 1
+
+
+@pytest.mark.ranks(2)
+def test_in_the_ranks():
+    assert mymod.in_the_ranks_only(1) == "positive"
+"""
+
+
+def _coverage_rows(text: str) -> dict[str, str]:
+    """``{file: missing}`` from a ``term-missing`` report (``Name Stmts Miss Cover Missing`` rows)."""
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0].endswith(".py") and parts[3].endswith("%"):
+            rows[parts[0]] = " ".join(parts[4:])
+    return rows
+
+
+def test_rank_lines_count_as_covered_with_pytest_cov(project: tuple[pytest.Pytester, Path]) -> None:
+    """pytest-cov 7 measures no subprocess: the ranks send their data back and it joins the run's."""
+    pytest.importorskip("pytest_cov", reason="pytest-cov is not installed here")
+    pytester, _ = project
+    _write(pytester, "mymod.py", MYMOD)
+    path = _write(pytester, "test_covered.py", COVERED)
+    result = pytester.runpytest_subprocess(
+        "-p", PLUGIN, "-p", "no:cacheprovider", "--cov=mymod", "--cov-report=term-missing", path
+    )
+    result.assert_outcomes(passed=2)
+    # only the branch no test takes is missing (line 9); the rank-only lines 6-8 count as covered
+    assert _coverage_rows(result.stdout.str()) == {"tests/mymod.py": "9"}
+    assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]
+
+
+def test_rank_lines_count_as_covered_with_coverage_run(project: tuple[pytest.Pytester, Path]) -> None:
+    """``coverage run -m pytest`` with no configuration: the same, and the report lists only the project's files."""
+    pytest.importorskip("coverage", reason="coverage is not installed here")
+    pytester, _ = project
+    _write(pytester, "mymod.py", MYMOD)
+    path = _write(pytester, "test_covered.py", COVERED)
+    run = pytester.run(
+        sys.executable, "-m", "coverage", "run", "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", path
+    )
+    assert run.ret == 0, run.stdout.str()
+    report = pytester.run(sys.executable, "-m", "coverage", "report", "-m")
+    rows = _coverage_rows(report.stdout.str())
+    # the project's files, and this package's own when it is installed editable (outside site-packages): nothing
+    # that only the ranks ran (multiprocessing's start-up, the outbox, torch) joins the report
+    package = Path(torchmetrics_gradpatch.__file__).parent
+    extra = {name for name in rows if not name.startswith("tests/") and Path(name).parent != package}
+    assert {"tests/conftest.py", "tests/mymod.py", "tests/test_covered.py"} <= set(rows), report.stdout.str()
+    assert extra == set(), report.stdout.str()
+    assert rows["tests/mymod.py"] == "9"
+    assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]
