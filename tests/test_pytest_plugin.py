@@ -510,38 +510,30 @@ def _coverage_rows(text: str) -> dict[str, str]:
     return rows
 
 
-def test_rank_lines_count_as_covered_with_pytest_cov(project: tuple[pytest.Pytester, Path]) -> None:
-    """pytest-cov 7 measures no subprocess: the ranks send their data back and it joins the run's."""
-    pytest.importorskip("pytest_cov", reason="pytest-cov is not installed here")
+@pytest.mark.parametrize("runner", ["pytest-cov", "coverage run"])
+def test_rank_lines_count_as_covered(project: tuple[pytest.Pytester, Path], runner: str) -> None:
+    """pytest-cov 7 measures no subprocess, nor does ``coverage run`` unconfigured: the ranks send their data back.
+
+    The report holds the project's files, and this package's own when it is installed editable (outside
+    site-packages): nothing that only the ranks ran (multiprocessing's start-up, the outbox) joins it, and the
+    ranks leave no data file of their own.
+    """
+    pytest.importorskip("pytest_cov" if runner == "pytest-cov" else "coverage", reason=f"no {runner} here")
     pytester, _ = project
     _write(pytester, "mymod.py", MYMOD)
-    path = _write(pytester, "test_covered.py", COVERED)
-    result = pytester.runpytest_subprocess(
-        "-p", PLUGIN, "-p", "no:cacheprovider", "--cov=mymod", "--cov-report=term-missing", path
-    )
-    result.assert_outcomes(passed=2)
-    # only the branch no test takes is missing (line 9); the rank-only lines 6-8 count as covered
-    assert _coverage_rows(result.stdout.str()) == {"tests/mymod.py": "9"}
-    assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]
-
-
-def test_rank_lines_count_as_covered_with_coverage_run(project: tuple[pytest.Pytester, Path]) -> None:
-    """``coverage run -m pytest`` with no configuration: the same, and the report lists only the project's files."""
-    pytest.importorskip("coverage", reason="coverage is not installed here")
-    pytester, _ = project
-    _write(pytester, "mymod.py", MYMOD)
-    path = _write(pytester, "test_covered.py", COVERED)
-    run = pytester.run(
-        sys.executable, "-m", "coverage", "run", "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", path
-    )
-    assert run.ret == 0, run.stdout.str()
-    report = pytester.run(sys.executable, "-m", "coverage", "report", "-m")
-    rows = _coverage_rows(report.stdout.str())
-    # the project's files, and this package's own when it is installed editable (outside site-packages): nothing
-    # that only the ranks ran (multiprocessing's start-up, the outbox, torch) joins the report
+    args = ["-p", PLUGIN, "-p", "no:cacheprovider", _write(pytester, "test_covered.py", COVERED)]
+    if runner == "pytest-cov":
+        run = pytester.runpytest_subprocess(*args, "--cov=mymod", "--cov-report=term-missing")
+        report = run.stdout.str()
+    else:
+        run = pytester.run(sys.executable, "-m", "coverage", "run", "-m", "pytest", *args)
+        report = pytester.run(sys.executable, "-m", "coverage", "report", "-m").stdout.str()
+    run.assert_outcomes(passed=2)
+    rows = _coverage_rows(report)
+    # only the branch no test takes is missing (line 9); lines 6-8, run only in the ranks, count as covered
+    assert rows.get("tests/mymod.py") == "9", report
     package = Path(torchmetrics_gradpatch.__file__).parent
-    extra = {name for name in rows if not name.startswith("tests/") and Path(name).parent != package}
-    assert {"tests/conftest.py", "tests/mymod.py", "tests/test_covered.py"} <= set(rows), report.stdout.str()
-    assert extra == set(), report.stdout.str()
-    assert rows["tests/mymod.py"] == "9"
+    assert {name for name in rows if not name.startswith("tests/") and Path(name).parent != package} == set()
+    if runner == "coverage run":
+        assert {"tests/conftest.py", "tests/test_covered.py"} <= set(rows), report
     assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]

@@ -236,6 +236,8 @@ class _Comparisons:
 
 def _import_test_module(spec: RankTest) -> types.ModuleType:
     """Import the test module under pytest's name for it, from pytest's file, asserts rewritten if pytest did."""
+    # one finder per process: a rank that runs several tests (a pool) replaces the previous test's
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _RewritingFinder)]
     sys.meta_path.insert(0, _RewritingFinder(spec.rewrite))
     try:
         module = importlib.import_module(spec.module)
@@ -406,6 +408,8 @@ def run_in_rank(spec: RankTest) -> None:
     record.warnings = _warnings(log)
     if error is not None:
         record.report = _report(error, spec, comparisons)
-    record_path(spec.outbox, record.rank).write_bytes(pickle.dumps(record))
+    path = record_path(spec.outbox, record.rank)
+    path.with_suffix(".partial").write_bytes(pickle.dumps(record))
+    path.with_suffix(".partial").replace(path)  # whole or absent, even if the rank is killed while writing
     if record.report is not None:
         raise RankFailedError(record.report) from None

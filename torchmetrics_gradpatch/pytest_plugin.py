@@ -317,7 +317,7 @@ def _fail(item: pytest.Function, n: int, failure: RankError, records: dict[int, 
     note = _left_early(failure, n, records)
     if note:
         first = f"{note}: {first}"
-    others = [f"rank {r.rank} {r.outcome}: {r.reason}" for r in records.values() if r.outcome in ("skipped", "xfailed")]
+    others = [] if note else [f"rank {r.rank} {r.outcome}: {r.reason}" for r in records.values() if r.reason]
     message = "\n\n".join([first, *others, details])
     item.stash[_FAILURE] = (message, crash)
     raise _as_raised(records.get(failure.rank), first)
