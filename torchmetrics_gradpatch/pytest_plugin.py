@@ -121,7 +121,7 @@ def _skip_without_gpus(n: int, backend: str) -> None:
 
 
 def _unsendable(name: str, value: Any) -> str | None:
-    """Why a pytest object cannot go to a rank (it belongs to the pytest process), or None."""
+    """Why an unpicklable pytest object cannot go to a rank (it belongs to the pytest process), or None."""
     module = type(value).__module__ or ""
     if not module.startswith(("_pytest", "pytest")):
         return None
@@ -135,20 +135,18 @@ def _unsendable(name: str, value: Any) -> str | None:
 def _pickled_or_fail(values: dict[str, Any], what: str, item: pytest.Function) -> bytes:
     """Pickle ``values``; fail the test naming the first value that cannot be sent, and why."""
     for name, value in values.items():
-        problem = _unsendable(name, value) if what == "fixture" else None
-        if problem is None:
-            try:
-                pickle.dumps(value)
-            except Exception as err:
-                problem = (
-                    f"{what} {name!r} cannot be sent to the ranks: its value {type(value).__name__} cannot be "
-                    f"pickled ({type(err).__name__}: {err}). Ranks get fixture values pickled from the pytest "
-                    f"process: return something picklable (a path, numbers, tensors) or build the object in the "
-                    f"test body. A fixture needed only for what it does in the pytest process (monkeypatch.setenv: "
-                    f"the ranks inherit the environment) can be requested with @pytest.mark.usefixtures."
-                )
-            else:
-                continue
+        try:
+            pickle.dumps(value)
+        except Exception as err:
+            problem = _unsendable(name, value) or (
+                f"{what} {name!r} cannot be sent to the ranks: its value {type(value).__name__} cannot be "
+                f"pickled ({type(err).__name__}: {err}). Ranks get fixture values pickled from the pytest "
+                f"process: return something picklable (a path, numbers, tensors) or build the object in the "
+                f"test body. A fixture needed only for what it does in the pytest process (monkeypatch.setenv: "
+                f"the ranks inherit the environment) can be requested with @pytest.mark.usefixtures."
+            )
+        else:
+            continue
         pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)  # outside except: pickle's traceback is noise
     return pickle.dumps(values)
 
