@@ -537,3 +537,12 @@ def test_rank_lines_count_as_covered(project: tuple[pytest.Pytester, Path], runn
     if runner == "coverage run":
         assert {"tests/conftest.py", "tests/test_covered.py"} <= set(rows), report
     assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]
+
+
+def test_the_symptom_of_a_forgotten_plugin(project: tuple[pytest.Pytester, Path]) -> None:
+    """Without ``-p``: what the testing page says a user sees (the marker unknown, no process group)."""
+    pytester, _ = project
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", _write(pytester, "test_line.py", LINE))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*PytestUnknownMarkWarning: Unknown pytest.mark.ranks*"])
+    result.stdout.fnmatch_lines(["*ValueError: Default process group has not been initialized*"])

@@ -204,13 +204,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     n, timeout, backend = _ranks_options(pyfuncitem, marker)
     _refuse_hypothesis(pyfuncitem)
     _skip_without_gpus(n, backend)
-    failure: RankError | None = None
     with tempfile.TemporaryDirectory(prefix="tmgp-outbox-") as outbox:
-        spec = _describe(pyfuncitem, outbox, backend)
-        try:
-            spawn_ranks(run_in_rank, n, args=(spec,), timeout=timeout)
-        except RankError as error:
-            failure = error
+        failure = _run_on_ranks(_describe(pyfuncitem, outbox, backend), n, timeout)
         records = {}
         for rank in range(n):
             path = record_path(outbox, rank)
@@ -227,6 +222,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
                 pytest.xfail(reason)
             raise pytest.skip.Exception(reason, _use_item_location=True)  # at the test, as an in-test skip
     return True
+
+
+def _run_on_ranks(spec: RankTest, n: int, timeout: float) -> RankError | None:
+    """Run :func:`run_in_rank` on ``n`` ranks; the runner's error if a rank raised, died or timed out."""
+    try:
+        spawn_ranks(run_in_rank, n, args=(spec,), timeout=timeout)
+    except RankError as error:
+        return error
+    return None
 
 
 def _deliver(item: pytest.Function, records: dict[int, RankRecord]) -> None:
@@ -259,22 +263,19 @@ def _deliver(item: pytest.Function, records: dict[int, RankRecord]) -> None:
         )
 
 
-def _waited_in(failure: RankError, rank: int, records: dict[int, RankRecord]) -> str | None:
-    """The collective ``rank`` was in when it failed (from its traceback) or hung (from its stack dump)."""
-    record = records.get(rank)
-    if record is not None and record.report is not None:
-        return record.report.collective
-    if failure.reason == "timed out":
-        part = failure.details.partition(f"--- rank {rank}, still running")[2].partition("--- rank ")[0]
-        found = re.search(r'distributed_c10d\.py", line \d+ in (\w+)', part)
-        return found.group(1) if found else None
-    return None
+def _hung_in(failure: RankError, rank: int) -> str | None:
+    """The collective a rank that left no record was stuck in at the timeout, from its stack dump."""
+    if failure.reason != "timed out":
+        return None
+    part = failure.details.partition(f"--- rank {rank}, still running")[2].partition("--- rank ")[0]
+    found = re.search(r'distributed_c10d\.py", line \d+ in (\w+)', part)
+    return found.group(1) if found else None
 
 
 def _left_early(failure: RankError, n: int, records: dict[int, RankRecord]) -> str:
-    """ "rank 1 returned; rank 0 waited in all_reduce": a rank that finished while its peers waited for it."""
+    """Name ranks that finished while their peers waited for them: "rank 1 returned; rank 0 waited in all_reduce"."""
     finished = [r for r in records.values() if r.outcome != "failed"]
-    waiting = [(rank, _waited_in(failure, rank, records)) for rank in range(n) if rank not in records]
+    waiting = [(rank, _hung_in(failure, rank)) for rank in range(n) if rank not in records]
     waiting += [(r.rank, r.report.collective) for r in records.values() if r.report is not None]
     waited = [f"rank {rank} waited in {where}" for rank, where in sorted(waiting) if where]
     if not finished or not waited:
@@ -285,17 +286,22 @@ def _left_early(failure: RankError, n: int, records: dict[int, RankRecord]) -> s
 
 
 def _as_raised(record: RankRecord | None, message: str) -> BaseException:
-    """An exception of the rank's own type (so ``xfail(raises=...)`` matches) with ``message`` as its text."""
+    """An exception of the rank's own type (so ``xfail(raises=...)`` matches) with the rank's text.
+
+    A subclass made here, so that no constructor of the user's runs; a rank that died or timed out, or an
+    exception that is not an ``Exception`` (pytest's outcomes, KeyboardInterrupt), gives a plain error instead.
+    """
+    report = record.report if record is not None else None
     try:
-        assert record is not None and record.report is not None and record.report.exc_type is not None
-        exc_type = pickle.loads(record.report.exc_type)
-        assert issubclass(exc_type, Exception) and not issubclass(exc_type, pytest.fail.Exception)
-        text = record.report.message
+        exc_type = pickle.loads(report.exc_type) if report is not None and report.exc_type is not None else None
+        if exc_type is None or not issubclass(exc_type, Exception):
+            return _RanksFailedError(message)
+        text = report.message if report is not None else message
         proxy = type(exc_type.__name__, (exc_type,), {"__str__": lambda self: text, "__module__": exc_type.__module__})
         error: BaseException = proxy.__new__(proxy)  # type: ignore[call-overload]
         BaseException.__init__(error, text)
         return error
-    except Exception:
+    except Exception:  # a class that cannot be unpickled here, or subclassed
         return _RanksFailedError(message)
 
 
