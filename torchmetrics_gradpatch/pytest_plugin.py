@@ -310,13 +310,14 @@ class _RanksFailedError(Exception):
 
 
 def _fail(item: pytest.Function, n: int, failure: RankError, records: dict[int, RankRecord]) -> None:
+    """Fail the test with the ranks' story: the first failure, what the other ranks did, every traceback."""
     details, headline, crash = failure.details, "", None
-    for rank, report in failure.reports.items():
-        if isinstance(report, RankReport):
-            finished = report.finished()
-            details = details.replace(str(report), finished)
+    for rank, record in records.items():
+        if record.report is not None:  # the runner's details hold str(report): put pytest's explanations in
+            finished = record.report.finished()
+            details = details.replace(str(record.report), finished)
             if rank == failure.rank:
-                headline, crash = " " + report.headline(finished), report.crash
+                headline, crash = " " + RankReport.headline(finished), record.report.crash
     first = f"rank {failure.rank} of {n} {failure.reason}:{headline}"
     note = _left_early(failure, n, records)
     if note:
