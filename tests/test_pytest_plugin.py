@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+import torchmetrics_gradpatch
+
 pytest_plugins = ["pytester"]
 
 PLUGIN = "torchmetrics_gradpatch.pytest_plugin"
@@ -297,3 +299,250 @@ def test_under_xdist(project: tuple[pytest.Pytester, Path]) -> None:
     result = pytester.runpytest_subprocess("-p", PLUGIN, "-n", "2", "-p", "no:cacheprovider", path, timeout=300)
     result.assert_outcomes(passed=2)
     assert len(_rank_pids(pids)) == 4
+
+
+# --- outcomes: every order of the ranks gives the same answer (failure > xfail > skip > pass) ----------------------
+
+OUTCOMES = """
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import record_pid
+
+
+@pytest.fixture
+def env_set(monkeypatch):
+    monkeypatch.setenv("TMGP_FROM_FIXTURE", "yes")
+
+
+@pytest.mark.xfail(raises=ZeroDivisionError)
+@pytest.mark.ranks(2)
+def test_xfail_raises_the_same():
+    record_pid()
+    if dist.get_rank() == 1:
+        1 / 0
+
+
+@pytest.mark.xfail(raises=KeyError)
+@pytest.mark.ranks(2)
+def test_xfail_raises_another():
+    if dist.get_rank() == 1:
+        1 / 0
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("early", ["skip", "xfail"])
+def test_early_outcome_then_failure(early):
+    record_pid()
+    if dist.get_rank() == 0:
+        getattr(pytest, early)(f"rank 0 {early}s early")
+    time.sleep(1.5)  # rank 0 is long finished: its outcome must not hide this failure
+    assert "late failure" == "on rank 1"
+
+
+@pytest.mark.ranks(2)
+def test_failure_then_late_skip():
+    if dist.get_rank() == 0:
+        time.sleep(0.5)
+        pytest.skip("rank 0 skips late")
+    assert "early failure" == "on rank 1"
+
+
+@pytest.mark.ranks(2)
+def test_skip_and_xfail():
+    if dist.get_rank() == 0:
+        pytest.skip("rank 0 skips")
+    pytest.xfail("rank 1 xfails")
+
+
+@pytest.mark.ranks(2)
+def test_skip_leaves_peer_in_collective():
+    if dist.get_rank() == 0:
+        pytest.skip("only rank 0 skips")
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.ranks(2)
+def test_returns_while_peer_waits():
+    print("RANK-PRINTED", dist.get_rank())
+    if dist.get_rank() == 1:
+        return
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.ranks(2)
+def test_warns_and_returns_a_value(env_set, monkeypatch):
+    print("PASSING-RANK-PRINTED")
+    monkeypatch.setattr(os, "sep", "!")  # a fresh MonkeyPatch in each rank, undone when the body ends
+    assert os.environ["TMGP_FROM_FIXTURE"] == "yes"
+    warnings.warn(f"warned on rank {dist.get_rank()}")
+    return 42
+
+
+@pytest.mark.ranks(1)
+def test_capsys(capsys):
+    pass
+
+
+@pytest.mark.ranks(1)
+def test_request(request):
+    pass
+
+
+@pytest.mark.ranks(2, backend="nccl")
+def test_nccl():
+    pass
+"""
+
+HYPOTHESIS = """
+import pytest
+from hypothesis import given, strategies as st
+
+
+@pytest.mark.ranks(2)
+@given(st.integers())
+def test_given(x):
+    pass
+"""
+
+
+def test_outcome_rules_and_what_ranks_leave(project: tuple[pytest.Pytester, Path]) -> None:
+    """Failure > xfail > skip > pass, whichever rank finishes first; warnings, output and fixtures as documented."""
+    pytester, _ = project
+    path = _write(pytester, "test_outcomes.py", OUTCOMES)
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "-rfsxX", "--capture=sys", "-p", "no:cacheprovider", path)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=1, failed=8, skipped=1, xfailed=2)
+    xfailed = {line.split()[1] for line in out.splitlines() if line.startswith("XFAIL ")}
+    assert xfailed == {
+        "tests/test_outcomes.py::test_xfail_raises_the_same",
+        "tests/test_outcomes.py::test_skip_and_xfail",
+    }
+    failed = {line.split()[1] for line in out.splitlines() if line.startswith("FAILED ")}
+    assert {
+        "tests/test_outcomes.py::test_xfail_raises_another",
+        "tests/test_outcomes.py::test_early_outcome_then_failure[skip]",
+        "tests/test_outcomes.py::test_early_outcome_then_failure[xfail]",
+        "tests/test_outcomes.py::test_failure_then_late_skip",
+        "tests/test_outcomes.py::test_skip_leaves_peer_in_collective",
+        "tests/test_outcomes.py::test_returns_while_peer_waits",
+    } <= failed
+    result.stdout.fnmatch_lines(["rank 1 of 2 raised: assert 'late failure' == 'on rank 1'*"])
+    # a rank that left while its peer waited in a collective is named, and torch's source is not printed
+    result.stdout.fnmatch_lines(["rank 0 skipped (only rank 0 skips); rank 1 waited in all_reduce: rank 1 of 2*"])
+    result.stdout.fnmatch_lines(["rank 1 returned; rank 0 waited in all_reduce: rank 0 of 2 raised: *"])
+    section = out.partition("_ test_returns_while_peer_waits _")[2].partition("Captured stdout call")
+    assert len(section[0].splitlines()) < 30 and "def all_reduce" not in section[0]
+    # --capture=sys: the ranks' print output goes to pytest's capture, shown for the failed test only
+    assert "RANK-PRINTED 0" in section[2] and "RANK-PRINTED 1" in section[2]
+    assert "PASSING-RANK-PRINTED" not in out
+    # warnings from the ranks, and pytest's return-value warning, in the warnings summary at the test file
+    result.stdout.fnmatch_lines(["*tests/test_outcomes.py:*: UserWarning: warned on rank 0"])
+    result.stdout.fnmatch_lines(["*tests/test_outcomes.py:*: PytestReturnNotNoneWarning: *returned <class 'int'>*"])
+    # pytest objects are refused with the true reason; a nccl test skips without GPUs
+    result.stdout.fnmatch_lines(["*'capsys' is pytest's CaptureFixture object: it belongs to the pytest process*"])
+    result.stdout.fnmatch_lines(["*'request' is pytest's *Request object: it belongs to the pytest process*"])
+    result.stdout.fnmatch_lines(["SKIPPED*ranks(2, backend='nccl') needs 2 CUDA devices (one per rank)*"])
+
+
+LINE = """
+import pytest
+import torch.distributed as dist
+
+
+@pytest.mark.ranks(1)
+def test_fails():
+    value = dist.get_world_size()
+    assert value == 2
+"""
+
+
+def test_tb_line_points_at_the_test_file_and_given_is_refused(project: tuple[pytest.Pytester, Path]) -> None:
+    pytester, _ = project
+    path = _write(pytester, "test_line.py", LINE)
+    given = _write(pytester, "test_given.py", HYPOTHESIS)
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "--tb=line", "-p", "no:cacheprovider", path, given)
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([f"{pytester.path}/tests/test_line.py:9: rank 0 of 1 raised: assert 1 == 2"])
+    assert "pytest_plugin.py" not in result.stdout.str().partition("test_given")[0]
+    result.stdout.fnmatch_lines(["*@given cannot be combined with @pytest.mark.ranks*"])
+
+
+# --- coverage of code that runs only in the ranks ------------------------------------------------------------------
+
+MYMOD = """
+def in_the_pytest_process():
+    return 1
+
+
+def in_the_ranks_only(x):
+    if x > 0:
+        return "positive"
+    return "other"
+"""
+
+COVERED = """
+import pytest
+import mymod
+
+
+def test_in_the_pytest_process():
+    assert mymod.in_the_pytest_process() == 1
+
+
+@pytest.mark.ranks(2)
+def test_in_the_ranks():
+    assert mymod.in_the_ranks_only(1) == "positive"
+"""
+
+
+def _coverage_rows(text: str) -> dict[str, str]:
+    """``{file: missing}`` from a ``term-missing`` report (``Name Stmts Miss Cover Missing`` rows)."""
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0].endswith(".py") and parts[3].endswith("%"):
+            rows[parts[0]] = " ".join(parts[4:])
+    return rows
+
+
+@pytest.mark.parametrize("runner", ["pytest-cov", "coverage run"])
+def test_rank_lines_count_as_covered(project: tuple[pytest.Pytester, Path], runner: str) -> None:
+    """pytest-cov 7 measures no subprocess, nor does ``coverage run`` unconfigured: the ranks send their data back.
+
+    The report holds the project's files, and this package's own when it is installed editable (outside
+    site-packages): nothing that only the ranks ran (multiprocessing's start-up, the outbox) joins it, and the
+    ranks leave no data file of their own.
+    """
+    pytest.importorskip("pytest_cov" if runner == "pytest-cov" else "coverage", reason=f"no {runner} here")
+    pytester, _ = project
+    _write(pytester, "mymod.py", MYMOD)
+    args = ["-p", PLUGIN, "-p", "no:cacheprovider", _write(pytester, "test_covered.py", COVERED)]
+    if runner == "pytest-cov":
+        run = pytester.runpytest_subprocess(*args, "--cov=mymod", "--cov-report=term-missing")
+        report = run.stdout.str()
+    else:
+        run = pytester.run(sys.executable, "-m", "coverage", "run", "-m", "pytest", *args)
+        report = pytester.run(sys.executable, "-m", "coverage", "report", "-m").stdout.str()
+    run.assert_outcomes(passed=2)
+    rows = _coverage_rows(report)
+    # only the branch no test takes is missing (line 9); lines 6-8, run only in the ranks, count as covered
+    assert rows.get("tests/mymod.py") == "9", report
+    package = Path(torchmetrics_gradpatch.__file__).parent
+    assert {name for name in rows if not name.startswith("tests/") and Path(name).parent != package} == set()
+    if runner == "coverage run":
+        assert {"tests/conftest.py", "tests/test_covered.py"} <= set(rows), report
+    assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]
+
+
+def test_the_symptom_of_a_forgotten_plugin(project: tuple[pytest.Pytester, Path]) -> None:
+    """Without ``-p``: what the testing page says a user sees (the marker unknown, no process group)."""
+    pytester, _ = project
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", _write(pytester, "test_line.py", LINE))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*PytestUnknownMarkWarning: Unknown pytest.mark.ranks*"])
+    result.stdout.fnmatch_lines(["*ValueError: Default process group has not been initialized*"])

@@ -15,75 +15,77 @@ How a marked test runs, and why:
 * **The module is imported the way pytest found it.** A rank starts with the pytest process's ``sys.path``
   (which holds what pytest's ``prepend``/``append`` import modes put there: the rootdir-relative basedir of the
   module, conftest directories), then imports the test module under the name pytest gave it, from the same
-  file (``importlib`` mode, whose names are not importable, is loaded straight from the file).
-* **Asserts are rewritten as in the pytest process.** Every module pytest had rewritten (test modules,
-  conftests, ``register_assert_rewrite`` helpers) is rewritten again when a rank imports it. pytest's
-  comparison explanations (list and dict diffs, ``pytest_assertrepr_compare`` hooks of conftests and plugins)
-  need the pytest configuration, which lives in the pytest process, so a rank records the compared values of a
-  failed assert (when they pickle) and the pytest process writes the explanation with its own hooks.
+  file (``importlib`` mode, whose names are not importable, is loaded straight from the file). The rank's side
+  is :mod:`torchmetrics_gradpatch._in_rank`.
+* **The outcome does not depend on which rank finishes first.** Every rank that finishes leaves a record (see
+  ``_in_rank``); the pytest process decides from all of them: a failure on any rank wins, then xfail, then
+  skip, then pass. The failure is raised as an exception of the rank's own type (so ``xfail(raises=...)``
+  matches) and reported at the rank's line in the test file (so ``--tb=line`` points there).
+* **What a test leaves in the pytest process is delivered there**: the ranks' warnings (re-issued under
+  pytest's filters), pytest's return-value warning, print output under ``--capture=sys``, and the ranks'
+  coverage data (:mod:`torchmetrics_gradpatch._rank_coverage`).
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import io
 import pickle
+import re
 import sys
-import types
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import tempfile
+import warnings
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from torchmetrics_gradpatch import _rank_coverage
+from torchmetrics_gradpatch._in_rank import (
+    FreshMonkeyPatch,
+    RankRecord,
+    RankReport,
+    RankTest,
+    record_path,
+    run_in_rank,
+)
 from torchmetrics_gradpatch.testing import DEFAULT_TIMEOUT, RankError, spawn_ranks
 
-__all__ = ["pytest_configure", "pytest_pyfunc_call"]
+__all__ = ["pytest_configure", "pytest_pyfunc_call", "pytest_runtest_makereport"]
 
 _MARKER_HELP = (
-    "ranks(n, timeout=seconds): run the test body on n spawned processes, each in an initialised gloo default "
-    f"process group (torchmetrics_gradpatch); timeout defaults to {DEFAULT_TIMEOUT:g} s, start-up included"
+    "ranks(n, timeout=seconds, backend='gloo'): run the test body on n spawned processes, each in an initialised "
+    f"default process group (torchmetrics_gradpatch); timeout defaults to {DEFAULT_TIMEOUT:g} s, start-up "
+    "included; backend='nccl' puts rank r on cuda:r"
 )
-#: The line a rank's failed assert shows until the pytest process writes the message (see _RankReport).
-_PLACEHOLDER = "assert <torchmetrics_gradpatch: assertion message>"
-_TOKEN_START, _TOKEN_END = "\x02tmgp-compare-{}\x03", "\x02/tmgp-compare-{}\x03"
+_BACKENDS = ("gloo", "nccl")
+_FAILURE = pytest.StashKey["tuple[str, tuple[str, int] | None]"]()
+
+#: Why a pytest fixture cannot reach a rank, and what to do instead (monkeypatch is replaced, not refused).
+_PYTEST_FIXTURES = {
+    "request": "read what the test needs from request in a fixture of your own and return plain data",
+    "capsys": "the ranks' output goes to pytest's capture; write what you want to check to a file in tmp_path",
+    "capfd": "the ranks' output goes to pytest's capture; write what you want to check to a file in tmp_path",
+    "caplog": "log records stay in the rank; return or write what you want to check to a file in tmp_path",
+    "recwarn": "a rank's warnings are re-issued in the pytest process; use pytest.warns inside the test body",
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
 
 
-# --- the pytest process -------------------------------------------------------------------------------------------
+# --- before the spawn -----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _RankTest:
-    """What a rank needs to find and call the test: everything plain data, pickled once per test."""
-
-    module: str
-    path: str
-    classes: tuple[str, ...]
-    function: str
-    rewrite: dict[str, str]  # module name -> file, for every module pytest rewrote the asserts of
-    kwargs: bytes  # pickled fixture values, unpickled in the rank after the test module is imported
-    instance_state: bytes | None
-    showlocals: bool
-    tbstyle: str
-
-
-def _ranks_options(item: pytest.Function, marker: pytest.Mark) -> tuple[int, float]:
-    """``(n, timeout)`` from ``@pytest.mark.ranks(n, timeout=...)``; a clear failure for anything else."""
-    usage = "use @pytest.mark.ranks(n) or @pytest.mark.ranks(n, timeout=seconds)"
+def _ranks_options(item: pytest.Function, marker: pytest.Mark) -> tuple[int, float, str]:
+    """``(n, timeout, backend)`` from ``@pytest.mark.ranks(n, ...)``; a clear failure for anything else."""
+    usage = "use @pytest.mark.ranks(n), with optional timeout=seconds and backend='gloo' or 'nccl'"
     kwargs = dict(marker.kwargs)
     args = list(marker.args)
     if "n" in kwargs and not args:
         args.append(kwargs.pop("n"))
     timeout = kwargs.pop("timeout", DEFAULT_TIMEOUT)
+    backend = kwargs.pop("backend", "gloo")
     if len(args) != 1 or kwargs:
         pytest.fail(f"{item.nodeid}: bad ranks marker {marker.args!r} {marker.kwargs!r}: {usage}", pytrace=False)
     n = args[0]
@@ -91,26 +93,61 @@ def _ranks_options(item: pytest.Function, marker: pytest.Mark) -> tuple[int, flo
         pytest.fail(f"{item.nodeid}: the number of ranks must be a positive int, got {n!r}: {usage}", pytrace=False)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         pytest.fail(f"{item.nodeid}: timeout must be a positive number of seconds, got {timeout!r}", pytrace=False)
-    return n, float(timeout)
+    if backend not in _BACKENDS:
+        pytest.fail(f"{item.nodeid}: backend must be one of {_BACKENDS}, got {backend!r}", pytrace=False)
+    return n, float(timeout), str(backend)
+
+
+def _refuse_hypothesis(item: pytest.Function) -> None:
+    if getattr(item.obj, "is_hypothesis_test", False):
+        pytest.fail(
+            f"{item.nodeid}: @given cannot be combined with @pytest.mark.ranks: each rank would draw and shrink "
+            f"its own examples, so the ranks would test different data and their collectives would not match. "
+            f"Give every rank the same data: @pytest.mark.parametrize with fixed examples, or examples drawn in "
+            f"the test body from a generator seeded the same on every rank.",
+            pytrace=False,
+        )
+
+
+def _skip_without_gpus(n: int, backend: str) -> None:
+    if backend != "nccl":
+        return
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < n:
+        reason = f"ranks({n}, backend='nccl') needs {n} CUDA devices (one per rank); this machine has {found}"
+        raise pytest.skip.Exception(reason, _use_item_location=True)
+
+
+def _unsendable(name: str, value: Any) -> str | None:
+    """Why an unpicklable pytest object cannot go to a rank (it belongs to the pytest process), or None."""
+    module = type(value).__module__ or ""
+    if not module.startswith(("_pytest", "pytest")):
+        return None
+    advice = _PYTEST_FIXTURES.get(name, "use it in a fixture of your own and return plain data")
+    return (
+        f"{name!r} is pytest's {type(value).__name__} object: it belongs to the pytest process (it holds the "
+        f"session, the configuration or the capture) and a rank cannot use it. Instead: {advice}."
+    )
 
 
 def _pickled_or_fail(values: dict[str, Any], what: str, item: pytest.Function) -> bytes:
-    """Pickle ``values``; fail the test naming the first value that cannot be pickled."""
+    """Pickle ``values``; fail the test naming the first value that cannot be sent, and why."""
     for name, value in values.items():
         try:
             pickle.dumps(value)
         except Exception as err:
-            problem = f"{type(err).__name__}: {err}"
+            problem = _unsendable(name, value) or (
+                f"{what} {name!r} cannot be sent to the ranks: its value {type(value).__name__} cannot be "
+                f"pickled ({type(err).__name__}: {err}). Ranks get fixture values pickled from the pytest "
+                f"process: return something picklable (a path, numbers, tensors) or build the object in the "
+                f"test body. A fixture needed only for what it does in the pytest process (monkeypatch.setenv: "
+                f"the ranks inherit the environment) can be requested with @pytest.mark.usefixtures."
+            )
         else:
             continue
-        pytest.fail(  # outside the except block: the pickling traceback is noise here
-            f"{item.nodeid}: {what} {name!r} cannot be sent to the ranks: its value {type(value).__name__} "
-            f"cannot be pickled ({problem}). Ranks get fixture values pickled from the pytest "
-            f"process: return something picklable (a path, numbers, tensors) or build the object in the test "
-            f"body. A fixture needed only for what it does in the pytest process (monkeypatch.setenv: the ranks "
-            f"inherit the environment) can be requested with @pytest.mark.usefixtures or by another fixture.",
-            pytrace=False,
-        )
+        pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)  # outside except: pickle's traceback is noise
     return pickle.dumps(values)
 
 
@@ -126,7 +163,7 @@ def _rewritten_modules() -> dict[str, str]:
     return found
 
 
-def _describe(item: pytest.Function) -> _RankTest:
+def _describe(item: pytest.Function, outbox: str, backend: str) -> RankTest:
     classes = []
     node = item.parent
     while isinstance(node, pytest.Class):
@@ -135,9 +172,10 @@ def _describe(item: pytest.Function) -> _RankTest:
     module = item.module
     assert module is not None and module.__file__ is not None
     funcargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    funcargs = {k: FreshMonkeyPatch() if isinstance(v, pytest.MonkeyPatch) else v for k, v in funcargs.items()}
     instance = getattr(item, "instance", None)
     state = vars(instance) if instance is not None and hasattr(instance, "__dict__") else {}
-    return _RankTest(
+    return RankTest(
         module=module.__name__,
         path=module.__file__,
         classes=tuple(reversed(classes)),
@@ -147,7 +185,14 @@ def _describe(item: pytest.Function) -> _RankTest:
         instance_state=_pickled_or_fail(state, "test class attribute", item) if state else None,
         showlocals=bool(item.config.getoption("showlocals", False)),
         tbstyle=str(item.config.getoption("tbstyle", "auto")),
+        outbox=outbox,
+        capture_output=item.config.getoption("capture", "fd") in ("sys", "tee-sys"),
+        coverage=_rank_coverage.parent_config(),
+        backend=backend,
     )
+
+
+# --- the run and its outcome ----------------------------------------------------------------------------------------
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -156,252 +201,145 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("ranks")
     if marker is None:
         return None
-    n, timeout = _ranks_options(pyfuncitem, marker)
-    spec = _describe(pyfuncitem)
+    n, timeout, backend = _ranks_options(pyfuncitem, marker)
+    _refuse_hypothesis(pyfuncitem)
+    _skip_without_gpus(n, backend)
+    with tempfile.TemporaryDirectory(prefix="tmgp-outbox-") as outbox:
+        failure = _run_on_ranks(_describe(pyfuncitem, outbox, backend), n, timeout)
+        records = {}
+        for rank in range(n):
+            path = record_path(outbox, rank)
+            if path.is_file():
+                records[rank] = pickle.loads(path.read_bytes())
+    _deliver(pyfuncitem, records)
+    if failure is not None:
+        _fail(pyfuncitem, n, failure, records)
+    for kind in ("xfailed", "skipped"):
+        found = [record for record in records.values() if record.outcome == kind]
+        if found:
+            reason = f"rank {found[0].rank} of {n}: {found[0].reason}"
+            if kind == "xfailed":
+                pytest.xfail(reason)
+            raise pytest.skip.Exception(reason, _use_item_location=True)  # at the test, as an in-test skip
+    return True
+
+
+def _run_on_ranks(spec: RankTest, n: int, timeout: float) -> RankError | None:
+    """Run :func:`run_in_rank` on ``n`` ranks; the runner's error if a rank raised, died or timed out."""
     try:
-        spawn_ranks(_run_in_rank, n, args=(spec,), timeout=timeout)
+        spawn_ranks(run_in_rank, n, args=(spec,), timeout=timeout)
     except RankError as error:
-        failure = error
-    else:
-        return True
-    primary = failure.reports.get(failure.rank)
-    if isinstance(primary, _RankReport) and primary.outcome == "skipped":
-        # reported at the test's own location, as a skip inside the test would be
-        raise pytest.skip.Exception(f"rank {failure.rank} of {n}: {primary.reason}", _use_item_location=True)
-    if isinstance(primary, _RankReport) and primary.outcome == "xfailed":
-        pytest.xfail(f"rank {failure.rank} of {n}: {primary.reason}")
-    details, headline = failure.details, ""
-    for rank, report in failure.reports.items():
-        if isinstance(report, _RankReport):
-            finished = report.finished()
-            details = details.replace(str(report), finished)
-            if rank == failure.rank:
-                headline = " " + report.headline(finished)
-    # outside the except block: the report is the ranks' story, not this frame's. The first line is what pytest's
-    # short summary shows.
-    pytest.fail(f"rank {failure.rank} of {n} {failure.reason}:{headline}\n\n{details}", pytrace=False)
+        return error
+    return None
 
 
-# --- a rank ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _RankReport:
-    """A rank's failure: pytest's rendering of its traceback, finished in the pytest process.
-
-    ``text`` has the assert message as a placeholder line when the message contains comparisons; ``raw`` is the
-    message before formatting with each comparison's standard explanation between tokens, and ``comparisons``
-    the pickled ``(op, left, right)`` of each token (``None`` when the values did not pickle).
-    """
-
-    text: str
-    raw: str | None = None
-    comparisons: dict[int, bytes | None] = field(default_factory=dict)
-    outcome: str = "failed"  # or "skipped" / "xfailed": the rank called pytest.skip() / pytest.xfail()
-    reason: str = ""
-
-    def _message(self, explain: Callable[[str, object, object], str | None] | None) -> str:
-        from _pytest.assertion.util import format_explanation
-
-        assert self.raw is not None
-        raw = self.raw
-        for index, blob in self.comparisons.items():
-            start, end = _TOKEN_START.format(index), _TOKEN_END.format(index)
-            head, _, rest = raw.partition(start)
-            standard, _, tail = rest.partition(end)
-            custom = None
-            if explain is not None and blob is not None:
-                try:
-                    custom = explain(*pickle.loads(blob))
-                except Exception:  # an odd object's repr must not hide the rank's failure
-                    custom = None
-            # pytest escapes % in a custom explanation for the rewritten code's own % formatting, done already here
-            raw = head + (custom.replace("%%", "%") if custom else standard) + tail
-        return format_explanation(raw)
-
-    def _with_message(self, message: str) -> str:
-        lines: list[str] = []
-        for line in self.text.splitlines():
-            if _PLACEHOLDER in line:
-                prefix = line[: line.index(_PLACEHOLDER)]
-                lines.extend(prefix + part for part in message.splitlines())
-            else:
-                lines.append(line)
-        return "\n".join(lines)
-
-    def headline(self, finished: str) -> str:
-        """The first line of the exception as pytest shows it (the ``E`` lines of the finished text)."""
-        for line in finished.splitlines():
-            if line.startswith("E   "):
-                return line[1:].strip()
-        return ""
-
-    def finished(self) -> str:
-        """The text with pytest's own comparison explanations (call inside the test, in the pytest process)."""
-        if self.raw is None:
-            return self.text
-        from _pytest.assertion import util
-
-        return self._with_message(self._message(util._reprcompare))
-
-    def __str__(self) -> str:
-        return self.text if self.raw is None else self._with_message(self._message(None))
-
-
-class _RankFailedError(Exception):
-    """Carries a :class:`_RankReport` to spawn_ranks, which sends it instead of a plain traceback."""
-
-    def __init__(self, report: _RankReport) -> None:
-        super().__init__(str(report))
-        self.rank_report = report
-
-
-class _RewritingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Import the modules pytest rewrote, from the same files, with pytest's assertion rewriting."""
-
-    def __init__(self, modules: dict[str, str]) -> None:
-        self.modules = modules
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        file = self.modules.get(fullname)
-        if file is None or not Path(file).is_file():
-            return None
-        package = Path(file).name == "__init__.py"
-        return importlib.util.spec_from_file_location(
-            fullname, file, loader=self, submodule_search_locations=[str(Path(file).parent)] if package else None
+def _deliver(item: pytest.Function, records: dict[int, RankRecord]) -> None:
+    """Hand the pytest process what the ranks left: coverage, output, warnings, the return-value warning."""
+    seen = set()
+    for record in records.values():
+        _rank_coverage.merge(record.coverage)
+        sys.stdout.write(record.stdout)
+        sys.stderr.write(record.stderr)
+        for entry in record.warnings:
+            if entry in seen:
+                continue
+            seen.add(entry)
+            blob, message, filename, lineno = entry
+            try:
+                category = pickle.loads(blob)
+            except Exception:
+                category = UserWarning
+            warnings.warn_explicit(message, category, filename, lineno)
+    returned = next((record.returned for record in records.values() if record.returned), None)
+    if returned is not None:  # where pytest would put it: at the test function
+        warnings.warn_explicit(
+            pytest.PytestReturnNotNoneWarning(
+                f"Test functions should return None, but {item.nodeid} returned {returned} on its ranks.\n"
+                "Did you mean to use `assert` instead of `return`?"
+            ),
+            pytest.PytestReturnNotNoneWarning,
+            str(item.path),
+            (item.location[1] or 0) + 1,
         )
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+
+def _hung_in(failure: RankError, rank: int) -> str | None:
+    """The collective a rank that left no record was stuck in at the timeout, from its stack dump."""
+    if failure.reason != "timed out":
         return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        from _pytest.assertion.rewrite import rewrite_asserts
-
-        file = self.modules[module.__name__]
-        source = Path(file).read_bytes()
-        tree = ast.parse(source, filename=file)
-        rewrite_asserts(tree, source, file, None)
-        exec(compile(tree, file, "exec", dont_inherit=True), module.__dict__)
+    part = failure.details.partition(f"--- rank {rank}, still running")[2].partition("--- rank ")[0]
+    found = re.search(r'distributed_c10d\.py", line \d+ in (\w+)', part)
+    return found.group(1) if found else None
 
 
-class _Comparisons:
-    """Stand-ins for the rewritten code's helpers: remember each failed comparison's operands, by token."""
-
-    def __init__(self) -> None:
-        self.pickled: dict[int, bytes | None] = {}
-        self.messages: dict[str, str] = {}  # formatted standard message -> raw message with tokens
-
-    def call_reprcompare(
-        self, ops: Sequence[str], results: Sequence[bool], expls: Sequence[str], each_obj: Sequence[object]
-    ) -> str:
-        index = 0
-        for index, result in enumerate(results):  # noqa: B007 - the first comparison that failed
-            try:
-                done = not result
-            except Exception:
-                done = True
-            if done:
-                break
-        token = len(self.pickled)
-        try:
-            self.pickled[token] = pickle.dumps((ops[index], each_obj[index], each_obj[index + 1]))
-        except Exception:
-            self.pickled[token] = None
-        return _TOKEN_START.format(token) + expls[index] + _TOKEN_END.format(token)
-
-    def format_explanation(self, raw: str) -> str:
-        from _pytest.assertion.util import format_explanation
-
-        plain = raw
-        for token in self.pickled:
-            plain = plain.replace(_TOKEN_START.format(token), "").replace(_TOKEN_END.format(token), "")
-        message = format_explanation(plain)
-        self.messages[message] = raw
-        return message
-
-    def install(self) -> None:
-        from _pytest.assertion import rewrite
-
-        # the rewritten code looks both up on the module at every failed assert
-        rewrite._call_reprcompare = self.call_reprcompare
-        setattr(rewrite, "_format_explanation", self.format_explanation)  # noqa: B010 - not exported
+def _left_early(failure: RankError, n: int, records: dict[int, RankRecord]) -> str:
+    """Name ranks that finished while their peers waited for them: "rank 1 returned; rank 0 waited in all_reduce"."""
+    finished = [r for r in records.values() if r.outcome != "failed"]
+    waiting = [(rank, _hung_in(failure, rank)) for rank in range(n) if rank not in records]
+    waiting += [(r.rank, r.report.collective) for r in records.values() if r.report is not None]
+    waited = [f"rank {rank} waited in {where}" for rank, where in sorted(waiting) if where]
+    if not finished or not waited:
+        return ""
+    verbs = {"passed": "returned", "skipped": "skipped", "xfailed": "xfailed"}
+    left = [f"rank {r.rank} {verbs[r.outcome]}" + (f" ({r.reason})" if r.reason else "") for r in finished]
+    return "; ".join(left + waited)
 
 
-def _import_test_module(spec: _RankTest) -> types.ModuleType:
-    """Import the test module under pytest's name for it, from pytest's file, asserts rewritten if pytest did."""
-    sys.meta_path.insert(0, _RewritingFinder(spec.rewrite))
+def _as_raised(record: RankRecord | None, message: str) -> BaseException:
+    """An exception of the rank's own type (so ``xfail(raises=...)`` matches) with the rank's text.
+
+    A subclass made here, so that no constructor of the user's runs; a rank that died or timed out, or an
+    exception that is not an ``Exception`` (pytest's outcomes, KeyboardInterrupt), gives a plain error instead.
+    """
+    report = record.report if record is not None else None
     try:
-        module = importlib.import_module(spec.module)
-    except ImportError:
-        module = None  # importlib import mode: the name is pytest's own, not importable from sys.path
-    if module is None or Path(getattr(module, "__file__", "") or "").resolve() != Path(spec.path).resolve():
-        loader = _RewritingFinder({**spec.rewrite, spec.module: spec.path}) if spec.module in spec.rewrite else None
-        module_spec = importlib.util.spec_from_file_location(spec.module, spec.path, loader=loader)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[spec.module] = module
-        module_spec.loader.exec_module(module)
-    return module
+        exc_type = pickle.loads(report.exc_type) if report is not None and report.exc_type is not None else None
+        if exc_type is None or not issubclass(exc_type, Exception):
+            return _RanksFailedError(message)
+        text = report.message if report is not None else message
+        proxy = type(exc_type.__name__, (exc_type,), {"__str__": lambda self: text, "__module__": exc_type.__module__})
+        error: BaseException = proxy.__new__(proxy)  # type: ignore[call-overload]
+        BaseException.__init__(error, text)
+        return error
+    except Exception:  # a class that cannot be unpickled here, or subclassed
+        return _RanksFailedError(message)
 
 
-def _shorten_middle_entries(info: Any) -> None:
-    """What pytest's default ``--tb=auto`` does: every entry but the first and the last in the short style."""
-    from _pytest._code import Traceback
-
-    entries = list(info.traceback)
-    if len(entries) <= 2:
-        return
-    try:
-        middle = [entry.with_repr_style("short") for entry in entries[1:-1]]
-    except AttributeError:  # pytest < 8 sets the style in place
-        for entry in entries[1:-1]:
-            entry.set_repr_style("short")
-        middle = entries[1:-1]
-    info.traceback = Traceback([entries[0], *middle, entries[-1]])
+class _RanksFailedError(Exception):
+    """A rank died or timed out (or raised something that cannot be re-created here)."""
 
 
-def _report(error: BaseException, spec: _RankTest, comparisons: _Comparisons) -> _RankReport:
-    from _pytest._code import ExceptionInfo
-    from _pytest._io import TerminalWriter
+def _fail(item: pytest.Function, n: int, failure: RankError, records: dict[int, RankRecord]) -> None:
+    """Fail the test with the ranks' story: the first failure, what the other ranks did, every traceback."""
+    details, headline, crash = failure.details, "", None
+    for rank, record in records.items():
+        if record.report is not None:  # the runner's details hold str(report): put pytest's explanations in
+            finished = record.report.finished()
+            details = details.replace(str(record.report), finished)
+            if rank == failure.rank:
+                headline, crash = " " + RankReport.headline(finished), record.report.crash
+    first = f"rank {failure.rank} of {n} {failure.reason}:{headline}"
+    note = _left_early(failure, n, records)
+    if note:
+        first = f"{note}: {first}"
+    others = [] if note else [f"rank {r.rank} {r.outcome}: {r.reason}" for r in records.values() if r.reason]
+    message = "\n\n".join([first, *others, details])
+    item.stash[_FAILURE] = (message, crash)
+    raise _as_raised(records.get(failure.rank), first)
 
-    raw = comparisons.messages.get(str(error)) if isinstance(error, AssertionError) else None
-    if raw is not None:
-        error.args = (_PLACEHOLDER,)  # the pytest process writes the message, with its comparison hooks
-    assert error.__traceback__ is not None  # it was raised
-    info = ExceptionInfo.from_exc_info((type(error), error, error.__traceback__))
-    if spec.tbstyle == "auto":
-        _shorten_middle_entries(info)
-    style = {"native": "native", "short": "short", "line": "short", "no": "short"}.get(spec.tbstyle, "long")
-    rendered = info.getrepr(style=style, showlocals=spec.showlocals, funcargs=False)  # type: ignore[arg-type]
-    out = io.StringIO()
-    rendered.toterminal(TerminalWriter(file=out))  # not str(): that strips the first line's indentation
-    text = out.getvalue().strip("\n")
-    tokens = {token: comparisons.pickled[token] for token in comparisons.pickled if raw and f"-{token}\x03" in raw}
-    return _RankReport(text, raw, tokens)
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    """A failure on the ranks is shown as the ranks' story, located at the rank's line in the test file."""
+    outcome = yield
+    report = outcome.get_result()
+    failure = item.stash.get(_FAILURE, None)
+    if call.when == "call" and failure is not None and report.failed:
+        from _pytest._code.code import ReprExceptionInfo, ReprFileLocation, ReprTracebackNative
 
-def _run_in_rank(spec: _RankTest) -> None:
-    """Body of every rank (the process group is up): import the test module, call the test with the fixtures."""
-    comparisons = _Comparisons()
-    comparisons.install()
-    module = _import_test_module(spec)
-    target: Any = module
-    for name in spec.classes:
-        target = getattr(target, name)
-    if spec.classes:
-        target = target()
-        if spec.instance_state is not None:
-            vars(target).update(pickle.loads(spec.instance_state))
-    function = getattr(target, spec.function)
-    kwargs = pickle.loads(spec.kwargs)
-    try:
-        function(**kwargs)
-    except (pytest.skip.Exception, pytest.xfail.Exception) as outcome:
-        kind = "xfailed" if isinstance(outcome, pytest.xfail.Exception) else "skipped"
-        raise _RankFailedError(_RankReport(f"{kind}: {outcome.msg}", outcome=kind, reason=str(outcome.msg))) from None
-    except BaseException as error:
-        if error.__traceback__ is not None:  # drop this frame: the traceback starts in the test, as in pytest
-            error = error.with_traceback(error.__traceback__.tb_next)
-        raise _RankFailedError(_report(error, spec, comparisons)) from None
+        message, crash = failure
+        path, lineno = crash if crash is not None else (str(item.path), (item.location[1] or 0) + 1)
+        lines = [line + "\n" for line in message.splitlines()]
+        report.longrepr = ReprExceptionInfo(
+            reprtraceback=ReprTracebackNative(lines), reprcrash=ReprFileLocation(str(Path(path)), lineno, message)
+        )

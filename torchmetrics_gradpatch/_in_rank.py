@@ -1,0 +1,415 @@
+"""The rank's side of the ``ranks`` marker: import the test module as pytest did, call the test, report back.
+
+The pytest process (:mod:`torchmetrics_gradpatch.pytest_plugin`) sends a :class:`RankTest`; each rank runs
+:func:`run_in_rank` inside its initialised process group and leaves a :class:`RankRecord` in the test's outbox
+directory, whatever happened: its outcome, warnings, captured output, coverage data and, on failure, a
+:class:`RankReport`. The record goes through a file, not through the runner's return value, because a rank that
+returned is as important as one that raised: "rank 1 returned while rank 0 waited in all_reduce" and "rank 0
+skipped, then rank 1 failed" can only be told when every finished rank's record is there, whichever rank the
+runner heard from first.
+
+* **Asserts are rewritten as in the pytest process.** Every module pytest had rewritten (test modules,
+  conftests, ``register_assert_rewrite`` helpers) is rewritten again when a rank imports it. pytest's
+  comparison explanations need the pytest configuration, which lives in the pytest process, so a rank records
+  the compared values of a failed assert (when they pickle) and the pytest process writes the explanation.
+* **Tracebacks start at the test and stay short inside torch**: a follow-on failure in a collective shows
+  where the test called torch and torch's error, not the source of ``all_reduce``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import pickle
+import sys
+import types
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchmetrics_gradpatch import _rank_coverage
+
+#: The line a rank's failed assert shows until the pytest process writes the message (see RankReport).
+_PLACEHOLDER = "assert <torchmetrics_gradpatch: assertion message>"
+_TOKEN_START, _TOKEN_END = "\x02tmgp-compare-{}\x03", "\x02/tmgp-compare-{}\x03"
+
+
+class FreshMonkeyPatch:
+    """Sent in place of a ``monkeypatch`` fixture: the rank gets its own, undone when the test body ends."""
+
+
+@dataclass(frozen=True)
+class RankTest:
+    """What a rank needs to find and call the test: everything plain data, pickled once per test."""
+
+    module: str
+    path: str
+    classes: tuple[str, ...]
+    function: str
+    rewrite: dict[str, str]  # module name -> file, for every module pytest rewrote the asserts of
+    kwargs: bytes  # pickled fixture values, unpickled in the rank after the test module is imported
+    instance_state: bytes | None
+    showlocals: bool
+    tbstyle: str
+    outbox: str  # directory where each rank leaves its RankRecord
+    capture_output: bool = False  # --capture=sys/tee-sys: send print output back instead of writing to the fds
+    coverage: bytes | None = None  # the pytest process's coverage configuration (see _rank_coverage)
+    backend: str = "gloo"
+
+
+@dataclass
+class RankReport:
+    """A rank's failure: pytest's rendering of its traceback, finished in the pytest process.
+
+    ``text`` has the assert message as a placeholder line when the message contains comparisons; ``raw`` is the
+    message before formatting with each comparison's standard explanation between tokens, and ``comparisons``
+    the pickled ``(op, left, right)`` of each token (``None`` when the values did not pickle). ``crash`` is the
+    deepest frame outside torch (where ``--tb=line`` points), ``collective`` the torch.distributed function
+    the traceback went through, ``exc_type`` the pickled exception class (for ``xfail(raises=...)``).
+    """
+
+    text: str
+    raw: str | None = None
+    comparisons: dict[int, bytes | None] = field(default_factory=dict)
+    crash: tuple[str, int] | None = None
+    collective: str | None = None
+    exc_type: bytes | None = None
+    message: str = ""
+
+    def _message(self, explain: Callable[[str, object, object], str | None] | None) -> str:
+        from _pytest.assertion.util import format_explanation
+
+        assert self.raw is not None
+        raw = self.raw
+        for index, blob in self.comparisons.items():
+            start, end = _TOKEN_START.format(index), _TOKEN_END.format(index)
+            head, _, rest = raw.partition(start)
+            standard, _, tail = rest.partition(end)
+            custom = None
+            if explain is not None and blob is not None:
+                try:
+                    custom = explain(*pickle.loads(blob))
+                except Exception:  # an odd object's repr must not hide the rank's failure
+                    custom = None
+            # pytest escapes % in a custom explanation for the rewritten code's own % formatting, done already here
+            raw = head + (custom.replace("%%", "%") if custom else standard) + tail
+        return format_explanation(raw)
+
+    def _with_message(self, message: str) -> str:
+        lines: list[str] = []
+        for line in self.text.splitlines():
+            if _PLACEHOLDER in line:
+                prefix = line[: line.index(_PLACEHOLDER)]
+                lines.extend(prefix + part for part in message.splitlines())
+            else:
+                lines.append(line)
+        return "\n".join(lines)
+
+    @staticmethod
+    def headline(finished: str) -> str:
+        """The first line of the exception as pytest shows it (the ``E`` lines of the finished text)."""
+        for line in finished.splitlines():
+            if line.startswith("E   "):
+                return line[1:].strip()
+        return ""
+
+    def finished(self) -> str:
+        """The text with pytest's own comparison explanations (call inside the test, in the pytest process)."""
+        if self.raw is None:
+            return self.text
+        from _pytest.assertion import util
+
+        return self._with_message(self._message(util._reprcompare))
+
+    def __str__(self) -> str:
+        return self.text if self.raw is None else self._with_message(self._message(None))
+
+
+@dataclass
+class RankRecord:
+    """What one rank leaves in the outbox when its test body ends, whatever the outcome."""
+
+    rank: int
+    outcome: str = "passed"  # "skipped", "xfailed" (pytest.skip()/xfail() in the rank) or "failed"
+    reason: str = ""
+    returned: str | None = None  # repr of the type of a non-None return value
+    warnings: list[tuple[bytes, str, str, int]] = field(default_factory=list)  # category, message, file, line
+    stdout: str = ""
+    stderr: str = ""
+    coverage: bytes | None = None
+    report: RankReport | None = None
+
+
+def record_path(outbox: str, rank: int) -> Path:
+    return Path(outbox) / f"rank{rank}.pickle"
+
+
+class RankFailedError(Exception):
+    """Carries a :class:`RankReport` to the runner, which sends it instead of a plain traceback."""
+
+    def __init__(self, report: RankReport) -> None:
+        super().__init__(str(report))
+        self.rank_report = report
+
+
+class _RewritingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import the modules pytest rewrote, from the same files, with pytest's assertion rewriting."""
+
+    def __init__(self, modules: dict[str, str]) -> None:
+        self.modules = modules
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        file = self.modules.get(fullname)
+        if file is None or not Path(file).is_file():
+            return None
+        package = Path(file).name == "__init__.py"
+        return importlib.util.spec_from_file_location(
+            fullname, file, loader=self, submodule_search_locations=[str(Path(file).parent)] if package else None
+        )
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        file = self.modules[module.__name__]
+        source = Path(file).read_bytes()
+        tree = ast.parse(source, filename=file)
+        rewrite_asserts(tree, source, file, None)
+        exec(compile(tree, file, "exec", dont_inherit=True), module.__dict__)
+
+
+class _Comparisons:
+    """Stand-ins for the rewritten code's helpers: remember each failed comparison's operands, by token."""
+
+    def __init__(self) -> None:
+        self.pickled: dict[int, bytes | None] = {}
+        self.messages: dict[str, str] = {}  # formatted standard message -> raw message with tokens
+
+    def call_reprcompare(
+        self, ops: Sequence[str], results: Sequence[bool], expls: Sequence[str], each_obj: Sequence[object]
+    ) -> str:
+        index = 0
+        for index, result in enumerate(results):  # noqa: B007 - the first comparison that failed
+            try:
+                done = not result
+            except Exception:
+                done = True
+            if done:
+                break
+        token = len(self.pickled)
+        try:
+            self.pickled[token] = pickle.dumps((ops[index], each_obj[index], each_obj[index + 1]))
+        except Exception:
+            self.pickled[token] = None
+        return _TOKEN_START.format(token) + expls[index] + _TOKEN_END.format(token)
+
+    def format_explanation(self, raw: str) -> str:
+        from _pytest.assertion.util import format_explanation
+
+        plain = raw
+        for token in self.pickled:
+            plain = plain.replace(_TOKEN_START.format(token), "").replace(_TOKEN_END.format(token), "")
+        message = format_explanation(plain)
+        self.messages[message] = raw
+        return message
+
+    def install(self) -> None:
+        from _pytest.assertion import rewrite
+
+        # the rewritten code looks both up on the module at every failed assert
+        rewrite._call_reprcompare = self.call_reprcompare
+        setattr(rewrite, "_format_explanation", self.format_explanation)  # noqa: B010 - not exported
+
+
+def _import_test_module(spec: RankTest) -> types.ModuleType:
+    """Import the test module under pytest's name for it, from pytest's file, asserts rewritten if pytest did."""
+    # one finder per process: a rank that runs several tests (a pool) replaces the previous test's
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _RewritingFinder)]
+    sys.meta_path.insert(0, _RewritingFinder(spec.rewrite))
+    try:
+        module = importlib.import_module(spec.module)
+    except ImportError:
+        module = None  # importlib import mode: the name is pytest's own, not importable from sys.path
+    if module is None or Path(getattr(module, "__file__", "") or "").resolve() != Path(spec.path).resolve():
+        loader = _RewritingFinder({**spec.rewrite, spec.module: spec.path}) if spec.module in spec.rewrite else None
+        module_spec = importlib.util.spec_from_file_location(spec.module, spec.path, loader=loader)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[spec.module] = module
+        module_spec.loader.exec_module(module)
+    return module
+
+
+def _in_torch(entry: Any) -> bool:
+    import torch
+
+    return Path(str(entry.path)).is_relative_to(Path(torch.__file__).parent)
+
+
+def _restyle(info: Any, tbstyle: str) -> None:
+    """Entries inside torch in the short style; under ``--tb=auto`` also every entry but the first and last."""
+    from _pytest._code import Traceback
+
+    entries = list(info.traceback)
+    restyled = []
+    for index, entry in enumerate(entries):
+        middle = tbstyle == "auto" and 0 < index < len(entries) - 1
+        if middle or _in_torch(entry):
+            try:
+                entry = entry.with_repr_style("short")
+            except AttributeError:  # pytest < 8 sets the style in place
+                entry.set_repr_style("short")
+        restyled.append(entry)
+    info.traceback = Traceback(restyled)
+
+
+def _collective(entries: list[Any]) -> str | None:
+    """The torch.distributed function (all_reduce, barrier...) the traceback went through, if any."""
+    for entry in entries:
+        if Path(str(entry.path)).name == "distributed_c10d.py":
+            return str(entry.name)
+    return None
+
+
+def _report(error: BaseException, spec: RankTest, comparisons: _Comparisons) -> RankReport:
+    from _pytest._code import ExceptionInfo
+    from _pytest._io import TerminalWriter
+
+    message = str(error)
+    raw = comparisons.messages.get(message) if isinstance(error, AssertionError) else None
+    if raw is not None:
+        error.args = (_PLACEHOLDER,)  # the pytest process writes the message, with its comparison hooks
+    assert error.__traceback__ is not None  # it was raised
+    info = ExceptionInfo.from_exc_info((type(error), error, error.__traceback__))
+    entries = list(info.traceback)
+    outside = [entry for entry in entries if not _in_torch(entry)] or entries
+    crash = (str(outside[-1].path), outside[-1].lineno + 1) if outside else None
+    if spec.tbstyle in ("auto", "long"):
+        _restyle(info, spec.tbstyle)
+    style = {"native": "native", "short": "short", "line": "short", "no": "short"}.get(spec.tbstyle, "long")
+    rendered = info.getrepr(style=style, showlocals=spec.showlocals, funcargs=False)  # type: ignore[arg-type]
+    out = io.StringIO()
+    rendered.toterminal(TerminalWriter(file=out))  # not str(): that strips the first line's indentation
+    text = out.getvalue().strip("\n")
+    tokens = {token: comparisons.pickled[token] for token in comparisons.pickled if raw and f"-{token}\x03" in raw}
+    try:
+        exc_type = pickle.dumps(type(error))
+    except Exception:
+        exc_type = None
+    return RankReport(text, raw, tokens, crash, _collective(entries), exc_type, message)
+
+
+def _use_backend(backend: str) -> None:
+    """Move the default group from the runner's gloo to ``backend`` (nccl: on ``cuda:rank``), same store."""
+    if backend == "gloo":
+        return
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"tmgp-{backend}/", store),  # type: ignore[attr-defined]
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+@contextlib.contextmanager
+def _captured(record: RankRecord, capture: bool) -> Iterator[None]:
+    """Under ``--capture=sys``: the test's print output, kept for the pytest process to write to its capture."""
+    if not capture:
+        yield
+        return
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    finally:
+        record.stdout, record.stderr = out.getvalue(), err.getvalue()
+
+
+def _call(function: Callable[..., Any], kwargs: dict[str, Any], record: RankRecord) -> BaseException | None:
+    """Call the test; fill ``record``'s outcome; return the exception that failed it, if any."""
+    patchers = [name for name, value in kwargs.items() if isinstance(value, FreshMonkeyPatch)]
+    for name in patchers:
+        kwargs[name] = pytest.MonkeyPatch()
+    try:
+        result = function(**kwargs)
+    except (pytest.skip.Exception, pytest.xfail.Exception) as outcome:
+        record.outcome = "xfailed" if isinstance(outcome, pytest.xfail.Exception) else "skipped"
+        record.reason = str(outcome.msg)
+    except BaseException as error:
+        record.outcome = "failed"
+        return error.with_traceback(error.__traceback__.tb_next) if error.__traceback__ else error  # from the test
+    else:
+        if result is not None:
+            record.returned = repr(type(result))
+    finally:
+        for name in patchers:
+            kwargs[name].undo()
+    return None
+
+
+def _warnings(log: list[warnings.WarningMessage]) -> list[tuple[bytes, str, str, int]]:
+    found: list[tuple[bytes, str, str, int]] = []
+    for item in log:
+        try:
+            category = pickle.dumps(item.category)
+        except Exception:
+            category = pickle.dumps(UserWarning)
+        entry = (category, str(item.message), item.filename, item.lineno)
+        if entry not in found:
+            found.append(entry)
+    return found
+
+
+def run_in_rank(spec: RankTest) -> None:
+    """Body of every rank (the process group is up): import the test module, call the test with the fixtures."""
+    import torch.distributed as dist
+
+    _use_backend(spec.backend)
+    comparisons = _Comparisons()
+    comparisons.install()
+    module = _import_test_module(spec)
+    target: Any = module
+    for name in spec.classes:
+        target = getattr(target, name)
+    if spec.classes:
+        target = target()
+        if spec.instance_state is not None:
+            vars(target).update(pickle.loads(spec.instance_state))
+    function = getattr(target, spec.function)
+    kwargs = pickle.loads(spec.kwargs)
+    record = RankRecord(dist.get_rank())
+    measuring = _rank_coverage.start(spec.coverage)
+    try:
+        with _captured(record, spec.capture_output), warnings.catch_warnings(record=True) as log:
+            warnings.simplefilter("always")  # the pytest process applies its own filters when it re-issues them
+            error = _call(function, kwargs, record)
+    finally:
+        record.coverage = _rank_coverage.finish(measuring)
+    record.warnings = _warnings(log)
+    if error is not None:
+        record.report = _report(error, spec, comparisons)
+    path = record_path(spec.outbox, record.rank)
+    path.with_suffix(".partial").write_bytes(pickle.dumps(record))
+    path.with_suffix(".partial").replace(path)  # whole or absent, even if the rank is killed while writing
+    if record.report is not None:
+        raise RankFailedError(record.report) from None
