@@ -41,13 +41,15 @@ from typing import Any
 
 import pytest
 
+from torchmetrics_gradpatch import _pool
 from torchmetrics_gradpatch.testing import DEFAULT_TIMEOUT, RankError, spawn_ranks
 
-__all__ = ["pytest_configure", "pytest_pyfunc_call"]
+__all__ = ["pytest_addoption", "pytest_configure", "pytest_pyfunc_call", "pytest_unconfigure"]
 
 _MARKER_HELP = (
     "ranks(n, timeout=seconds): run the test body on n spawned processes, each in an initialised gloo default "
-    f"process group (torchmetrics_gradpatch); timeout defaults to {DEFAULT_TIMEOUT:g} s, start-up included"
+    f"process group (torchmetrics_gradpatch); timeout defaults to {DEFAULT_TIMEOUT:g} s, start-up included; "
+    "reuse=True runs it in warm processes kept across tests (default: the ranks_reuse ini option)"
 )
 #: The line a rank's failed assert shows until the pytest process writes the message (see _RankReport).
 _PLACEHOLDER = "assert <torchmetrics_gradpatch: assertion message>"
@@ -56,6 +58,35 @@ _TOKEN_START, _TOKEN_END = "\x02tmgp-compare-{}\x03", "\x02/tmgp-compare-{}\x03"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
+
+
+# --- warm rank pool (issue 18 item 5): the ini option, the choice of runner, the teardown -------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "ranks_reuse",
+        "run @pytest.mark.ranks tests in warm rank processes kept across tests (torchmetrics_gradpatch); "
+        "a marker's reuse=True/False overrides it",
+        type="bool",
+        default=False,
+    )
+
+
+def _runner(item: pytest.Function, marker: pytest.Mark) -> Callable[..., list[Any]]:
+    """The pool's run for ``reuse=True`` (or the ``ranks_reuse`` ini option), else a fresh spawn_ranks."""
+    reuse = marker.kwargs.get("reuse", item.config.getini("ranks_reuse"))
+    if not isinstance(reuse, bool):
+        pytest.fail(f"{item.nodeid}: ranks(reuse=...) must be True or False, got {reuse!r}", pytrace=False)
+    return _pool.run_pooled if reuse else spawn_ranks
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """No pool outlives the session (each pytest-xdist worker stops its own)."""
+    _pool.close_all()
+
+
+# --- end of the warm rank pool's part -----------------------------------------------------------------------------
 
 
 # --- the pytest process -------------------------------------------------------------------------------------------
@@ -84,6 +115,7 @@ def _ranks_options(item: pytest.Function, marker: pytest.Mark) -> tuple[int, flo
     if "n" in kwargs and not args:
         args.append(kwargs.pop("n"))
     timeout = kwargs.pop("timeout", DEFAULT_TIMEOUT)
+    kwargs.pop("reuse", None)  # read by _runner (warm rank pool)
     if len(args) != 1 or kwargs:
         pytest.fail(f"{item.nodeid}: bad ranks marker {marker.args!r} {marker.kwargs!r}: {usage}", pytrace=False)
     n = args[0]
@@ -157,9 +189,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if marker is None:
         return None
     n, timeout = _ranks_options(pyfuncitem, marker)
+    run = _runner(pyfuncitem, marker)
     spec = _describe(pyfuncitem)
     try:
-        spawn_ranks(_run_in_rank, n, args=(spec,), timeout=timeout)
+        run(_run_in_rank, n, args=(spec,), timeout=timeout)
     except RankError as error:
         failure = error
     else:
