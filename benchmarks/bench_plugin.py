@@ -2,7 +2,7 @@
 with ``--pool``, what a pooled test (``ranks(2, reuse=True)``) costs against a fresh one.
 
     python benchmarks/bench_plugin.py [--rounds 10] [--world-size 2] [--json out.json]
-    python benchmarks/bench_plugin.py --pool [--rounds 50] [--json out.json]
+    python benchmarks/bench_plugin.py --pool [--rounds 50] [--json out.json] [--text out.txt] [--update-docs]
 
 One pytest session (in a subprocess, plugin enabled with ``-p``) runs a generated test file: per round, a marked
 test and a plain test that calls ``spawn_ranks`` on an equivalent module-level function, in A B / B A order
@@ -178,6 +178,30 @@ def _print_pool(result: dict[str, Any]) -> str:
     return text
 
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "testing-your-metrics.md"
+BEGIN, END = "<!-- plugin-pool:begin -->", "<!-- plugin-pool:end -->"
+
+
+def update_docs(result: dict[str, Any], artifact: str) -> None:
+    """Write the pool's figures into docs/testing-your-metrics.md, between the plugin-pool markers."""
+    pooled, fresh, ratio = result["pooled_per_test_s"], result["fresh_per_test_s"], result["ratio_fresh_over_pooled"]
+    load = "{:.2f} at start and {:.2f} at end".format(result["loadavg_start"][0], result["loadavg_end"][0])
+    text = (
+        f"Measured with `{result['command']}` on {result['machine']['cpus']} CPU cores shared with other work "
+        f"(one-minute load average {load}; `{artifact}`): a fresh test took {fresh['median']:.3f} s (95% CI "
+        f"[{fresh['ci95_lo']:.3f}, {fresh['ci95_hi']:.3f}]) and a pooled one {pooled['median']:.3f} s (95% CI "
+        f"[{pooled['ci95_lo']:.3f}, {pooled['ci95_hi']:.3f}]), median; per round, fresh / pooled was "
+        f"{ratio['median']:.1f} (95% CI [{ratio['ci95_lo']:.1f}, {ratio['ci95_hi']:.1f}]). The first pooled test, "
+        f"which starts the pool, took {result['pooled_s'][0]:.2f} s; counting it, a pooled test cost "
+        f"{result['pooled_mean_with_start_s']:.3f} s on average, and the fresh tests took "
+        f"{result['ratio_of_totals_fresh_over_pooled']:.1f} times as long in total."
+    )
+    page = DOCS.read_text()
+    head, _, rest = page.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    DOCS.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
 def _print(result: dict[str, Any]) -> None:
     ratio = result["ratio_marked_over_by_hand"]
     print(
@@ -196,17 +220,24 @@ if __name__ == "__main__":
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--text", type=Path, help="with --pool: also write the printed report here")
+    parser.add_argument("--from-json", type=Path, help="with --pool: do not run, report this earlier --json result")
+    parser.add_argument(
+        "--update-docs", action="store_true", help="with --pool: write the figures into docs/testing-your-metrics.md"
+    )
     args = parser.parse_args()
     rounds = args.rounds if args.rounds is not None else (50 if args.pool else 10)
     if rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.pool:
-        summary = main_pool(rounds, args.world_size)
+        fresh_run = args.from_json is None
+        summary = main_pool(rounds, args.world_size) if fresh_run else json.loads(args.from_json.read_text())
         report = _print_pool(summary)
-        if args.text:
+        if args.text and fresh_run:
             args.text.write_text(report + "\n")
+        if args.update_docs:
+            update_docs(summary, "benchmarks/results/plugin-pool.txt")
     else:
         summary = main(rounds, args.world_size)
         _print(summary)
-    if args.json:
+    if args.json and (not args.pool or args.from_json is None):
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests._procs import alive, interrupt_once
 from torchmetrics_gradpatch import _pool
 
 pytest_plugins = ["pytester"]
@@ -156,37 +156,28 @@ def test_j_fresh():
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.fixture
-def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+def project(pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """A user's project with the conftest above; yields (pytester, the record directory).
 
     Afterwards, no process that ran a test may still be alive.
     """
-    seen = tmp_path / "seen"
-    seen.mkdir()
-    monkeypatch.setenv("TMGP_POOL_DIR", str(seen))
+    (tmp_path / "seen").mkdir()
+    monkeypatch.setenv("TMGP_POOL_DIR", seen := str(tmp_path / "seen"))
     (pytester.path / "conftest.py").write_text(CONFTEST)
-    yield pytester, seen
-    pids = {entry["pid"] for entry in _records(seen).values()}
+    yield pytester, Path(seen)
+    pids = {entry["pid"] for entry in _records(Path(seen)).values()}
     deadline = time.monotonic() + 5.0
-    while (left := sorted(pid for pid in pids if _alive(pid))) and time.monotonic() < deadline:
+    while (left := sorted(pid for pid in pids if alive(pid))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == [], f"rank processes left behind: {left}"
 
 
-def _records(seen: Path) -> dict[str, dict[str, object]]:
+def _records(seen: Path) -> dict[str, dict[str, Any]]:
     return {path.name.removesuffix(".json"): json.loads(path.read_text()) for path in seen.glob("*.json")}
 
 
-def _pids(records: dict[str, dict[str, object]], test: str) -> tuple[object, object]:
+def _pids(records: dict[str, dict[str, Any]], test: str) -> tuple[int, int]:
     return records[f"{test}.rank0"]["pid"], records[f"{test}.rank1"]["pid"]
 
 
@@ -319,33 +310,12 @@ def test_b_sleeps():
 """
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_keyboard_interrupt_stops_the_pool(project: tuple[pytest.Pytester, Path]) -> None:
     pytester, seen = project
     path = pytester.makepyfile(test_sleep=SLEEP)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", str(path)],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=_default_sigint,  # as in a terminal (see test_pytest_plugin's interrupt test)
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(seen.glob("b.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert len(list(seen.glob("b.*"))) == 2, "the sleeping test never started"
-        proc.send_signal(signal.SIGINT)  # to the pytest process only
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", str(path)]
+    status, out = interrupt_once(command, pytester.path, lambda: len(list(seen.glob("b.*"))) == 2)
+    assert status == pytest.ExitCode.INTERRUPTED, out
     assert _pids(_records(seen), "a") == _pids(_records(seen), "b")
 
 
@@ -368,6 +338,33 @@ def test_pool_api_reuses_then_closes() -> None:
     assert [rank for rank, _ in first] == [0, 1]  # process r is rank r, and its result comes back as r's
     assert first == second
     assert pool.pids == [] and pool.retired == "closed"
-    assert not any(_alive(pid) for _, pid in first)
+    assert not any(alive(pid) for _, pid in first)
     with pytest.raises(ValueError, match="world_size"):
         _pool.run_pooled(rank_and_pid, 0)
+
+
+def leave_a_thread() -> int:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(60,), daemon=True, name="tmgp-left-behind").start()
+    return os.getpid()
+
+
+def make_a_subgroup() -> int:
+    import torch.distributed as dist
+
+    dist.new_group(list(range(dist.get_world_size())))
+    return os.getpid()
+
+
+def test_pool_api_retires_after_what_it_cannot_undo() -> None:
+    pool = _pool.RankPool(2)
+    try:
+        threaded = pool.run(leave_a_thread, timeout=120)
+        assert pool.pids == [] and "tmgp-left-behind" in str(pool.retired)
+        grouped = pool.run(make_a_subgroup, timeout=120)
+        assert pool.pids == [] and "new_group" in str(pool.retired)
+    finally:
+        pool.close()
+    assert set(threaded).isdisjoint(grouped)
+    assert not any(alive(pid) for pid in [*threaded, *grouped])
