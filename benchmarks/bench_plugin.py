@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,7 @@ def update_docs(result: dict[str, Any], artifact: str) -> None:
     page = DOCS.read_text()
     head, _, rest = page.partition(BEGIN)
     _, _, tail = rest.partition(END)
-    DOCS.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    DOCS.write_text(f"{head}{BEGIN}\n{textwrap.fill(text, 115, break_long_words=False)}\n{END}{tail}")
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -70,6 +70,9 @@ T = TypeVar("T")
 
 #: Sent as a worker's reply to the pool's start: the worker joined its group and waits for tests.
 _READY = "ready"
+#: The store's and the group's own timeout (seconds). It must outlast any test the pool will run, whatever its
+#: marker's timeout; each test's deadline is kept by the pytest process, which retires the pool when it passes.
+_GROUP_TIMEOUT = 3600.0
 #: Seconds an idle worker gets to exit by itself once its pipe is closed, before it is terminated.
 _IDLE_EXIT = 0.5
 
@@ -132,7 +135,7 @@ class RankPool:
         self._retire("closed")
 
     def _start(self, timeout: float, deadline: float) -> None:
-        self._store = testing._host_store(self.world_size, timeout)
+        self._store = testing._host_store(self.world_size, max(timeout, _GROUP_TIMEOUT))
         self._tmp = tempfile.mkdtemp(prefix="tmgp-pool-")
         self._dumps = [str(Path(self._tmp) / f"rank{rank}.txt") for rank in range(self.world_size)]
         context = multiprocessing.get_context("spawn")
@@ -141,7 +144,15 @@ class RankPool:
             proc = context.Process(
                 target=_worker_main,
                 name=f"tmgp-pool-rank{rank}",
-                args=(rank, self.world_size, self._store.port, timeout, theirs, self._dumps[rank], os.getpid()),
+                args=(
+                    rank,
+                    self.world_size,
+                    self._store.port,
+                    max(timeout, _GROUP_TIMEOUT),
+                    theirs,
+                    self._dumps[rank],
+                    os.getpid(),
+                ),
             )
             self._procs.append(proc)
             self._conns.append(mine)
