@@ -16,12 +16,13 @@ option ``ranks_reuse = true``). How it is built, and why:
   its exit status, one still running at the deadline with the stack of each of its threads. Each worker exits by
   itself when the pytest process goes away, ignores Ctrl-C (the pytest process decides), and the pool is torn
   down (terminate, kill, reap) at the end of the session, on any exception in the pytest process (Ctrl-C), and
-  after any test that did not pass on every rank.
+  after any test in which a rank raised, died or hung.
 * **Fresh processes after anything doubtful.** torch's ``MultiProcContinuousTest`` keeps its processes after a
-  failure and skips the rest of the class ("poison pill"); DeepSpeed keeps them and its docs warn of hangs.
-  Here a test that fails, skips, xfails or times out on any rank retires the pool: its ranks may be stuck in
-  or out of step in a collective, and only new processes are surely clean. So does a passing test that leaves
-  something the worker cannot undo (see below); the next test starts a new pool.
+  failure and skips the rest of the class ("poison pill"); DeepSpeed's ``reuse_dist_env`` keeps its pool (one of
+  its own tests notes a hang with it at world size 4). Here a test that fails or times out on any rank (whatever
+  makes a rank's call raise) retires the pool: its ranks may be stuck in or out of step in a collective, and only
+  new processes are surely clean. So does a passing test that leaves something the worker cannot undo (see
+  below); the next test starts a new pool.
 * **Each test sees what a fresh spawn would show it.** Before each test a worker takes the pytest process's
   ``os.environ``, working directory and ``sys.path`` at that moment (so ``monkeypatch.setenv`` and
   ``monkeypatch.chdir`` reach the ranks as with a spawn), puts the torch, Python and NumPy random generators back
