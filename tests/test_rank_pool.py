@@ -57,6 +57,7 @@ import os
 import sys
 import time
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ def leak_everything():
     os.chdir("/")
     sys.path.append("/tmgp-leaked-path")
     torch.manual_seed(1234)
+    numpy.random.seed(1234)
     torch.set_default_dtype(torch.float64)
     torchmetrics_gradpatch.unpatch()
     SEEN.append("a")
@@ -85,7 +87,7 @@ def all_reduce_rank_sum():
 
 @pytest.mark.ranks(2, reuse=True)
 def test_a_leaks():
-    record("a", draw=torch.rand(1).item(), patched=torchmetrics_gradpatch.is_patched())
+    record("a", draw=torch.rand(1).item(), np_draw=numpy.random.rand(), patched=torchmetrics_gradpatch.is_patched())
     leak_everything()
 
 
@@ -94,6 +96,7 @@ def test_b_sees_none_of_it(parent_cwd):
     record(
         "b",
         draw=torch.rand(1).item(),
+        np_draw=numpy.random.rand(),
         leak="TMGP_LEAK" in os.environ,
         cwd=os.getcwd() == parent_cwd,
         path="/tmgp-leaked-path" in sys.path,
@@ -200,7 +203,7 @@ def test_reuse_reset_and_recycling(project: tuple[pytest.Pytester, Path]) -> Non
         assert a["patched"] is True
         # nothing test a changed reached test b: the same first random draw as a fresh pool, the environment,
         # directory, path, dtype, patch state and module globals as at the start
-        assert b["draw"] == a["draw"]
+        assert (b["draw"], b["np_draw"]) == (a["draw"], a["np_draw"])
         assert (b["leak"], b["cwd"], b["path"], b["dtype"], b["patched"], b["seen"]) == (
             False,
             True,
