@@ -33,13 +33,13 @@ import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch import _rank_coverage
+from torchmetrics_gradpatch import _pool, _rank_coverage
 from torchmetrics_gradpatch._in_rank import (
     FreshMonkeyPatch,
     RankRecord,
@@ -50,12 +50,19 @@ from torchmetrics_gradpatch._in_rank import (
 )
 from torchmetrics_gradpatch.testing import DEFAULT_TIMEOUT, RankError, spawn_ranks
 
-__all__ = ["pytest_configure", "pytest_pyfunc_call", "pytest_runtest_makereport"]
+__all__ = [
+    "pytest_addoption",
+    "pytest_configure",
+    "pytest_pyfunc_call",
+    "pytest_runtest_makereport",
+    "pytest_unconfigure",
+]
 
 _MARKER_HELP = (
     "ranks(n, timeout=seconds, backend='gloo'): run the test body on n spawned processes, each in an initialised "
     f"default process group (torchmetrics_gradpatch); timeout defaults to {DEFAULT_TIMEOUT:g} s, start-up "
-    "included; backend='nccl' puts rank r on cuda:r"
+    "included; backend='nccl' puts rank r on cuda:r; reuse=True runs it in warm processes kept across tests "
+    "(default: the ranks_reuse ini option)"
 )
 _BACKENDS = ("gloo", "nccl")
 _FAILURE = pytest.StashKey["tuple[str, tuple[str, int] | None]"]()
@@ -74,6 +81,35 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
 
 
+# --- warm rank pool (issue 18 item 5): the ini option, the choice of runner, the teardown -------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "ranks_reuse",
+        "run @pytest.mark.ranks tests in warm rank processes kept across tests (torchmetrics_gradpatch); "
+        "a marker's reuse=True/False overrides it",
+        type="bool",
+        default=False,
+    )
+
+
+def _runner(item: pytest.Function, marker: pytest.Mark) -> Callable[..., list[Any]]:
+    """The pool's run for ``reuse=True`` (or the ``ranks_reuse`` ini option), else a fresh spawn_ranks."""
+    reuse = marker.kwargs.get("reuse", item.config.getini("ranks_reuse"))
+    if not isinstance(reuse, bool):
+        pytest.fail(f"{item.nodeid}: ranks(reuse=...) must be True or False, got {reuse!r}", pytrace=False)
+    return _pool.run_pooled if reuse else spawn_ranks
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """No pool outlives the session (each pytest-xdist worker stops its own)."""
+    _pool.close_all()
+
+
+# --- end of the warm rank pool's part -----------------------------------------------------------------------------
+
+
 # --- before the spawn -----------------------------------------------------------------------------------------------
 
 
@@ -86,6 +122,7 @@ def _ranks_options(item: pytest.Function, marker: pytest.Mark) -> tuple[int, flo
         args.append(kwargs.pop("n"))
     timeout = kwargs.pop("timeout", DEFAULT_TIMEOUT)
     backend = kwargs.pop("backend", "gloo")
+    kwargs.pop("reuse", None)  # read by _runner (warm rank pool)
     if len(args) != 1 or kwargs:
         pytest.fail(f"{item.nodeid}: bad ranks marker {marker.args!r} {marker.kwargs!r}: {usage}", pytrace=False)
     n = args[0]
@@ -205,7 +242,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     _refuse_hypothesis(pyfuncitem)
     _skip_without_gpus(n, backend)
     with tempfile.TemporaryDirectory(prefix="tmgp-outbox-") as outbox:
-        failure = _run_on_ranks(_describe(pyfuncitem, outbox, backend), n, timeout)
+        failure = _run_on_ranks(_runner(pyfuncitem, marker), _describe(pyfuncitem, outbox, backend), n, timeout)
         records = {}
         for rank in range(n):
             path = record_path(outbox, rank)
@@ -224,10 +261,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
-def _run_on_ranks(spec: RankTest, n: int, timeout: float) -> RankError | None:
-    """Run :func:`run_in_rank` on ``n`` ranks; the runner's error if a rank raised, died or timed out."""
+def _run_on_ranks(run: Callable[..., list[Any]], spec: RankTest, n: int, timeout: float) -> RankError | None:
+    """Run :func:`run_in_rank` on ``n`` ranks with ``run`` (the warm pool or a fresh :func:`spawn_ranks`); the
+    runner's error if a rank raised, died or timed out."""
     try:
-        spawn_ranks(run_in_rank, n, args=(spec,), timeout=timeout)
+        run(run_in_rank, n, args=(spec,), timeout=timeout)
     except RankError as error:
         return error
     return None

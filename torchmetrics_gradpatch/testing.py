@@ -90,6 +90,54 @@ def _watch_parent(parent: int) -> None:
             os._exit(70)
 
 
+def _watch_rank(dump_path: str, parent: int) -> Any:
+    """In a rank: send fatal-signal and SIGUSR1 stack dumps to ``dump_path``; exit if ``parent`` goes away.
+
+    Returns the open dump file (keep it: faulthandler writes to its descriptor until the process exits).
+    """
+    dump = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler until the process exits
+    faulthandler.enable(file=dump, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    return dump
+
+
+def _join_group(rank: int, world_size: int, port: int, timeout: float) -> None:
+    """In a rank: join the gloo default group as ``rank`` through the parent's store on ``port``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        _HOST, port, world_size, False, timeout=_rendezvous_timeout(timeout)
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_rendezvous_timeout(timeout))
+
+
+def _failure(error: BaseException) -> tuple[str, Any]:
+    """In a rank, inside ``except``: the ``("error", ...)`` message for ``error``.
+
+    An exception may bring its own report (a picklable object whose str() is the text to show).
+    """
+    report = getattr(error, "rank_report", None)
+    return ("error", traceback.format_exc() if report is None else report)
+
+
+def _send(conn: multiprocessing.connection.Connection, message: tuple[str, Any]) -> bool:
+    """In a rank: send ``message`` stamped with the time; a value that does not pickle is sent as an error.
+
+    Returns whether ``message`` itself went out (False: its value did not pickle).
+    """
+    try:
+        payload = pickle.dumps((*message, time.time()))
+    except Exception:
+        failed = ("error", f"fn's return value cannot be pickled:\n{traceback.format_exc()}", time.time())
+        conn.send_bytes(pickle.dumps(failed))
+        return False
+    conn.send_bytes(payload)
+    return True
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -107,37 +155,19 @@ def _rank_main(
     peers' collectives fail with "connection reset" because it went away. Each message carries the time it was
     sent, so the parent can name the rank that failed first.
     """
-    dump = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler until the process exits
-    faulthandler.enable(file=dump, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    _dump = _watch_rank(dump_path, parent)
     joined = False
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            _HOST, port, world_size, False, timeout=_rendezvous_timeout(timeout)
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=_rendezvous_timeout(timeout)
-        )
+        _join_group(rank, world_size, port, timeout)
         joined = True
         message: tuple[str, Any] = ("ok", fn(*args))
     except BaseException as error:  # everything a rank raises is reported to the parent
-        # an exception may bring its own report (a picklable object whose str() is the text to show)
-        report = getattr(error, "rank_report", None)
-        message = ("error", traceback.format_exc() if report is None else report)
-    try:
-        payload = pickle.dumps((*message, time.time()))
-    except Exception:
-        payload = pickle.dumps(
-            ("error", f"fn's return value cannot be pickled:\n{traceback.format_exc()}", time.time())
-        )
-    conn.send_bytes(payload)
+        message = _failure(error)
+    _send(conn, message)
     conn.close()
     if joined:
+        import torch.distributed as dist
+
         dist.destroy_process_group()
 
 
@@ -174,24 +204,9 @@ def spawn_ranks(
             deadline passed (a stack dump of every rank that had not returned). All ranks are gone by then.
         ValueError, TypeError: bad ``world_size``, ``timeout`` or an unpicklable ``fn``/``args``.
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    try:
-        pickle.dumps((fn, tuple(args)))
-    except Exception as err:
-        raise TypeError(
-            f"spawn_ranks needs a picklable fn and args (fn must be a module-level function of an importable "
-            f"module, not a lambda or a local function): {err}"
-        ) from err
-
-    import torch.distributed as dist
-
+    _check_arguments(fn, world_size, args, timeout)
     deadline = time.monotonic() + timeout
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        _HOST, 0, world_size, True, timeout=_rendezvous_timeout(timeout), wait_for_workers=False
-    )
+    store = _host_store(world_size, timeout)
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tmgp-ranks-") as tmp:
         dumps = [str(Path(tmp) / f"rank{rank}.txt") for rank in range(world_size)]
@@ -215,6 +230,30 @@ def spawn_ranks(
             for conn in conns:
                 conn.close()
             del store
+
+
+def _check_arguments(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float) -> None:
+    """Refuse a bad ``world_size`` or ``timeout`` (ValueError) and an unpicklable ``fn``/``args`` (TypeError)."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    try:
+        pickle.dumps((fn, tuple(args)))
+    except Exception as err:
+        raise TypeError(
+            f"spawn_ranks needs a picklable fn and args (fn must be a module-level function of an importable "
+            f"module, not a lambda or a local function): {err}"
+        ) from err
+
+
+def _host_store(world_size: int, timeout: float) -> Any:
+    """The rendezvous ``TCPStore``, hosted by the parent on a kernel-chosen port it keeps bound."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        _HOST, 0, world_size, True, timeout=_rendezvous_timeout(timeout), wait_for_workers=False
+    )
 
 
 def _collect(
