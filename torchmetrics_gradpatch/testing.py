@@ -103,7 +103,12 @@ def _watch_rank(dump_path: str, parent: int) -> Any:
 
 
 def _join_group(rank: int, world_size: int, port: int, timeout: float) -> None:
-    """In a rank: join the gloo default group as ``rank`` through the parent's store on ``port``."""
+    """In a rank: join the gloo default group as ``rank`` through the parent's store on ``port``.
+
+    Ends with a barrier: gloo's ``init_process_group`` can return on one rank while a peer is still connecting
+    its pairs, and a rank that then finishes at once (a test that skips on its first line) and exits would make
+    that peer fail inside ``init_process_group`` with "Connection closed by peer", a failure of nobody's code.
+    """
     import torch
     import torch.distributed as dist
 
@@ -112,6 +117,7 @@ def _join_group(rank: int, world_size: int, port: int, timeout: float) -> None:
         _HOST, port, world_size, False, timeout=_rendezvous_timeout(timeout)
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_rendezvous_timeout(timeout))
+    dist.barrier()
 
 
 def _failure(error: BaseException) -> tuple[str, Any]:
