@@ -21,6 +21,7 @@ __all__ = [
     "GradModeMismatchError",
     "Status",
     "UnsupportedVersionError",
+    "compile_support",
     "gather_all_tensors",
     "is_patched",
     "patch",
@@ -52,6 +53,7 @@ try:
         status,
         unpatch,
     )
+    from torchmetrics_gradpatch._compile import compile_support  # torch.compile (H17)
     from torchmetrics_gradpatch._global import GradModeMismatchError
     from torchmetrics_gradpatch._modes import gather_all_tensors
 

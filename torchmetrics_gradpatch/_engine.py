@@ -97,6 +97,7 @@ class _State:
     block_modes: list[tuple[int, str]] = field(default_factory=list)  # open patched(mode=...) blocks, oldest first
     next_token: int = 0
     mode: str = "local"  # the effective mode (see "State model"), recomputed by _refresh_mode()
+    compile_native: bool = False  # torch.compile (H17): _compile.compile_support() installs local mode on native too
 
 
 _state = _State()
@@ -200,7 +201,9 @@ def _on_import(module: types.ModuleType) -> None:
 
 def _wanted() -> bool:
     """Whether torchmetrics' function should be running our trampoline right now."""
-    return (_state.manual or _state.blocks > 0) and (not _state.native or _state.mode == "global")
+    return (_state.manual or _state.blocks > 0) and (
+        not _state.native or _state.mode == "global" or _state.compile_native  # compile_native: torch.compile (H17)
+    )
 
 
 def _refresh_mode() -> None:
