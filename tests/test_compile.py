@@ -14,18 +14,31 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
 
 from tests import _compile_ranks as ranks
+from tests._subprocess import ROOT
 from torchmetrics_gradpatch.testing import spawn_ranks
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("eager", "aot_eager", "inductor")
 RTOL = 1e-12
-SPAWN_TIMEOUT = 900  # inductor compiles for seconds per graph, per process, on a shared 2-core machine
+SPAWN_TIMEOUT = 1200  # inductor compiles for seconds per graph, per process, on a shared 2-core machine
+#: "full" (the default): every backend, 2 and 3 ranks, the CLI. "quick": the eager backend on 2 ranks, for the
+#: compatibility matrix's run of every torch minor and the CI cells that repeat a full cell's torch (tox.ini).
+PROFILE = os.environ.get("TMGP_COMPILE_PROFILE", "full")
+if PROFILE not in ("full", "quick"):
+    raise ValueError(f"TMGP_COMPILE_PROFILE={PROFILE!r}: use full or quick")
+QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks here (tox.ini says where the full run is)"
+
+
+def in_profile(world_size: int, backend: str = "eager") -> bool:
+    return PROFILE == "full" or (world_size == 2 and backend == "eager")
 
 
 def _dynamo_refusal() -> str | None:
@@ -51,12 +64,15 @@ def backends() -> list[str]:
     refusal = _dynamo_refusal()
     if refusal is not None:
         pytest.skip(refusal)
-    return [b for b in BACKENDS if b != "inductor" or _cxx_compiler() is not None]
+    usable = [b for b in BACKENDS if b != "inductor" or _cxx_compiler() is not None]
+    return usable if PROFILE == "full" else ["eager"]
 
 
 @pytest.fixture(scope="module")
 def results(backends: list[str]) -> dict[int, list[dict[str, Any]]]:
-    return {n: spawn_ranks(ranks.run_all, n, args=(backends,), timeout=SPAWN_TIMEOUT) for n in WORLD_SIZES}
+    return {
+        n: spawn_ranks(ranks.run_all, n, args=(backends,), timeout=SPAWN_TIMEOUT) for n in WORLD_SIZES if in_profile(n)
+    }
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -64,6 +80,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     return actual.shape == expected.shape and (actual - expected).abs().max().item() <= RTOL * scale
 
 
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT)  # the first test waits for both spawns
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ranks.MODES)
@@ -76,6 +93,8 @@ def test_compiled_step_matches_eager(
     mode: str,
     case: str,
 ) -> None:
+    if not in_profile(world_size, backend):
+        pytest.skip(QUICK_REASON)
     if backend not in backends:
         pytest.skip("inductor needs a C++ compiler (none of $CXX, g++, c++, clang++ found on PATH)")
     for out in results[world_size]:
@@ -94,8 +113,34 @@ def test_compiled_step_matches_eager(
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_modes_really_differ_under_compile(results: dict[int, list[dict[str, Any]]], world_size: int) -> None:
     """The mode reaches the compiled gather: global mode's Metric-loss gradient is world_size x local mode's."""
+    if not in_profile(world_size):
+        pytest.skip(QUICK_REASON)
     for out in results[world_size]:
-        for backend in ("eager", "aot_eager"):
+        for backend in ("eager", "aot_eager") if PROFILE == "full" else ("eager",):
             local = out["runs"][("metric_sum", "local", backend)]["grads"][0]
             glob = out["runs"][("metric_sum", "global", backend)]["grads"][0]
             assert _close(glob, world_size * local), out["rank"]
+
+
+# --- check --compile --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT)
+@pytest.mark.parametrize("mode", ranks.MODES)
+def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) -> None:
+    """``check --compile eager``: every check's step inside torch.compile, gradients against the references."""
+    if PROFILE != "full":
+        pytest.skip(QUICK_REASON)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchmetrics_gradpatch", "check", "--compile", "eager", "--mode", mode],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        timeout=SPAWN_TIMEOUT,
+        check=False,
+    )
+    shown = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, shown
+    assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, shown
+    assert f"gradient mode {mode} (" in proc.stdout, shown
+    assert proc.stdout.count(" pass ") == 4 and "all 4 checks passed" in proc.stdout, shown

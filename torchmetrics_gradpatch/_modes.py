@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchmetrics_gradpatch import _compile  # torch.compile (H17)
+from torchmetrics_gradpatch._compile import is_compiling  # torch.compile (H17)
 from torchmetrics_gradpatch._gather import gather_local
 from torchmetrics_gradpatch._global import gather_global
 
@@ -51,7 +52,7 @@ def gather_all_tensors(result: torch.Tensor, group: Any | None = None, *, mode: 
         rank is an output of one autograd node whose backward issues one collective: every rank of ``group``
         must then run ``backward()`` through the gathered values (see :mod:`torchmetrics_gradpatch._global`).
     """
-    if _compile.is_compiling():  # torch.compile (H17): a graph break, the gather runs eagerly (see _compile.py)
+    if is_compiling():  # torch.compile (H17): a graph break, the gather runs eagerly (see _compile.py)
         return _compile.gather_when_compiling(result, group, check_mode(mode))
     if mode == "local":  # the hot path: every metric sync of every step
         return gather_local(result, group)
