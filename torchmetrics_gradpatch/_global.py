@@ -67,6 +67,20 @@ so the backward uses it: one collective per gather, whatever the shapes. Each ra
 entry stays home (split size 0) and is added locally; on two ranks the single outgoing gradient is sent as
 is, without first being copied into a send buffer.
 
+Entries, in place, and double backward
+--------------------------------------
+Like ``torch.distributed.nn.functional.all_gather``'s, the entries may be changed in place on every rank
+(``g[j].mul_(2)`` for any ``j``, equal or uneven shapes) and the gradients stay exact: every entry is an output of
+the node that owns its memory, never a view (autograd refuses in-place changes to a custom Function's views, which
+once made ``g[rank].mul_(2)`` fail on one rank only). The caller's own entry is therefore a copy of its tensor (not
+the tensor itself, as in local mode); trimmed entries of uneven shapes are their receive buffers shrunk in place
+when only the first dimension differs, else copies.
+
+The backward is differentiable: under ``create_graph=True`` it is a node of its own (:class:`_ScatterSum`) whose
+backward is a gather of the incoming gradients, so second-order gradients are exact (the same as torch's
+equal-shape ``all_gather``). That double backward is a collective too: every rank must run it, and every rank's
+tensor must require grad (a rank whose tensor has no graph takes part in the first backward only).
+
 Rules
 -----
 * Every rank of the group must gather in global mode: the forward issues other collectives than local mode
@@ -102,8 +116,24 @@ class GradModeMismatchError(RuntimeError):
 
 
 def _fresh(entry: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``entry`` as an output that autograd lets the caller modify in place (see "Entries" in the docstring)."""
-    return entry.clone() if entry is result or entry._base is not None else entry
+    """``entry`` as an output that autograd lets the caller modify in place (see "Entries" in the docstring).
+
+    The caller's own tensor is copied. A trimmed entry that is the leading part of its receive buffer (the shapes
+    differ in the first dimension only, the usual ``cat`` state) becomes that buffer, shrunk in place: no copy.
+    """
+    if entry is result:
+        return entry.clone()
+    base = entry._base
+    if base is None:
+        return entry
+    if (
+        base.dtype == entry.dtype
+        and base.is_contiguous()
+        and entry.is_contiguous()
+        and entry.storage_offset() == base.storage_offset() == 0
+    ):
+        return base.resize_(entry.shape)
+    return entry.clone()
 
 
 def _scatter_sum(meta: dict[str, Any], grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
