@@ -112,9 +112,13 @@ def run_all(backends: list[str]) -> dict[str, Any]:
     """Every case in both modes, eager then compiled with each backend. On native torchmetrics the trampoline is
     installed in local mode too (``compile_support()``), as the docs tell users to do for ``torch.compile``."""
     native = torchmetrics_gradpatch.status().native
-    if native:
-        torchmetrics_gradpatch.compile_support()
     out: dict[str, Any] = {"rank": dist.get_rank(), "native": native, "torch": torch.__version__, "runs": {}}
+    if native:  # what docs/design.md says works without compile_support() there, then with it
+        out["without_compile_support"] = {
+            (case, mode): run_steps(case, mode, "eager", [])
+            for case, mode in (("metric_sum", "local"), ("metric_sum", "global"), ("gather", "local"))
+        }
+        torchmetrics_gradpatch.compile_support()
     for case in CASES:
         for mode in MODES:
             out["runs"][(case, mode, "eager-reference")] = run_steps(case, mode, None, [])

@@ -23,9 +23,10 @@ compiler-disable wrapper (which costs more per call) is only reached under ``tor
 
 Version shim
 ------------
-``torch.compiler.is_compiling`` and ``torch.compiler.disable`` are the public names from torch 2.3 and 2.1; before
-them ``torch._dynamo.is_compiling`` / ``torch._dynamo.disable`` did the same. Where none exists there is no
-dynamo to trace the gather, and the check is a constant ``False``.
+``torch.compiler.is_compiling`` and ``torch.compiler.disable`` are the public names from torch 2.3 and 2.1; torch 2.1
+and 2.2 have ``torch._utils.is_compiling``, torch 2.0 only ``torch._dynamo``'s (its dynamo refuses Python 3.11 and
+newer, but runs on 3.10). ``torch._dynamo`` is never imported by this package: on torch 2.0 the check asks dynamo's
+``is_compiling`` once dynamo has been imported (by ``torch.compile``), and is ``False`` before.
 
 Native torchmetrics (1.6 and newer)
 -----------------------------------
@@ -38,7 +39,6 @@ patch, and "native torchmetrics: nothing patched in local mode" stays true for e
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -49,21 +49,19 @@ __all__ = ["compile_support", "compile_support_enabled", "gather_when_compiling"
 
 
 def _find_is_compiling() -> Callable[[], bool]:
-    """The check dynamo folds to ``True``, found without importing ``torch._dynamo`` (seconds) where possible."""
+    """The check dynamo folds to ``True``, found without importing ``torch._dynamo`` (seconds)."""
     compiler = getattr(torch, "compiler", None)
     found = getattr(compiler, "is_compiling", None)  # torch >= 2.3
     if found is None:
         found = getattr(torch._utils, "is_compiling", None)  # torch 2.1, 2.2
-    if found is None:  # pragma: no cover - torch 2.0
-        try:
-            found = getattr(importlib.import_module("torch._dynamo"), "is_compiling", None)
-        except Exception:  # no usable dynamo: nothing can trace the gather
-            found = None
-    return found if callable(found) else _never
+    return found if callable(found) else _dynamo_is_compiling  # pragma: no cover - torch 2.0
 
 
-def _never() -> bool:
-    return False  # pragma: no cover - only where torch has no is_compiling
+_late: list[Callable[[], bool]] = []  # torch 2.0: torch._dynamo.is_compiling, once dynamo is imported
+
+
+def _dynamo_is_compiling() -> bool:  # pragma: no cover - torch 2.0 only
+    return bool(_late and _late[0]())
 
 
 #: ``True`` while dynamo traces the caller, ``False`` in eager mode (a plain call there).
@@ -90,6 +88,9 @@ def _wrap(_dynamo: Any) -> None:
     global gather_when_compiling
     disable = getattr(getattr(torch, "compiler", None), "disable", None) or _dynamo.disable  # torch 2.0: _dynamo's
     gather_when_compiling = disable(_gather)
+    found = getattr(_dynamo, "is_compiling", None)
+    if callable(found) and not _late:
+        _late.append(found)
 
 
 wrapt.register_post_import_hook(_wrap, "torch._dynamo")
