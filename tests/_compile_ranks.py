@@ -114,10 +114,11 @@ def run_all(backends: list[str]) -> dict[str, Any]:
     native = torchmetrics_gradpatch.status().native
     out: dict[str, Any] = {"rank": dist.get_rank(), "native": native, "torch": torch.__version__, "runs": {}}
     if native:  # what docs/design.md says works without compile_support() there, then with it
-        out["without_compile_support"] = {
-            (case, mode): run_steps(case, mode, "eager", [])
-            for case, mode in (("metric_sum", "local"), ("metric_sum", "global"), ("gather", "local"))
-        }
+        out["without_compile_support"] = {}
+        for case, mode in (("metric_sum", "local"), ("metric_sum", "global"), ("gather", "local")):
+            with torch.enable_grad():  # torchmetrics' own failing forward can leave grad mode off: restored on exit
+                out["without_compile_support"][(case, mode)] = run_steps(case, mode, "eager", [])
+                out["without_compile_support"][(case, mode)]["grad_mode_after"] = torch.is_grad_enabled()
         torchmetrics_gradpatch.compile_support()
     for case in CASES:
         for mode in MODES:
