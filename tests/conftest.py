@@ -52,16 +52,17 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 
 def _compile_summary(stats: dict[str, list[pytest.TestReport]]) -> dict[str, object] | None:
-    """Outcomes of tests/test_compile.py alone (``None`` if it did not run): passed, failed, skipped and why."""
+    """Outcomes of tests/test_compile.py alone (``None`` if it did not run): passed, failed, skipped, xfailed, why."""
     mine = {
         key: [r for r in stats.get(key, []) if r.nodeid.startswith("tests/test_compile.py")]
-        for key in ("passed", "failed", "error", "skipped")
+        for key in ("passed", "failed", "error", "skipped", "xfailed")
     }
     if not any(mine.values()):
         return None
     return {
         **{key: len({r.nodeid for r in reports}) for key, reports in mine.items()},
         "skip_reasons": sorted({_skip_reason(r) for r in mine["skipped"]}),
+        "xfail_reasons": sorted({str(getattr(r, "wasxfail", "")) for r in mine["xfailed"]}),
     }
 
 

@@ -37,6 +37,11 @@ if PROFILE not in ("full", "quick"):
 QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks here (tox.ini says where the full run is)"
 
 
+#: torch 2.15's dynamo fails building a guard on torchmetrics' ``apply_to_collection`` (``type(data)`` of a dict
+#: argument) in a frame that syncs a list (``cat``) state, before any gather runs: unpatched torchmetrics fails so too
+DYNAMO_DICT_GUARD_BUG = "getattr_manager on a DictGuardManager is supported only for dict subclasses"
+
+
 def in_profile(world_size: int, backend: str = "eager") -> bool:
     return PROFILE == "full" or (world_size == 2 and backend == "eager")
 
@@ -101,6 +106,12 @@ def test_compiled_step_matches_eager(
         rank = out["rank"]
         eager, compiled = out["runs"][(case, mode, "eager-reference")], out["runs"][(case, mode, backend)]
         assert eager["error"] is None, f"rank {rank}, eager:\n{eager['error']}"
+        if case == "metric_cat" and DYNAMO_DICT_GUARD_BUG in (compiled["error"] or ""):
+            pytest.xfail(
+                f"torch {torch.__version__}'s dynamo raises InternalTorchDynamoError ({DYNAMO_DICT_GUARD_BUG}) "
+                "building a guard on torchmetrics' apply_to_collection for a cat state, before the gather is "
+                "reached; unpatched torchmetrics fails the same way"
+            )
         assert compiled["error"] is None, f"rank {rank}, {backend}:\n{compiled['error']}"
         assert compiled["graphs"] and sum(compiled["graphs"]) > 0, f"rank {rank}: {backend} was given no graph"
         assert len(compiled["losses"]) == len(eager["losses"]) == ranks.STEPS
