@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import wrapt
 
-__all__ = ["compile_support", "compile_support_enabled", "gather_when_compiling", "is_compiling"]
+__all__ = ["compile_support", "compile_support_enabled", "gather_when_compiling", "is_compiling", "watch_dynamo"]
 
 
 def _find_is_compiling() -> Callable[[], bool]:
@@ -93,7 +93,19 @@ def _wrap(_dynamo: Any) -> None:
         _late.append(found)
 
 
-wrapt.register_post_import_hook(_wrap, "torch._dynamo")
+_watching: list[bool] = []
+
+
+def watch_dynamo() -> None:
+    """Make the disable wrapper once ``torch._dynamo`` is imported (now, if it is). Idempotent.
+
+    Called when the trampoline is installed and by :func:`compile_support`, not at import: a post-import hook
+    adds a finder to ``sys.meta_path``, and an import that patches nothing (native torchmetrics in local mode, or a
+    refused import) must leave the interpreter as it found it.
+    """
+    if not _watching:
+        _watching.append(True)
+        wrapt.register_post_import_hook(_wrap, "torch._dynamo")
 
 
 def compile_support(enabled: bool = True) -> None:
@@ -108,6 +120,7 @@ def compile_support(enabled: bool = True) -> None:
     """
     from torchmetrics_gradpatch import _engine
 
+    watch_dynamo()
     with _engine._lock:
         previous = _engine._state.compile_native
         _engine._state.compile_native = bool(enabled)

@@ -67,6 +67,7 @@ from typing import Any
 
 import wrapt
 
+from torchmetrics_gradpatch import _compile  # torch.compile (H17)
 from torchmetrics_gradpatch._modes import gather_all_tensors
 from torchmetrics_gradpatch._version import UnsupportedVersionError
 
@@ -236,6 +237,7 @@ def _sync() -> None:
         function.__dict__[_ORIGINAL_ATTR] = _state.original_code
         function.__code__ = _TRAMPOLINE_CODE
         _state.ours_installed = True
+        _compile.watch_dynamo()  # torch.compile (H17): the graph break's wrapper, once dynamo is imported
     elif _is_trampoline(current):
         function.__code__ = _state.original_code
         function.__dict__.pop(_ORIGINAL_ATTR, None)

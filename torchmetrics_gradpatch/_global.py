@@ -198,8 +198,8 @@ class _GlobalGather(torch.autograd.Function):
         # ``None`` (the default group) is kept as ``None``, not resolved to the group object: a graph still alive
         # when the program ends must not hold the default process group past destroy_process_group(), or torch
         # may abort at exit ("terminate called without an active exception"; seen on torch 2.13-2.15).
+        ctx.group = group
         ctx.meta = {
-            "group": group,
             "rank": rank,
             "shapes": [entry.shape for entry in entries],
             "dtype": result.dtype,
@@ -210,7 +210,7 @@ class _GlobalGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
-        meta = {**ctx.meta, "needs_grad": ctx.needs_input_grad[0]}
+        meta = {**ctx.meta, "group": ctx.group, "needs_grad": ctx.needs_input_grad[0]}
         if meta["needs_grad"] and torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
             # create_graph=True: the sum is itself differentiable (its backward is a gather), for double backward
             return _ScatterSum.apply(meta, *grads), None, None, None, None  # type: ignore[no-untyped-call,unused-ignore]
