@@ -218,9 +218,11 @@ def table(record: dict[str, Any]) -> str:
         f"({ran} environments, {run.get('wall_min', '?')} min, peak disk {run.get('peak_disk_gb', '?')} GB, "
         f"{run.get('host', {}).get('cpus', '?')} CPUs). "
         "Python 3.11 unless stated. torchmetrics 1.9.0 keeps the graph natively: local mode patches nothing there, "
-        "global mode installs as everywhere. The torch.compile column is `tests/test_compile.py` "
-        "(a compiled step against eager, both modes, backends eager, aot_eager and inductor, 2 and 3 ranks) "
-        "with torchmetrics 1.5.2.",
+        "global mode installs as everywhere. The torch.compile column is `tests/test_compile.py` with torchmetrics "
+        "1.5.2 in the profile its run used (`results/matrix.json` names the runs): the quick one compiles with the "
+        "eager backend on 2 ranks (a compiled step against eager, both modes, sum and cat Metric losses and the "
+        "direct gather); the full one adds aot_eager, inductor, 3 ranks and `check --compile`, and runs in "
+        "`tox -m ci`'s torch2.15-tm1.5.",
         "",
         "| torch | " + " | ".join(f"torchmetrics {tm}" for tm in ordered) + " | torch.compile |",
         "|---|" + "---|" * (len(ordered) + 1),
