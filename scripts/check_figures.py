@@ -19,8 +19,8 @@ The rules (docs/development.md#figures-in-the-docs has them for writers):
 2. **Where its artifact is named.** A figure's block is its paragraph, list item, table (all rows) or fenced code
    block. A table, a code block or a list also belongs to the paragraph just before it (its lead-in), and every
    block of a generated region (between ``<!-- name:begin -->`` and ``<!-- name:end -->`` markers, which a script
-   writes from one artifact) also belongs to the region's first block. The block must link to, or name in backticks, a file (or folder) under ``results/`` or ``benchmarks/results/`` that
-   exists and is not git-ignored.
+   writes from one artifact) also belongs to the region's first block. The block must link to, or name in
+   backticks, a file (or folder) under ``results/`` or ``benchmarks/results/`` that exists and is not git-ignored.
 3. **The figure must be in it as written**: the same digits, after dropping thousands separators (1,417 ->
    1417) and signs. One of the named artifacts must contain it as a whole number token (1.06 is not found in
    1.064, 8 is not found in 8.087).

@@ -96,6 +96,44 @@ def merge_added(record: dict[str, Any], added: dict[str, Any]) -> dict[str, Any]
     return record
 
 
+def merge_compile(record: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """Add a run of tests/test_compile.py alone (``tox -e <env> -- tests/test_compile.py``) as the compile column.
+
+    Kept apart from the environments' full-suite cells (same environment names, another test selection); a later
+    compile run of an environment replaces an earlier one's compile cell, and the record keeps every run's info.
+    """
+    done = set(run["run"].get("completed", run["environments"]))
+    compile_cells = record.setdefault("compile", {})
+    for name in sorted(done):
+        compile_cells[name] = run["environments"][name]
+    info = {key: run["run"].get(key) for key in ("command", "started_at", "wall_min", "commit", "peak_disk_gb")}
+    record.setdefault("compile_runs", []).append({**info, "environments": sorted(done)})
+    return record
+
+
+def compile_verdict(entry: dict[str, Any]) -> str | None:
+    """The torch.compile cell for one environment's result (``None``: tests/test_compile.py did not run there)."""
+    pytest, tox = entry.get("pytest"), entry.get("tox")
+    if tox and tox.get("failed_stage") == "install":
+        return "not installable"
+    if tox and tox.get("failed_stage") == "timeout":
+        return f"**FAILS** (hung: killed after {tox.get('wall_s')} s)"
+    summary = (pytest or {}).get("compile")
+    if summary is None:
+        return None
+    if summary["failed"] or summary["error"]:
+        return f"**FAILS** ({summary['failed']} failed, {summary['error']} errors, {summary['passed']} passed)"
+    if not summary["passed"]:
+        reasons = "; ".join(summary["skip_reasons"]) or "no reason given"
+        return f"skipped: {reasons}"
+    skipped = f", {summary['skipped']} skipped" if summary["skipped"] else ""
+    xfailed = summary.get("xfailed", 0)
+    if xfailed:  # expected failures: not passes; the reason is torch's, and the cell says so
+        reasons = "; ".join(summary.get("xfail_reasons", [])) or "no reason given"
+        return f"passes except {xfailed} expected failure(s) ({summary['passed']} passed{skipped}): {reasons}"
+    return f"passes ({summary['passed']} passed{skipped})"
+
+
 def verdict(name: str, entry: dict[str, Any]) -> str:
     """The cell text for one environment."""
     pytest, tox = entry.get("pytest"), entry.get("tox")
@@ -118,64 +156,97 @@ def verdict(name: str, entry: dict[str, Any]) -> str:
     return f"passes ({counts['passed']} passed, {counts['skipped']} skipped)"
 
 
+def _row_key(name: str, entry: dict[str, Any]) -> tuple[Version, str, Version] | None:
+    """(torch, Python, torchmetrics) of a matrix cell, or ``None`` for other environments (lint, type)."""
+    match = ENV_RE.match(name)
+    if not match:
+        return None
+    pytest = entry.get("pytest") or {}
+    torch = Version(pytest.get("torch") or _pinned(match["torch"]))
+    tm = Version(pytest.get("torchmetrics") or _pinned(match["tm"]))
+    return torch, match["py"] or "3.11", tm
+
+
+def _compile_cells(record: dict[str, Any]) -> dict[tuple[Version, str], str]:
+    """The torch.compile column: per (torch, Python), from a compile run, else from a full run that included it.
+
+    torchmetrics 1.5.2's cell is preferred (the compile runs use it); another torchmetrics' cell is named.
+    """
+    found: dict[tuple[Version, str], list[tuple[bool, str]]] = {}
+    sources = [*record["environments"].items(), *record.get("compile", {}).items()]  # compile runs last: they win
+    for name, entry in sources:
+        key = _row_key(name, entry)
+        cell = compile_verdict(entry)
+        if key is None or cell is None:
+            continue
+        torch, python, tm = key
+        preferred = str(tm) == "1.5.2"
+        found.setdefault((torch, python), []).append((preferred, cell if preferred else f"{cell}, torchmetrics {tm}"))
+    return {key: max(cells, key=lambda c: c[0])[1] for key, cells in found.items()}
+
+
 def table(record: dict[str, Any]) -> str:
     run, envs = record["run"], record["environments"]
     rows: dict[tuple[Version, str], dict[str, str]] = {}
     columns: set[Version] = set()
     others = []
+    rerun = added = False
     for name, entry in envs.items():
-        match = ENV_RE.match(name)
-        if not match:
+        key = _row_key(name, entry)
+        if key is None:
             others.append(f"`{name}`: {verdict(name, entry)}")
             continue
-        pytest = entry.get("pytest") or {}
-        torch = Version(pytest.get("torch") or _pinned(match["torch"]))
-        tm = Version(pytest.get("torchmetrics") or _pinned(match["tm"]))
-        python = match["py"] or "3.11"
+        torch, python, tm = key
         columns.add(tm)
         cell = verdict(name, entry)
         if "first_run" in entry:
             cell += f" (re-run†; first run: {entry['first_run']})"
+            rerun = True
         if "added_by" in entry:
-            cell += " ‡" * (entry["added_by"] + 1)
+            cell += " ‡"
+            added = True
         rows.setdefault((torch, python), {})[str(tm)] = cell
+    compiled = _compile_cells(record)
+    for key in compiled:
+        rows.setdefault(key, {})
     ordered = sorted(columns)
     completed = len(run.get("completed", envs))
     total = len(run.get("environments", envs))  # the full run's own; later runs' cells are counted in their notes
     ran = f"{total}" if run.get("finished", True) else f"stopped after {completed} of {total}"
     lines = [
-        f"Generated by `scripts/compat_table.py` from the run of `{run.get('command', '?')}` started "
-        f"{run.get('started_at', '?')[:10]} ({ran} environments, {run.get('wall_min', '?')} min, "
-        f"peak disk {run.get('peak_disk_gb', '?')} GB, {run.get('host', {}).get('cpus', '?')} CPUs). "
+        f"Generated by `scripts/compat_table.py` from `results/matrix.json`: a run of `{run.get('command', '?')}` "
+        f"({ran} environments, {run.get('wall_min', '?')} min, peak disk {run.get('peak_disk_gb', '?')} GB, "
+        f"{run.get('host', {}).get('cpus', '?')} CPUs). "
         "Python 3.11 unless stated. torchmetrics 1.9.0 keeps the graph natively: local mode patches nothing there, "
-        "global mode installs as everywhere.",
+        "global mode installs as everywhere. The torch.compile column is `tests/test_compile.py` with torchmetrics "
+        "1.5.2 in the profile its run used (`results/matrix.json` names the runs): the quick one compiles with the "
+        "eager backend on 2 ranks (a compiled step against eager, both modes, sum and cat Metric losses and the "
+        "direct gather); the full one adds aot_eager, inductor, 3 ranks and `check --compile`, and runs in "
+        "`tox -m ci`'s torch2.15-tm1.5.",
         "",
-        "| torch | " + " | ".join(f"torchmetrics {tm}" for tm in ordered) + " |",
-        "|---|" + "---|" * len(ordered),
+        "| torch | " + " | ".join(f"torchmetrics {tm}" for tm in ordered) + " | torch.compile |",
+        "|---|" + "---|" * (len(ordered) + 1),
     ]
     for torch, python in sorted(rows, key=lambda key: (key[1] != "3.11", key[0], key[1])):
         cells = rows[(torch, python)]
         label = str(torch) if python == "3.11" else f"{torch} (Python {python})"
-        lines.append(f"| {label} | " + " | ".join(cells.get(str(tm), "-") for tm in ordered) + " |")
+        compile_cell = compiled.get((torch, python), "-")
+        lines.append(f"| {label} | " + " | ".join(cells.get(str(tm), "-") for tm in ordered) + f" | {compile_cell} |")
     if others:
         lines += ["", "Other environments: " + "; ".join(others) + "."]
-    for rerun in record.get("reruns", []):
+    if rerun:
         lines += [
             "",
-            f"† Re-run with `{rerun['command']}`, started {str(rerun['started_at'])[:16].replace('T', ' ')} UTC "
-            f"({rerun['wall_min']} min): {rerun['reason']}",
+            "† Failed in the full run and passed when re-run after a fix; the first run's verdict stands beside "
+            "the new one, and `results/matrix.json` records what failed and what fixed it.",
         ]
-    for index, added in enumerate(record.get("additions", [])):
-        mark = "‡" * (index + 1)
-        commit = f" at commit {added['commit']}" if added.get("commit") else ""
+    if added:
         lines += [
             "",
-            f"{mark} Added by a later run, `{added['command']}`, started {str(added['started_at'])[:10]}{commit} "
-            f"({len(added['environments'])} environments, {added['wall_min']} min): "
-            + ", ".join(f"`{name}`" for name in added["environments"])
-            + ".",
+            "‡ Not in the full run: added by a later run of just those cells (`results/matrix.json` names it).",
         ]
-    lines += _details(envs)
+    compile_envs = record.get("compile", {})
+    lines += _details({**envs, **{f"{name} (torch.compile run)": entry for name, entry in compile_envs.items()}})
     return "\n".join(lines)
 
 
@@ -241,6 +312,12 @@ def main() -> int:
     parser.add_argument(
         "--add", type=Path, action="append", help="results of a later run of cells the record lacks (repeatable)"
     )
+    parser.add_argument(
+        "--compile-run",
+        type=Path,
+        action="append",
+        help="results of `tox -e <env> -- tests/test_compile.py` runs: the torch.compile column (repeatable)",
+    )
     args = parser.parse_args()
     record = json.loads(args.source.read_text()) if args.source else load_raw(args.raw)
     for added in args.add or []:  # new cells first, so that a re-run can then be merged over one of them
@@ -249,6 +326,8 @@ def main() -> int:
         if not args.rerun_reason:
             parser.error("--rerun needs --rerun-reason: the table says why a cell was re-run")
         record = merge_rerun(record, load_raw(args.rerun), args.rerun_reason)
+    for compile_run in args.compile_run or []:
+        record = merge_compile(record, load_raw(compile_run))
     if not record["environments"]:
         print("no results: run scripts/run_matrix.py first", file=sys.stderr)
         return 2
@@ -258,7 +337,7 @@ def main() -> int:
         new = replace_between(new, COST_BEGIN, COST_END, cost(record))
     if args.check:
         return 0 if new == readme else 1
-    if not args.source or args.rerun or args.add:
+    if not args.source or args.rerun or args.add or args.compile_run:
         RECORD.parent.mkdir(parents=True, exist_ok=True)
         RECORD.write_text(json.dumps(record, indent=2) + "\n")
     TARGET.write_text(new)

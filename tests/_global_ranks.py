@@ -437,3 +437,64 @@ def skip_backward(hang_seconds: float) -> str:
         return "skipped"
     gather_loss(entries, rank).backward()
     return "finished"
+
+
+# ------------------------------------------------------------------------- entries like torch's gather (issue 17)
+
+#: the entry each rank modifies in place: its own, the next rank's, and entry 0 everywhere (the issue's example)
+INPLACE_TARGETS = ("own", "next", "zero")
+INPLACE_SHAPES = ("equal", "uneven_rows", "scalar")
+
+
+def inplace_index(target: str, rank: int, world_size: int) -> int:
+    return {"own": rank, "next": (rank + 1) % world_size, "zero": 0}[target]
+
+
+def modified_loss(entries: list[torch.Tensor], rank: int, index: int) -> torch.Tensor:
+    """``entries[index].mul_(2)`` then ``add_(1)``, then :func:`gather_loss`: what every rank computes."""
+    entries[index].mul_(2).add_(1)
+    return gather_loss(entries, rank)
+
+
+def _outcome(call: Any) -> dict[str, Any]:
+    try:
+        return {"grad": call(), "error": None}
+    except Exception as err:
+        return {"grad": None, "error": f"{type(err).__name__}: {err}"}
+
+
+def run_entries(world_size: int) -> dict[str, Any]:
+    """In-place changes to global-mode entries, and double backward, on every rank (issue 17)."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"rank": rank, "inplace": {}, "double": {}}
+    for case in INPLACE_SHAPES:
+        for target in INPLACE_TARGETS:
+
+            def inplace(case: str = case, target: str = target) -> torch.Tensor:
+                x = gather_input(case, rank)
+                entries = gather_all_tensors(x, mode="global")
+                modified_loss(entries, rank, inplace_index(target, rank, world_size)).backward()
+                assert x.grad is not None
+                return x.grad.detach().clone()
+
+            out["inplace"][(case, target)] = _outcome(inplace)
+        dist.barrier()  # whatever happened, the next case starts together
+    for case in ("equal", "uneven_rows", "scalar"):
+        for how in ("global", "torch") if case == "equal" else ("global",):
+
+            def double(case: str = case, how: str = how) -> torch.Tensor:
+                x = gather_input(case, rank)
+                if how == "torch":
+                    import torch.distributed.nn.functional as dist_nn
+
+                    entries = list(dist_nn.all_gather(x))
+                else:
+                    entries = gather_all_tensors(x, mode="global")
+                (first,) = torch.autograd.grad(gather_loss(entries, rank), x, create_graph=True)
+                (first**2).sum().backward()
+                assert x.grad is not None
+                return x.grad.detach().clone()
+
+            out["double"][(case, how)] = _outcome(double)
+            dist.barrier()
+    return out

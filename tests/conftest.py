@@ -51,6 +51,21 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return reason.removeprefix("Skipped: ")
 
 
+def _compile_summary(stats: dict[str, list[pytest.TestReport]]) -> dict[str, object] | None:
+    """Outcomes of tests/test_compile.py alone (``None`` if it did not run): passed, failed, skipped, xfailed, why."""
+    mine = {
+        key: [r for r in stats.get(key, []) if r.nodeid.startswith("tests/test_compile.py")]
+        for key in ("passed", "failed", "error", "skipped", "xfailed")
+    }
+    if not any(mine.values()):
+        return None
+    return {
+        **{key: len({r.nodeid for r in reports}) for key, reports in mine.items()},
+        "skip_reasons": sorted({_skip_reason(r) for r in mine["skipped"]}),
+        "xfail_reasons": sorted({str(getattr(r, "wasxfail", "")) for r in mine["xfailed"]}),
+    }
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get("TMGP_RESULT_JSON")
     if not target or hasattr(session.config, "workerinput"):  # xdist workers: only the controller writes
@@ -71,6 +86,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "counts": counts,
         "not_passed": not_passed,
         "skipped": [{"test": test, "reason": reason} for test, reason in skipped],
+        "compile": _compile_summary(stats),  # the compatibility table's torch.compile column (issue 17)
         "duration_s": round(time.monotonic() - _started, 1),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

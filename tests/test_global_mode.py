@@ -518,3 +518,60 @@ def test_grad_mode_mismatch_error_is_public() -> None:
 
     assert tg.GradModeMismatchError is _global.GradModeMismatchError
     assert issubclass(tg.GradModeMismatchError, RuntimeError) and "GradModeMismatchError" in tg.__all__
+
+
+# ------------------------------------------------------------------------------- entries like torch's (issue 17)
+
+
+@pytest.fixture(scope="module")
+def entries() -> dict[int, list[dict[str, Any]]]:
+    return {n: spawn_ranks(ranks.run_entries, n, args=(n,), timeout=180) for n in WORLD_SIZES}
+
+
+def _inplace_reference(case: str, target: str, world_size: int) -> list[torch.Tensor]:
+    """Single-process: every rank modifies its copy of the gathered entries, then sums its loss's gradient."""
+    xs = [ranks.gather_input(case, r) for r in range(world_size)]
+    total = sum(
+        ranks.modified_loss([x.clone() for x in xs], r, ranks.inplace_index(target, r, world_size))
+        for r in range(world_size)
+    )
+    return list(torch.autograd.grad(total, xs))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("target", ranks.INPLACE_TARGETS)
+@pytest.mark.parametrize("case", ranks.INPLACE_SHAPES)
+def test_inplace_change_to_any_entry_is_allowed_on_every_rank(
+    entries: dict[int, list[dict[str, Any]]], world_size: int, target: str, case: str
+) -> None:
+    """Like torch's all_gather: ``g[j].mul_(2)`` works on every rank for every ``j``, with exact gradients."""
+    reference = _inplace_reference(case, target, world_size)
+    for rank, out in enumerate(entries[world_size]):
+        found = out["inplace"][(case, target)]
+        assert found["error"] is None, f"rank {rank}: {found['error']}"
+        assert_rel(found["grad"], reference[rank])
+
+
+def _double_reference(case: str, world_size: int) -> list[torch.Tensor]:
+    """Single-process: rank r's first-order gradient is sum_q dL_q/dx_r; the second loss sums its squares."""
+    xs = [ranks.gather_input(case, r) for r in range(world_size)]
+    total = sum(ranks.gather_loss([x.contiguous() for x in xs], r) for r in range(world_size))
+    firsts = torch.autograd.grad(total, xs, create_graph=True)  # type: ignore[arg-type]
+    second = sum((first**2).sum() for first in firsts)
+    return list(torch.autograd.grad(second, xs))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", ["equal", "uneven_rows", "scalar"])
+def test_double_backward_gives_exact_second_order_gradients(
+    entries: dict[int, list[dict[str, Any]]], world_size: int, case: str
+) -> None:
+    reference = _double_reference(case, world_size)
+    for rank, out in enumerate(entries[world_size]):
+        found = out["double"][(case, "global")]
+        assert found["error"] is None, f"rank {rank}: {found['error']}"
+        assert_rel(found["grad"], reference[rank])
+        if case == "equal":  # the same as torch's own differentiable all_gather, where it runs
+            theirs = out["double"][(case, "torch")]
+            if theirs["error"] is None:
+                assert_rel(found["grad"], theirs["grad"])

@@ -37,6 +37,7 @@ __all__ = [
     "GradModeMismatchError",
     "Status",
     "UnsupportedVersionError",
+    "compile_support",
     "gather_all_tensors",
     "is_patched",
     "patch",
@@ -74,6 +75,7 @@ try:
         status,
         unpatch,
     )
+    from torchmetrics_gradpatch._compile import compile_support
     from torchmetrics_gradpatch._modes import GradModeMismatchError, gather_all_tensors
 
     _autopatch = autopatch_requested()

@@ -124,31 +124,56 @@ def _metric(name: str) -> Metric:
 # --- what each rank runs ----------------------------------------------------------------------------------------
 
 
-def _run_one(name: str, rank: int) -> list[torch.Tensor]:
+def _compiled(fn: Any, backend: str | None) -> Any:
+    """``fn`` itself, or ``torch.compile(fn, backend=backend)`` (``fullgraph=False``: the gather is a graph break)."""
+    if backend is None:
+        return fn
+    import torch._dynamo
+
+    torch._dynamo.reset()  # each check compiles its own function, never a cache entry of another check
+    return torch.compile(fn, backend=backend)
+
+
+def _run_one(name: str, rank: int, backend: str | None = None) -> list[torch.Tensor]:
     if name.startswith("gather"):
         from torchmetrics.utilities import distributed
 
         x = _gather_input(name, rank).requires_grad_(True)
-        torch.autograd.backward(_gather_loss(distributed.gather_all_tensors(x)))
+
+        def gather_step(x: torch.Tensor) -> torch.Tensor:
+            return _gather_loss(distributed.gather_all_tensors(x))
+
+        torch.autograd.backward(_compiled(gather_step, backend)(x))
         assert x.grad is not None
         return [x.grad]
     model = _model()
+    metric = _metric(name)
     x, y = _batch(name, rank)
-    torch.autograd.backward(_metric(name)(model(x).squeeze(-1), y))
+
+    def metric_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return metric(model(x).squeeze(-1), y)  # type: ignore[no-any-return]
+
+    torch.autograd.backward(_compiled(metric_step, backend)(x, y))
     return [parameter.grad.detach().clone() for parameter in model.parameters() if parameter.grad is not None]
 
 
-def rank_main(mode: str | None = None) -> tuple[dict[str, Any], dict[str, Outcome]]:
+def rank_main(mode: str | None = None, backend: str | None = None) -> tuple[dict[str, Any], dict[str, Outcome]]:
     """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check.
 
     ``mode`` (``"local"`` or ``"global"``) runs the checks inside ``patched(mode=mode)``; ``None`` runs them with
     whatever the import set up (``TORCHMETRICS_GRADPATCH_AUTOPATCH``, ``TORCHMETRICS_GRADPATCH_MODE``).
+    ``backend`` runs each check's step inside ``torch.compile(step, backend=backend)``; on native torchmetrics it
+    first calls :func:`torchmetrics_gradpatch.compile_support` (torchmetrics' own gather fails under
+    ``torch.compile`` on gloo), as the docs tell users to.
     """
     import contextlib
 
     import torch.distributed as dist
 
-    from torchmetrics_gradpatch import patched, status
+    from torchmetrics_gradpatch import compile_support, patched, status
+
+    if backend is not None and status().native:
+        compile_support()
 
     # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (tests/test_engine.py shows it); that noise
     # would bury the table when the checks run unpatched. The patched gather does not warn.
@@ -160,7 +185,7 @@ def rank_main(mode: str | None = None) -> tuple[dict[str, Any], dict[str, Outcom
             dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
             start = time.perf_counter()
             try:
-                grads: list[torch.Tensor] | None = _run_one(name, rank)
+                grads: list[torch.Tensor] | None = _run_one(name, rank, backend)
                 error = None
             except Exception as err:  # reported per check; a failing check must not hide the others
                 grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()

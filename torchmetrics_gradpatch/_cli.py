@@ -1,6 +1,6 @@
 """Command line: ``python -m torchmetrics_gradpatch`` and the ``torchmetrics-gradpatch`` console script.
 
-``check [--world-size N] [--timeout S] [--mode local|global]``
+``check [--world-size N] [--timeout S] [--mode local|global] [--compile [BACKEND]]``
     Spawns N gloo ranks on loopback (:func:`torchmetrics_gradpatch.testing.spawn_ranks`), runs the checks of
     :mod:`torchmetrics_gradpatch._checks` on the installed torch and torchmetrics, compares every rank's
     gradients with a single-process reference computed here, and prints a table. Exit status 0 when every
@@ -194,7 +194,7 @@ def _check(args: argparse.Namespace) -> int:
     text = f"starting {world_size} gloo rank{'s' if world_size > 1 else ''} on loopback (each imports torch)..."
     try:
         with _Progress(text):
-            results = spawn_ranks(_checks.rank_main, world_size, args=(args.mode,), timeout=args.timeout)
+            results = spawn_ranks(_checks.rank_main, world_size, args=(args.mode, args.compile), timeout=args.timeout)
     except RankError as err:
         print(f"{PROG}: the checks could not run: {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN
@@ -206,6 +206,7 @@ def _check(args: argparse.Namespace) -> int:
         f"  torchmetrics  {state['torchmetrics_version']}",
         f"  gather        {_mode(state)}",
         f"  gradient mode {_gradient_mode(state, world_size)}",
+        *([f"  compiled      torch.compile(step, backend={args.compile!r})"] if args.compile else []),  # --compile
         "",
     ]
     failures: list[str] = []
@@ -287,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("local", "global"),
         default=None,
         help="run the checks inside patched(mode=MODE) (default: as imported, TORCHMETRICS_GRADPATCH_MODE)",
+    )
+    check.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="run each check's step inside torch.compile(step, backend=BACKEND) (default BACKEND: inductor, "
+        "torch's own default; eager and aot_eager compile faster)",
     )
     check.set_defaults(run=_check)
     status = commands.add_parser("status", help="print versions, native/patched and where the patch is applied")

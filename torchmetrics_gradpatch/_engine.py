@@ -82,7 +82,7 @@ from typing import Any
 
 import wrapt
 
-from torchmetrics_gradpatch import _modes
+from torchmetrics_gradpatch import _compile, _modes
 from torchmetrics_gradpatch._version import UnsupportedVersionError
 
 TARGET_MODULE = "torchmetrics.utilities.distributed"
@@ -94,7 +94,7 @@ _ORIGINAL_ATTR = "__torchmetrics_gradpatch_original__"
 DISPATCH_NAME = "__torchmetrics_gradpatch_dispatch__"
 #: Where the process-wide state lives (see "One state per process" above): an attribute of :mod:`sys`.
 SHARED_NAME = "_torchmetrics_gradpatch_engine"
-_SCHEMA = 2  # bumped whenever _State changes shape; a state of another shape is not shared
+_SCHEMA = 3  # bumped whenever _State changes shape; a state of another shape is not shared
 
 
 @dataclass
@@ -123,6 +123,9 @@ class _State:
     trampoline: types.CodeType | None = None  # the trampoline code object every copy of this module installs
     schema: int = _SCHEMA
     lock: Any = field(default_factory=threading.RLock)
+    compile_native: bool = False  # _compile.compile_support(): install local mode on native torchmetrics too
+    # torch's is_compiling check, set with ``gather`` (torch is imported by then): dispatch's graph break
+    is_compiling: Callable[[], bool] = field(default=lambda: False)
 
 
 def _shared_state() -> _State:
@@ -166,11 +169,14 @@ def _is_trampoline(code: types.CodeType) -> bool:
 def dispatch(result: Any, group: Any = None) -> list[Any]:
     """Entry point of the trampoline: the effective mode's gather while in force, else the original.
 
-    The hot path of every patched gather: one attribute read and one call. Everything else (the mode, whether
+    The hot path of every patched gather: two attribute reads, torch's is_compiling check and one call. Everything
+    else (the mode, whether
     the patch is in force, which function that means) was decided under the lock when the state last changed.
     """
     gather = _state.gather
     if gather is not None:
+        if _state.is_compiling():  # under torch.compile: a graph break, the gather runs eagerly (see _compile.py)
+            return _compile.gather_when_compiling(result, group, _state.mode)
         return gather(result, group)  # type: ignore[no-any-return]
     original = _state.original_clone
     if original is None:  # cannot happen once recognised; keep the failure explicit
@@ -249,7 +255,9 @@ def _on_import(module: types.ModuleType) -> None:
 
 def _wanted() -> bool:
     """Whether torchmetrics' function should be running our trampoline right now."""
-    return (_state.manual or _state.blocks > 0) and (not _state.native or _state.mode == "global")
+    return (_state.manual or _state.blocks > 0) and (
+        not _state.native or _state.mode == "global" or _state.compile_native  # compile_support()
+    )
 
 
 def _refresh_mode() -> None:
@@ -266,6 +274,8 @@ def _refresh_mode() -> None:
         _state.mode = _state.default_mode
     in_force_now = _state.manual or _state.blocks > 0
     _state.gather = _modes.gather_for(_state.mode) if in_force_now and _state.function is not None else None
+    if _state.gather is not None:
+        _state.is_compiling = _compile.check()
 
 
 def refresh() -> None:
@@ -296,6 +306,7 @@ def _sync() -> None:
         function.__globals__[DISPATCH_NAME] = dispatch
         function.__code__ = _TRAMPOLINE_CODE
         _state.ours_installed = True
+        _compile.watch_dynamo()  # torch.compile: the graph break's wrapper, once dynamo is imported
     elif _is_trampoline(current):
         function.__code__ = _state.original_code
         function.__dict__.pop(_ORIGINAL_ATTR, None)

@@ -67,6 +67,20 @@ so the backward uses it: one collective per gather, whatever the shapes. Each ra
 entry stays home (split size 0) and is added locally; on two ranks the single outgoing gradient is sent as
 is, without first being copied into a send buffer.
 
+Entries, in place, and double backward
+--------------------------------------
+Like ``torch.distributed.nn.functional.all_gather``'s, the entries may be changed in place on every rank
+(``g[j].mul_(2)`` for any ``j``, equal or uneven shapes) and the gradients stay exact: every entry is an output of
+the node that owns its memory, never a view (autograd refuses in-place changes to a custom Function's views, which
+once made ``g[rank].mul_(2)`` fail on one rank only). The caller's own entry is therefore a copy of its tensor (not
+the tensor itself, as in local mode); trimmed entries of uneven shapes are their receive buffers shrunk in place
+when only the first dimension differs, else copies.
+
+The backward is differentiable: under ``create_graph=True`` it is a node of its own (:class:`_ScatterSum`) whose
+backward is a gather of the incoming gradients, so second-order gradients are exact (the same as torch's
+equal-shape ``all_gather``). That double backward is a collective too: every rank must run it, and every rank's
+tensor must require grad (a rank whose tensor has no graph takes part in the first backward only).
+
 Rules
 -----
 * Every rank of the group must gather in global mode: the forward issues other collectives than local mode
@@ -98,6 +112,74 @@ _REQUIRES_GRAD = 1  # flag bits each rank sends with its shape
 _GRAD_MODE = 2
 
 
+def _fresh(entry: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``entry`` as an output that autograd lets the caller modify in place (see "Entries" in the docstring).
+
+    The caller's own tensor is copied. A trimmed entry that is the leading part of its receive buffer (the shapes
+    differ in the first dimension only, the usual ``cat`` state) becomes that buffer, shrunk in place: no copy.
+    """
+    if entry is result:
+        return entry.clone()
+    base = entry._base
+    if base is None:
+        return entry
+    if (
+        base.dtype == entry.dtype
+        and base.is_contiguous()
+        and entry.is_contiguous()
+        and entry.storage_offset() == base.storage_offset() == 0
+    ):
+        return base.resize_(entry.shape)
+    return entry.clone()
+
+
+def _scatter_sum(meta: dict[str, Any], grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
+    """The backward's data step: every rank's gradient for entry ``j`` summed on rank ``j`` (``None``: no input grad).
+
+    One ``all_to_all_single``: rank ``r`` sends its gradient for entry ``j`` to rank ``j`` only; its own piece
+    stays home (split size 0) and is added locally.
+    """
+    shapes: list[torch.Size] = meta["shapes"]
+    rank: int = meta["rank"]
+    dtype, device = meta["dtype"], meta["device"]
+    own = grads[rank]
+    if len(shapes) == 1:  # a world of one: nothing to exchange, so no collective (and no gloo work to free)
+        if not meta["needs_grad"]:
+            return None
+        return torch.zeros(shapes[rank], dtype=dtype, device=device) if own is None else own
+    numels = [math.prod(shape) for shape in shapes]
+    mine = numels[rank]
+    send_splits = [0 if j == rank else n for j, n in enumerate(numels)]
+    receive_splits = [0 if j == rank else mine for j in range(len(shapes))]
+    pieces = [
+        (grad, shape, n)
+        for j, (grad, shape, n) in enumerate(zip(grads, shapes, numels, strict=True))
+        if j != rank and n
+    ]
+    if len(pieces) == 1 and pieces[0][0] is not None:  # two ranks: send the gradient itself, no copy
+        send = pieces[0][0].reshape(-1).to(dtype)
+    else:
+        send = torch.empty(sum(send_splits), dtype=dtype, device=device)
+        offset = 0
+        for grad, shape, numel in pieces:
+            piece = send[offset : offset + numel]
+            if grad is None:
+                piece.zero_()
+            else:
+                piece.view(shape).copy_(grad)
+            offset += numel
+    received = torch.empty(sum(receive_splits), dtype=dtype, device=device)
+    dist.all_to_all_single(received, send.contiguous(), receive_splits, send_splits, group=meta["group"])
+    if not meta["needs_grad"]:  # this rank's tensor had no graph: it only had to take part
+        return None
+    # ``received`` and the sum are this function's own buffers: add the own gradient into them in place
+    others = received if len(shapes) == 2 else received.view(len(shapes) - 1, mine).sum(dim=0)
+    total = others.view(shapes[rank])
+    if own is not None:
+        total.add_(own)
+    return total
+
+
 class _GlobalGather(torch.autograd.Function):
     """Outputs: the gathered entries. Backward: ``all_to_all_single`` of the gradients, summed per owner."""
 
@@ -114,56 +196,52 @@ class _GlobalGather(torch.autograd.Function):
         # when the program ends must not hold the default process group past destroy_process_group(), or torch
         # may abort at exit ("terminate called without an active exception"; seen on torch 2.13-2.15).
         ctx.group = group
-        ctx.rank = rank
-        ctx.shapes = [entry.shape for entry in entries]
-        ctx.dtype = result.dtype
-        ctx.device = result.device
+        ctx.meta = {
+            "rank": rank,
+            "shapes": [entry.shape for entry in entries],
+            "dtype": result.dtype,
+            "device": result.device,
+        }
         ctx.set_materialize_grads(False)  # an entry the loss does not use sends zeros without allocating twice
-        return tuple(entries)
+        return tuple(_fresh(entry, result) for entry in entries)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
+        meta = {**ctx.meta, "group": ctx.group, "needs_grad": ctx.needs_input_grad[0]}
+        if meta["needs_grad"] and torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
+            # create_graph=True: the sum is itself differentiable (its backward is a gather), for double backward
+            return _ScatterSum.apply(meta, *grads), None, None, None, None  # type: ignore[no-untyped-call,unused-ignore]
+        return _scatter_sum(meta, grads), None, None, None, None
+
+
+class _ScatterSum(torch.autograd.Function):
+    """The global gather's backward as a node of its own, built under ``create_graph=True``.
+
+    It is linear in the incoming gradients: rank ``j``'s output is ``sum_r g_r[j]``. Its backward, given ``h_j``
+    on every rank ``j``, gives every rank ``r`` the gradient ``h_j`` for its ``g_r[j]``: a gather of ``h``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, meta: dict[str, Any], *grads: torch.Tensor | None) -> torch.Tensor | None:
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)
+        return _scatter_sum(meta, grads)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
-        shapes: list[torch.Size] = ctx.shapes
-        rank: int = ctx.rank
-        own = grads[rank]
-        if len(shapes) == 1:  # a world of one: nothing to exchange, so no collective (and no gloo work to free)
-            if not ctx.needs_input_grad[0]:
-                return None, None, None, None, None
-            total = torch.zeros(shapes[rank], dtype=ctx.dtype, device=ctx.device) if own is None else own
-            return total, None, None, None, None
-        numels = [math.prod(shape) for shape in shapes]
-        mine = numels[rank]
-        # Rank r sends its gradient for entry j to rank j; its own piece stays home (split size 0).
-        send_splits = [0 if j == rank else n for j, n in enumerate(numels)]
-        receive_splits = [0 if j == rank else mine for j in range(len(shapes))]
-        pieces = [
-            (grad, shape, n)
-            for j, (grad, shape, n) in enumerate(zip(grads, shapes, numels, strict=True))
-            if j != rank and n
-        ]
-        if len(pieces) == 1 and pieces[0][0] is not None:  # two ranks: send the gradient itself, no copy
-            send = pieces[0][0].reshape(-1).to(ctx.dtype)
-        else:
-            send = torch.empty(sum(send_splits), dtype=ctx.dtype, device=ctx.device)
-            offset = 0
-            for grad, shape, numel in pieces:
-                piece = send[offset : offset + numel]
-                if grad is None:
-                    piece.zero_()
-                else:
-                    piece.view(shape).copy_(grad)
-                offset += numel
-        received = torch.empty(sum(receive_splits), dtype=ctx.dtype, device=ctx.device)
-        dist.all_to_all_single(received, send.contiguous(), receive_splits, send_splits, group=ctx.group)
-        if not ctx.needs_input_grad[0]:  # this rank's tensor had no graph: it only had to take part
-            return None, None, None, None, None
-        # ``received`` and the sum are this function's own buffers: add the own gradient into them in place
-        others = received if len(shapes) == 2 else received.view(len(shapes) - 1, mine).sum(dim=0)
-        total = others.view(shapes[rank])
-        if own is not None:
-            total.add_(own)
-        return total, None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        meta = ctx.meta
+        rank: int = meta["rank"]
+        shapes: list[torch.Size] = meta["shapes"]
+        if grad is None:
+            grad = torch.zeros(shapes[rank], dtype=meta["dtype"], device=meta["device"])
+        group = dist.group.WORLD if meta["group"] is None else meta["group"]
+        entries = (
+            [grad]
+            if len(shapes) == 1
+            else gather_entries(grad.contiguous(), [list(s) for s in shapes], group, rank, torch.empty_like)
+        )
+        return (None, *entries)
 
 
 def _exchange_scalar(

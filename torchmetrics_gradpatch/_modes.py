@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from torchmetrics_gradpatch import _compile
+
 __all__ = ["GATHERS", "MODES", "GradModeMismatchError", "check_mode", "gather_all_tensors", "gather_for"]
 
 #: The gradient modes, see docs/gradient-modes.md.
@@ -91,5 +93,7 @@ def gather_all_tensors(result: torch.Tensor, group: Any | None = None, *, mode: 
         rank is an output of one autograd node whose backward issues one collective: every rank of ``group``
         must then run ``backward()`` through the gathered values (see :mod:`torchmetrics_gradpatch._global`).
     """
+    if _compile.is_compiling():  # under torch.compile: a graph break, the gather runs eagerly (_compile.py)
+        return _compile.gather_when_compiling(result, group, check_mode(mode))
     gather = GATHERS.get(mode) or gather_for(mode)
     return gather(result, group)

@@ -1,0 +1,204 @@
+"""What torch.compile support costs the eager hot path: per-call differences, measured side by side in one run.
+
+    python benchmarks/bench_compile.py [--rounds 41] [--calls 20000] [--out results/compile/bench]
+
+The support is one call of torch's ``is_compiling`` check in ``_engine.dispatch``, the trampoline's path
+(dynamo folds it to ``True`` and takes a graph break into ``torch.compiler.disable``; in eager mode it returns
+``False``). Series, in rounds that rotate their order, in one process:
+
+* ``dispatch_with_check`` / ``dispatch_without_check``: ``_engine.dispatch`` as shipped, and the same
+  function without the check (built from its source), both in front of a gather that returns ``[result]``: the
+  difference is the check's cost per call, nothing else;
+* ``disable_wrapper`` / ``plain_call``: that no-op gather called through ``torch.compiler.disable`` and directly:
+  what the check saves compared with wrapping every call;
+* ``gather_with_check`` / ``gather_without_check``: the same two functions in front of the real local gather in a
+  one-rank gloo group (barrier and collectives included), so the check can be read against a real gather's noise.
+
+Reported: per-call medians in ns, the median per-round difference with its 95% confidence interval, and the
+machine load at start and end. Writes ``<out>.json`` and ``<out>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._stats import spread
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _without_check(engine: Any) -> Callable[..., Any]:
+    """``_engine.dispatch`` with the two torch.compile lines removed, in the same module namespace."""
+    source = textwrap.dedent(inspect.getsource(engine.dispatch))
+    lines = source.splitlines()
+    kept = [line for line in lines if "is_compiling()" not in line and "gather_when_compiling" not in line]
+    if len(kept) != len(lines) - 2:
+        raise SystemExit("bench_compile: expected exactly two torch.compile lines in _engine.dispatch")
+    namespace: dict[str, Any] = {}
+    exec(compile("\n".join(kept), engine.__file__, "exec"), engine.__dict__, namespace)
+    return namespace["dispatch"]  # type: ignore[no-any-return]
+
+
+def _per_call(fn: Callable[[], Any], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e9
+
+
+def measure(rounds: int, calls: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from torchmetrics_gradpatch import _compile, _engine
+    from torchmetrics_gradpatch._gather import gather_local as real_local
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.ones(())
+    state = _engine._state
+    without = _without_check(_engine)
+    shipped = _engine.dispatch
+    saved = state.gather, state.is_compiling
+    state.is_compiling = _compile.check()
+
+    def noop(result: Any, group: Any = None) -> list[Any]:
+        return [result]
+
+    disabled = torch.compiler.disable(noop)
+    series: dict[str, list[float]] = {
+        name: []
+        for name in (
+            "dispatch_with_check",
+            "dispatch_without_check",
+            "disable_wrapper",
+            "plain_call",
+            "gather_with_check",
+            "gather_without_check",
+        )
+    }
+    pairs = [
+        ("dispatch_with_check", "dispatch_without_check", lambda: shipped(x), lambda: without(x), True),
+        ("disable_wrapper", "plain_call", lambda: disabled(x), lambda: noop(x), False),
+        ("gather_with_check", "gather_without_check", lambda: shipped(x), lambda: without(x), False),
+    ]
+    gather_calls = max(1, calls // 50)
+    for round_ in range(rounds + 1):  # round 0 is a warm-up, discarded
+        for a, b, fa, fb, use_noop in pairs:
+            n = calls if use_noop or a == "disable_wrapper" else gather_calls
+            state.gather = noop if use_noop else real_local
+            try:
+                order = [(a, fa), (b, fb)] if round_ % 2 == 0 else [(b, fb), (a, fa)]
+                for name, fn in order:
+                    value = _per_call(fn, n)
+                    if round_:
+                        series[name].append(value)
+            finally:
+                state.gather, state.is_compiling = saved[0], _compile.check()
+    state.gather, state.is_compiling = saved
+    dist.destroy_process_group()
+    found = _compile.check()
+    out: dict[str, Any] = {"is_compiling": f"{found.__module__}.{found.__qualname__}"}
+    for name, values in series.items():
+        out[name] = spread(values)
+    for a, b, *_ in pairs:
+        out[f"{a} - {b}"] = spread([p - q for p, q in zip(series[a], series[b], strict=True)])
+    return out
+
+
+def _commit() -> str:
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "torchmetrics_gradpatch"], cwd=ROOT, capture_output=True, text=True
+    )
+    return found.stdout.strip() + (" (package modified)" if dirty.stdout.strip() else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "compile" / "bench")
+    parser.add_argument("--update-docs", action="store_true", help="write the summary into docs/design.md")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    load_start = os.getloadavg()
+    results = measure(args.rounds, args.calls)
+    load_end = os.getloadavg()
+    command = "python benchmarks/bench_compile.py " + " ".join(sys.argv[1:])
+    record = {
+        "command": command.strip(),
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_start": [round(v, 2) for v in load_start],
+        "load_end": [round(v, 2) for v in load_end],
+        "rounds": args.rounds,
+        "calls": args.calls,
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        "# torch.compile support: eager cost per call",
+        "",
+        f"Command: `{record['command']}`; commit {record['commit']}; torch {record['torch']}, Python "
+        f"{record['python']}, {record['cpus']} CPUs; load average (1, 5, 15 min) at start {record['load_start']}, "
+        f"at end {record['load_end']}. {args.rounds} rounds, order alternating.",
+        "",
+        "| series | median ns per call | 95% CI of the median |",
+        "|---|---|---|",
+    ]
+    for name, value in results.items():
+        if isinstance(value, dict):
+            lines.append(f"| {name} | {value['median']:.0f} | {value['ci95_lo']:.0f} to {value['ci95_hi']:.0f} |")
+    lines += ["", f"`is_compiling` is `{results['is_compiling']}`."]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if args.update_docs:
+        _update_docs(record, args.out.with_suffix(".md"))
+    return 0
+
+
+def _update_docs(record: dict[str, Any], artifact: Path) -> None:
+    """Write the measured figures into docs/design.md between the compile-cost markers."""
+    r = record["results"]
+
+    def fig(name: str) -> str:
+        return f"{r[name]['median']:.0f} ns (95% CI {r[name]['ci95_lo']:.0f} to {r[name]['ci95_hi']:.0f})"
+
+    text = (
+        f"Measured by `{record['command']}` (`{artifact.relative_to(ROOT)}`, commit {record['commit']}, torch "
+        f"{record['torch']}, {record['cpus']} CPUs, load average {record['load_start'][0]} at start and "
+        f"{record['load_end'][0]} at end), per call: the check adds "
+        f"{fig('dispatch_with_check - dispatch_without_check')} to the trampoline's dispatch in front of a no-op "
+        f"gather; calling through `torch.compiler.disable` instead would add {fig('disable_wrapper - plain_call')}. "
+        f"A real gather in a one-rank gloo group takes {r['gather_without_check']['median']:.0f} ns, and the "
+        f"difference with and without the check there is {fig('gather_with_check - gather_without_check')}."
+    )
+    target = ROOT / "docs" / "design.md"
+    begin, end = "<!-- compile-cost:begin -->", "<!-- compile-cost:end -->"
+    doc = target.read_text()
+    head, rest = doc.split(begin)
+    _, tail = rest.split(end)
+    target.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
