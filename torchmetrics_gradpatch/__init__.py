@@ -13,6 +13,8 @@ Public names:
 * :func:`status` / :class:`Status` -- what is patched, where, and in which gradient mode (also
   ``python -m torchmetrics_gradpatch status``);
 * :func:`gather_all_tensors` -- the graph-preserving gather itself, with ``mode="local"`` or ``"global"``;
+* :func:`compile_support` -- on torchmetrics 1.6 and newer, install the gather in local mode too, so a Metric loss
+  works inside ``torch.compile`` (before 1.6 it works without it; docs/design.md#torchcompile);
 * :class:`UnsupportedVersionError`, :class:`GradModeMismatchError` -- the two errors the package raises.
 
 Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"global"``), in the API and in
