@@ -107,6 +107,11 @@ def merge(dirs: list[Path], label: str | None) -> dict[str, object]:
         "wall_min": max(float(run["wall_min"]) for run in runs),
         "jobs_wall_min_total": round(sum(float(run["wall_min"]) for run in runs), 1),
         "peak_disk_gb": max(float(run["peak_disk_gb"]) for run in runs),
+        **(
+            {"loadavg_start": runs[0]["loadavg_start"], "loadavg_end": runs[-1]["loadavg_end"]}
+            if all("loadavg_start" in run for run in runs)
+            else {}
+        ),
         "environments": [env for run in runs for env in run["environments"]],
         "completed": [env for run in runs for env in run["completed"]],
         "host": runs[0].get("host", {}),
@@ -189,6 +194,7 @@ def main() -> int:
     print(f"{len(envs)} environments, uv caches under {work}", flush=True)
     done: list[str] = []
     commit = git_commit()
+    load_start = os.getloadavg()
 
     def write_summary(finished: bool) -> dict[str, object]:
         summary = {
@@ -198,6 +204,8 @@ def main() -> int:
             "finished": finished,
             "wall_min": round((time.monotonic() - wall0) / 60, 1),
             "peak_disk_gb": round(run_peak / 2**20, 2),
+            "loadavg_start": load_start,  # the page quotes duration and disk only with the load they ran under
+            "loadavg_end": os.getloadavg(),
             "environments": [env for env, _ in envs],
             "completed": list(done),
             "commit": commit,

@@ -17,20 +17,9 @@ check_figures = importlib.util.module_from_spec(_spec)
 sys.modules["check_figures"] = check_figures  # dataclasses look their module up by name
 _spec.loader.exec_module(check_figures)
 
-# Pages other engineers are rewriting at the same time (issue 19); each entry is removed once its page passes.
-# strict: a page that starts passing fails here until it is taken off the list, so the list cannot go stale.
-NOT_YET = {
-    "docs/compatibility.md": "H17: the generated paragraphs name scripts/compat_table.py, not results/matrix.json",
-}
-
 
 def _page_params() -> list[object]:
-    params: list[object] = []
-    for page in check_figures.default_pages(ROOT):
-        name = page.relative_to(ROOT).as_posix()
-        marks = [pytest.mark.xfail(strict=True, reason=NOT_YET[name])] if name in NOT_YET else []
-        params.append(pytest.param(page, id=name, marks=marks))
-    return params
+    return [pytest.param(page, id=page.relative_to(ROOT).as_posix()) for page in check_figures.default_pages(ROOT)]
 
 
 @pytest.mark.parametrize("page", _page_params())
