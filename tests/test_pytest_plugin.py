@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import torchmetrics_gradpatch
+from tests._procs import alive
 
 pytest_plugins = ["pytester"]
 
@@ -178,14 +179,6 @@ def test_all_reduce(tag):
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.fixture
 def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
     """A user's project: ``tests/`` without ``__init__.py``, a conftest; yields (pytester, the pid directory)."""
@@ -197,7 +190,7 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path
     yield pytester, pids
     # whatever the run did, none of its ranks may still be running
     deadline = time.monotonic() + 2.0
-    while (left := [p.name for p in pids.iterdir() if p.name.isdigit() and _alive(int(p.name))]) and (
+    while (left := [p.name for p in pids.iterdir() if p.name.isdigit() and alive(int(p.name))]) and (
         time.monotonic() < deadline
     ):
         time.sleep(0.1)
