@@ -220,8 +220,8 @@ def table(record: dict[str, Any]) -> str:
         "global mode installs as everywhere. The torch.compile column is `tests/test_compile.py` with torchmetrics "
         "1.5.2 in the profile its run used (`results/matrix.json` names the runs): the quick one compiles with the "
         "eager backend on 2 ranks (a compiled step against eager, both modes, sum and cat Metric losses and the "
-        "direct gather); the full one adds aot_eager, inductor, 3 ranks and `check --compile`, and runs in "
-        "`tox -m ci`'s torch2.15-tm1.5.",
+        "direct gather); the full one adds aot_eager, inductor, 3 ranks and `check --compile` (`tox -m ci`'s "
+        "torch2.15-tm1.5 runs it with aot_eager and inductor on 2 ranks only).",
         "",
         "| torch | " + " | ".join(f"torchmetrics {tm}" for tm in ordered) + " | torch.compile |",
         "|---|" + "---|" * (len(ordered) + 1),

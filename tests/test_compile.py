@@ -29,12 +29,15 @@ WORLD_SIZES = (2, 3)
 BACKENDS = ("eager", "aot_eager", "inductor")
 RTOL = 1e-12
 SPAWN_TIMEOUT = 1200  # inductor compiles for seconds per graph, per process, on a shared 2-core machine
-#: "full" (the default): every backend, 2 and 3 ranks, the CLI. "quick": the eager backend on 2 ranks, for the
-#: compatibility matrix's run of every torch minor and the CI cells that repeat a full cell's torch (tox.ini).
+#: "full" (the default): every backend, 2 and 3 ranks, the CLI. "ci": every backend on 2 ranks, the eager one on 3,
+#: the CLI (`tox -m ci`'s torch2.15-tm1.5: inductor compiles C++ in every rank, minutes on 2 cores). "quick": the
+#: eager backend on 2 ranks, for the compatibility matrix's run of every torch minor and the CI cells that repeat a
+#: full cell's torch (tox.ini).
 PROFILE = os.environ.get("TMGP_COMPILE_PROFILE", "full")
-if PROFILE not in ("full", "quick"):
-    raise ValueError(f"TMGP_COMPILE_PROFILE={PROFILE!r}: use full or quick")
+if PROFILE not in ("full", "ci", "quick"):
+    raise ValueError(f"TMGP_COMPILE_PROFILE={PROFILE!r}: use full, ci or quick")
 QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks here (tox.ini says where the full run is)"
+CI_REASON = "TMGP_COMPILE_PROFILE=ci: aot_eager and inductor on 2 ranks only (TMGP_COMPILE_PROFILE=full adds 3 ranks)"
 
 
 #: torch 2.15's dynamo fails building a guard on torchmetrics' ``apply_to_collection`` (``type(data)`` of a dict
@@ -43,7 +46,11 @@ DYNAMO_DICT_GUARD_BUG = "getattr_manager on a DictGuardManager is supported only
 
 
 def in_profile(world_size: int, backend: str = "eager") -> bool:
-    return PROFILE == "full" or (world_size == 2 and backend == "eager")
+    if PROFILE == "full":
+        return True
+    if PROFILE == "ci":
+        return world_size == 2 or backend == "eager"
+    return world_size == 2 and backend == "eager"
 
 
 def _dynamo_refusal() -> str | None:
@@ -70,13 +77,15 @@ def backends() -> list[str]:
     if refusal is not None:
         pytest.skip(refusal)
     usable = [b for b in BACKENDS if b != "inductor" or _cxx_compiler() is not None]
-    return usable if PROFILE == "full" else ["eager"]
+    return usable if PROFILE != "quick" else ["eager"]
 
 
 @pytest.fixture(scope="module")
 def results(backends: list[str]) -> dict[int, list[dict[str, Any]]]:
     return {
-        n: spawn_ranks(ranks.run_all, n, args=(backends,), timeout=SPAWN_TIMEOUT) for n in WORLD_SIZES if in_profile(n)
+        n: spawn_ranks(ranks.run_all, n, args=([b for b in backends if in_profile(n, b)],), timeout=SPAWN_TIMEOUT)
+        for n in WORLD_SIZES
+        if in_profile(n)
     }
 
 
@@ -99,7 +108,7 @@ def test_compiled_step_matches_eager(
     case: str,
 ) -> None:
     if not in_profile(world_size, backend):
-        pytest.skip(QUICK_REASON)
+        pytest.skip(CI_REASON if PROFILE == "ci" else QUICK_REASON)
     if backend not in backends:
         pytest.skip("inductor needs a C++ compiler (none of $CXX, g++, c++, clang++ found on PATH)")
     for out in results[world_size]:
@@ -125,9 +134,9 @@ def test_compiled_step_matches_eager(
 def test_modes_really_differ_under_compile(results: dict[int, list[dict[str, Any]]], world_size: int) -> None:
     """The mode reaches the compiled gather: global mode's Metric-loss gradient is world_size x local mode's."""
     if not in_profile(world_size):
-        pytest.skip(QUICK_REASON)
+        pytest.skip(CI_REASON if PROFILE == "ci" else QUICK_REASON)
     for out in results[world_size]:
-        for backend in ("eager", "aot_eager") if PROFILE == "full" else ("eager",):
+        for backend in [b for b in ("eager", "aot_eager") if in_profile(world_size, b)]:
             local = out["runs"][("metric_sum", "local", backend)]["grads"][0]
             glob = out["runs"][("metric_sum", "global", backend)]["grads"][0]
             assert _close(glob, world_size * local), out["rank"]
@@ -140,7 +149,7 @@ def test_modes_really_differ_under_compile(results: dict[int, list[dict[str, Any
 @pytest.mark.parametrize("mode", ranks.MODES)
 def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) -> None:
     """``check --compile eager``: every check's step inside torch.compile, gradients against the references."""
-    if PROFILE != "full":
+    if PROFILE == "quick":
         pytest.skip(QUICK_REASON)
     proc = subprocess.run(
         [sys.executable, "-m", "torchmetrics_gradpatch", "check", "--compile", "eager", "--mode", mode],
@@ -151,6 +160,10 @@ def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) 
         check=False,
     )
     shown = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-3000:]}"
+    failed = [line for line in proc.stdout.splitlines() if " FAIL " in line]
+    if proc.returncode == 1 and DYNAMO_DICT_GUARD_BUG in proc.stdout and len(failed) == 1 and "cat state" in failed[0]:
+        assert proc.stdout.count(" pass ") == 3, shown  # every other check passed compiled
+        pytest.xfail(f"torch {torch.__version__}'s dynamo fails on a cat state ({DYNAMO_DICT_GUARD_BUG}), as unpatched")
     assert proc.returncode == 0, shown
     assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, shown
     assert f"gradient mode {mode} (" in proc.stdout, shown
