@@ -25,7 +25,6 @@ import inspect
 import json
 import os
 import platform
-import subprocess
 import sys
 import textwrap
 import time
@@ -36,6 +35,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._provenance import commit
 from benchmarks._stats import spread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,14 +119,6 @@ def measure(rounds: int, calls: int) -> dict[str, Any]:
     return out
 
 
-def _commit() -> str:
-    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "torchmetrics_gradpatch"], cwd=ROOT, capture_output=True, text=True
-    )
-    return found.stdout.strip() + (" (package modified)" if dirty.stdout.strip() else "")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=41)
@@ -143,7 +135,7 @@ def main() -> int:
     command = "python benchmarks/bench_compile.py " + " ".join(sys.argv[1:])
     record = {
         "command": command.strip(),
-        "commit": _commit(),
+        "commit": commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),

@@ -35,7 +35,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -49,6 +48,7 @@ ROOT = HERE.parent
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._provenance import commit  # noqa: E402
 from benchmarks._stats import spread  # noqa: E402
 
 ONE_RANK_CASES = {"scalar": (), "1k": (1000,)}
@@ -230,20 +230,12 @@ def _summarise(series: dict[str, list[float]]) -> dict[str, Any]:
 # --- the artifact ---------------------------------------------------------------------------------------------------
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def machine() -> dict[str, Any]:
     import importlib.metadata
 
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "torchmetrics_gradpatch", "benchmarks")
     return {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else ""),
+        "commit": commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

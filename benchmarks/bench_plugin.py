@@ -37,6 +37,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._provenance import commit
 from benchmarks._stats import spread
 
 HEADER = """
@@ -126,16 +127,9 @@ def main(rounds: int = 10, world_size: int = 2) -> dict[str, Any]:
     }
 
 
-def _commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
-    return run.stdout.strip() + ("+uncommitted changes" if dirty.stdout.strip() else "") or "unknown"
-
-
 def main_pool(rounds: int = 50, world_size: int = 2) -> dict[str, Any]:
     """Pooled against fresh marked tests in one session (see the module docstring); JSON-able."""
-    started = {"loadavg": os.getloadavg(), "commit": _commit()}
+    started = {"loadavg": os.getloadavg(), "commit": commit()}
     times = _session_times(_test_file(rounds, world_size, POOLED, FRESH))
     pooled = [times[f"test_r{index:03d}_pooled"] for index in range(rounds)]
     fresh = [times[f"test_r{index:03d}_fresh"] for index in range(rounds)]

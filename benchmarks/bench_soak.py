@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -49,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from torchmetrics import MeanSquaredError  # noqa: E402
 
 from benchmarks._memory import live_tensors, settled_rss_kib  # noqa: E402
+from benchmarks._provenance import commit, load  # noqa: E402
 from tests._rank_tools import CatSquaredError  # noqa: E402 - the tests' cat-state MSE
 
 MODES = ("local", "global", "unpatched")
@@ -179,18 +179,6 @@ def verdict(samples: list[dict[str, int]], per: int, unit: str, rss_bound_mib: f
         "flat": flat,
         "verdict": text,
     }
-
-
-def load() -> list[float] | None:
-    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
-
-
-def commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def markdown(results: dict[str, Any]) -> str:

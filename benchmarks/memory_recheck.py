@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks import run_all  # noqa: E402
 from benchmarks._memory import rss_kib  # noqa: E402
-from benchmarks.bench_soak import commit, load  # noqa: E402
+from benchmarks._provenance import commit, load  # noqa: E402
 
 OUT = HERE / "results" / "memory-recheck"
 ROWS, COLS = 65536, 256  # the memory section's tensor: 64 MiB on rank 0, 48 MiB on rank 1

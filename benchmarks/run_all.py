@@ -49,6 +49,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _envs  # noqa: E402
+from benchmarks._provenance import commit  # noqa: E402
 from benchmarks._stats import spread  # noqa: E402
 
 GATHER_CASES = ["scalar", "1k", "64k", "1M", "uneven"]
@@ -327,7 +328,8 @@ def ratio_cell(size: dict[str, Any]) -> str:
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [
-        f"Measured {m['when']} with `{results['command']}`: Python {m['python']}, torch {m['torch']}, "
+        f"Measured {m['when']} with `{results['command']}` at commit {results.get('commit', 'unknown')}: Python "
+        f"{m['python']}, torch {m['torch']}, "
         f"torchmetrics {m['torchmetrics']}, {m['cpus']} CPUs, load average at start "
         f"{', '.join(f'{v:.1f}' for v in m['loadavg'] or [])} (end: "
         f"{', '.join(f'{v:.1f}' for v in results.get('loadavg_end') or [])}).",
@@ -465,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not arg.startswith(("--out", "--update-docs")):
             shown.append(arg)
     command = " ".join(["python benchmarks/run_all.py", *shown])
-    results: dict[str, Any] = {"command": command, "machine": machine()}
+    results: dict[str, Any] = {"command": command, "commit": commit(), "machine": machine()}
     started = time.monotonic()
     sections = {
         "gather": lambda: bench_gather(rounds=8 if quick else 80),
