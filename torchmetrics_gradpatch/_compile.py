@@ -97,13 +97,9 @@ def is_compiling() -> bool:
 
 
 def _gather(result: torch.Tensor, group: Any, mode: str) -> list[torch.Tensor]:
-    if mode == "local":
-        from torchmetrics_gradpatch._gather import gather_local
+    from torchmetrics_gradpatch._modes import gather_for  # _modes imports this module: look it up at call time
 
-        return gather_local(result, group)
-    from torchmetrics_gradpatch._global import gather_global
-
-    return gather_global(result, group)
+    return gather_for(mode)(result, group)
 
 
 #: The gather, run eagerly behind a graph break: ``_gather`` in torch's compiler-disable wrapper (``mode`` is

@@ -170,8 +170,8 @@ def dispatch(result: Any, group: Any = None) -> list[Any]:
     """Entry point of the trampoline: the effective mode's gather while in force, else the original.
 
     The hot path of every patched gather: two attribute reads, torch's is_compiling check and one call. Everything
-    else (the mode, whether
-    the patch is in force, which function that means) was decided under the lock when the state last changed.
+    else (the mode, whether the patch is in force, which function that means) was decided under the lock when the
+    state last changed.
     """
     gather = _state.gather
     if gather is not None:

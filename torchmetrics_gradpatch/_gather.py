@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-__all__ = ["gather_entries", "gather_local"]
+__all__ = ["gather_entries", "gather_local", "size_and_rank"]
 
 
 def _all_gather(buffers: list[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
@@ -96,7 +96,7 @@ def gather_entries(
     ]
 
 
-def _size_and_rank(group: Any) -> tuple[int, int]:
+def size_and_rank(group: Any) -> tuple[int, int]:
     """``group``'s size and this process's rank within it, as ``dist.get_world_size`` / ``dist.get_rank`` give them.
 
     For a process group object (what every member of a group holds) both are plain C++ getters (~0.1 µs); the
@@ -123,7 +123,7 @@ def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.T
 
     # Same order of operations as upstream (contiguous, group size, barrier), so errors are the same.
     result = result.contiguous()
-    world_size, rank = _size_and_rank(group)
+    world_size, rank = size_and_rank(group)
     dist.barrier(group=group)
 
     if result.ndim == 0:

@@ -103,7 +103,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from torchmetrics_gradpatch._gather import gather_entries
+from torchmetrics_gradpatch._gather import gather_entries, size_and_rank
 from torchmetrics_gradpatch._modes import GradModeMismatchError  # defined where importing it needs no torch
 
 __all__ = ["GradModeMismatchError", "gather_global"]
@@ -291,8 +291,7 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
     # Same first steps as the local gather, so errors (an uninitialised group, a non-tensor) are the same.
     result = result.contiguous()
     resolved = dist.group.WORLD if group is None else group
-    world_size = dist.get_world_size(resolved)
-    rank = dist.get_rank(resolved)
+    world_size, rank = size_and_rank(resolved)
     grad_mode = torch.is_grad_enabled()
     flags = (_REQUIRES_GRAD if result.requires_grad else 0) | (_GRAD_MODE if grad_mode else 0)
     with torch.no_grad():
