@@ -51,7 +51,7 @@ def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None =
 
 def source_version() -> str:
     """``__version__`` as written in the package's ``__init__.py``: the one place the version lives."""
-    tree = ast.parse((ROOT / PACKAGE / "__init__.py").read_text())
+    tree = ast.parse((ROOT / "src" / PACKAGE / "__init__.py").read_text())
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
