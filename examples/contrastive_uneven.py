@@ -18,9 +18,10 @@ concatenated global batch, and exits non-zero if any step differs.
 
 It also shows, in one line labelled ``torch.distributed.nn.functional.all_gather``, what the usual autograd-aware
 all_gather does with the same uneven shapes. It allocates every rank's output with the *caller's* shape, so it
-cannot gather rows it does not know about: gloo aborts the process ("Received data size doesn't match expected
-size"), other backends may return wrongly shaped data. The attempt runs in separate throwaway processes
-(``torchmetrics_gradpatch.testing.spawn_ranks``), because an aborted process cannot be recovered.
+cannot gather rows it does not know about. On gloo the collective fails: the line says ``REFUSED`` and which
+rank raised what (``RuntimeError: Connection closed by peer`` with torch 2.13), or a rank's process aborts; other
+backends may return wrongly shaped data (``MIS-GATHERED``). The attempt runs in separate throwaway processes
+(``torchmetrics_gradpatch.testing.spawn_ranks``), because a failed or aborted process cannot be recovered.
 """
 
 from __future__ import annotations
