@@ -11,8 +11,9 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
 #: The code a benchmark measures: a change here, not yet committed, makes the commit alone an untrue description.
-MEASURED = ("torchmetrics_gradpatch", "benchmarks")
+MEASURED = ("src/torchmetrics_gradpatch", "benchmarks")
 
 
 def _git(*args: str) -> str:
@@ -35,3 +36,14 @@ def commit() -> str:
 def load() -> list[float] | None:
     """The 1, 5 and 15 minute load averages, rounded (``None`` where the platform has none)."""
     return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` plus ``extra``, with this checkout's src/ and root first on ``PYTHONPATH``.
+
+    A child interpreter then runs the code :func:`commit` describes, whatever is installed (the native-torchmetrics
+    environment installs no torchmetrics_gradpatch at all), and can import the benchmarks package.
+    """
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env

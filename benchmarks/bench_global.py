@@ -37,8 +37,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code measured) and benchmarks first
+    _root = Path(__file__).resolve().parent.parent
+    sys.path[:0] = [str(_root / "src"), str(_root)]
 
 from benchmarks._stats import spread
 

@@ -45,8 +45,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code measured) and benchmarks first
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from benchmarks._provenance import commit  # noqa: E402
 from benchmarks._stats import spread  # noqa: E402

@@ -34,10 +34,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code measured) and benchmarks first
+    _root = Path(__file__).resolve().parent.parent
+    sys.path[:0] = [str(_root / "src"), str(_root)]
 
-from benchmarks._provenance import commit
+from benchmarks._provenance import child_env, commit
 from benchmarks._stats import spread
 
 HEADER = """
@@ -104,7 +105,7 @@ def _session_times(source: str) -> dict[str, float]:
             f"--junitxml={junit}",
             str(path),
         ]
-        proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True, check=False)
+        proc = subprocess.run(command, cwd=tmp, env=child_env(), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"the benchmark session failed:\n{proc.stdout}\n{proc.stderr}")
         return {case.get("name", ""): float(case.get("time", "nan")) for case in ET.parse(junit).iter("testcase")}

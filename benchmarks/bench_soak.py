@@ -41,7 +41,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this checkout's src/ (the code measured) and benchmarks first
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

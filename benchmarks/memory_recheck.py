@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent / "src"), str(HERE.parent)]  # this checkout's src/ and benchmarks first
 
 from benchmarks import run_all  # noqa: E402
 from benchmarks._memory import rss_kib  # noqa: E402

@@ -46,10 +46,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this checkout's src/ (the code measured) and benchmarks first
 
 from benchmarks import _envs  # noqa: E402
-from benchmarks._provenance import commit  # noqa: E402
+from benchmarks._provenance import SRC, child_env, commit  # noqa: E402
 from benchmarks._stats import spread  # noqa: E402
 
 GATHER_CASES = ["scalar", "1k", "64k", "1M", "uneven"]
@@ -79,9 +79,8 @@ def verdict(ratio: dict[str, float], target: float) -> dict[str, Any]:
 
 
 def worker(python: str | os.PathLike[str], job: str, args: dict[str, Any], env: dict[str, str] | None = None) -> Any:
-    """Run ``_worker.py JOB`` in ``python`` with the repository root importable; return its JSON result."""
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    """Run ``_worker.py JOB`` in ``python`` with this checkout's package and benchmarks importable; its JSON result."""
+    full_env = child_env(env)
     proc = subprocess.run(
         [str(python), str(HERE / "_worker.py"), job, json.dumps(args)],
         capture_output=True,
@@ -179,7 +178,7 @@ IMPORTS = {
 
 def bench_import(rounds: int) -> dict[str, Any]:
     log(f"import: fresh interpreters, {rounds} interleaved rounds of {len(IMPORTS)}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(SRC)}  # this checkout's package and nothing else on the path
     times: dict[str, list[float]] = {name: [] for name in IMPORTS}
     order = list(IMPORTS.items())
     for round_ in range(rounds + 1):  # the first round warms the page cache and is dropped

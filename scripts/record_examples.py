@@ -70,7 +70,12 @@ def record(name: str) -> str:
         f" {os.cpu_count()} CPUs",
         f"# load average (1, 5, 15 min) at start: {_load()}",
     ]
-    proc = subprocess.run(_executable(command), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    # this checkout's src/ first: the run is of the commit the header names, whatever else is installed
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run(
+        _executable(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     header.append(f"# load average (1, 5, 15 min) at end: {_load()}")
     return "\n".join(
         [*header, "--- stdout", proc.stdout.rstrip(), "--- stderr", proc.stderr.rstrip(), f"exit {proc.returncode}", ""]
