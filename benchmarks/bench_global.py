@@ -1,7 +1,12 @@
 """Cost of the global gradient mode: forward+backward ratios, measured side by side in one run.
 
-    python benchmarks/bench_global.py [--world-sizes 2 3] [--reps 30] [--json out.json]
+    python benchmarks/bench_global.py [--world-sizes 2 3] [--reps 30] [--out DIR] [--json out.json]
+    python benchmarks/bench_global.py --out benchmarks/results/global   # the committed artifact
     python benchmarks/bench_global.py --quick     # a smoke test of the script (seconds; the figures mean nothing)
+
+The report starts with the command, the commit measured, the versions and the load average at start, and ends
+with the load average at end; ``--out DIR`` writes it to ``DIR/bench_global.txt`` and the summary (the same
+provenance included) to ``DIR/bench_global.json``.
 
 Each spawned rank (gloo on loopback, one intra-op thread) repeats, for every case, one timed block per method in
 rotating order. A block is a fixed number of steps (more for small tensors, so that one scheduler hiccup on a
@@ -27,7 +32,10 @@ backward; torch's ``all_gather`` one ``all_gather`` forward and one ``all_to_all
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -41,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code
     _root = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(_root / "src"), str(_root)]
 
+from benchmarks._provenance import commit, load
 from benchmarks._stats import spread
 
 #: name -> (rows per rank as a function of rank, columns); elements per rank = rows * columns
@@ -234,20 +243,62 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shown_command(argv: list[str]) -> str:
+    """The command as run, without where its output went (``--out DIR``, ``--json FILE``)."""
+    shown: list[str] = []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("--out", "--json") and args:
+            args.pop(0)
+        elif not arg.startswith(("--out=", "--json=")):
+            shown.append(arg)
+    return " ".join(["python benchmarks/bench_global.py", *shown])
+
+
+def _load_text(values: list[float] | None) -> str:
+    return " ".join(f"{v:.2f}" for v in values) if values else "not available"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Command-line entry point; returns the JSON-able summary (also for ``benchmarks/run_all.py``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", type=Path, help="write bench_global.txt and bench_global.json here")
     parser.add_argument("--json", type=Path, help="also write the summary here")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 blocks of a few steps; figures meaningless")
     args = parser.parse_args(argv)
+    provenance: dict[str, Any] = {
+        "command": _shown_command(sys.argv[1:] if argv is None else argv),
+        "commit": commit(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "torch": importlib.metadata.version("torch"),
+        "torchmetrics": importlib.metadata.version("torchmetrics"),
+        "cpus": os.cpu_count(),
+        "loadavg_start": load(),
+    }
+    header = [
+        f"command: {provenance['command']}   (run from the repository root)",
+        f"commit {provenance['commit']}; {provenance['when']}; Python {provenance['python']}, torch "
+        f"{provenance['torch']}, torchmetrics {provenance['torchmetrics']}, {provenance['cpus']} CPUs",
+        f"load average at start: {_load_text(provenance['loadavg_start'])}",
+    ]
+    print("\n".join(header), flush=True)
     if args.quick:
         runs = [run(world_size, reps=3, steps_scale=0.2, profile_steps=2) for world_size in args.world_sizes]
     else:
         runs = [run(world_size, args.reps) for world_size in args.world_sizes]
-    summary: dict[str, Any] = {"runs": runs, "text": "\n\n".join(render(one) for one in runs)}
-    print(summary["text"])
+    provenance["loadavg_end"] = load()
+    body = "\n\n".join(render(one) for one in runs)
+    footer = f"load average at end: {_load_text(provenance['loadavg_end'])}"
+    print(body + "\n" + footer)
+    summary: dict[str, Any] = {**provenance, "runs": runs, "text": "\n".join([*header, body, footer])}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_global.txt").write_text(summary["text"] + "\n")
+        (args.out / "bench_global.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -3,6 +3,10 @@
     python benchmarks/bench_percall.py                   # 41 rounds; writes benchmarks/results/percall.{json,md}
     python benchmarks/bench_percall.py --rounds 81 --out DIR
     python benchmarks/bench_percall.py --quick           # a smoke test of the script (figures mean nothing)
+    python benchmarks/bench_percall.py --update-docs     # also put its tables into docs/performance.md
+
+The targets (patched - unpatched <= 2 µs, trampoline + dispatch <= 1 µs per call, on one rank) are judged in the
+artifact ``percall.md`` only; the page gets figures.
 
 **One rank** (this process, a world-size-1 gloo group on a ``HashStore``): the collectives are as cheap as they get,
 so what the package adds in Python is not buried under another rank's scheduling. Each round times one block of
@@ -48,6 +52,7 @@ ROOT = HERE.parent
 if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code measured) and benchmarks first
     sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
+from benchmarks._pages import artifact_name, replace_region  # noqa: E402
 from benchmarks._provenance import commit  # noqa: E402
 from benchmarks._stats import spread  # noqa: E402
 
@@ -341,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-two-ranks", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 rounds of few calls")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="directory for percall.json/.md")
-    parser.add_argument("--update-docs", action="store_true", help="put percall.md into docs/performance.md")
+    parser.add_argument("--update-docs", action="store_true", help="put the tables into docs/performance.md")
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.rounds, opts.calls, opts.two_rank_rounds, opts.two_rank_calls = 3, 50, 3, 10
@@ -366,24 +371,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (opts.out / "percall.md").write_text(report + "\n")
     print(report)
     if opts.update_docs:
-        update_docs(report, (opts.out.resolve() / "percall.md").relative_to(ROOT).as_posix())
+        update_docs(results, artifact_name(opts.out / "percall.md"))
     return results
 
 
-def update_docs(report: str, where: str) -> None:
-    """Put ``report`` between the ``percall`` begin and end markers of docs/performance.md."""
+#: The rows docs/performance.md shows (the artifact has every series and difference)
+PAGE_ROWS = (
+    "unpatched",
+    "patched",
+    "direct",
+    "patched - unpatched",
+    "trampoline + dispatch (no-op gather behind it)",
+    "global mode forward - local mode",
+)
+
+
+def page_blocks(results: dict[str, Any], where: str) -> dict[str, str]:
+    """docs/performance.md's two regions: the one-rank and two-rank tables with their artifact, no verdicts."""
+    blocks: dict[str, str] = {}
+    one = results.get("one_rank")
+    if one:
+        calls = next(iter(one.values()))["calls_per_block"]["gathers"]
+
+        def one_cell(case: str, row: str) -> str:
+            if row in one[case]["us"]:
+                return f"{one[case]['us'][row]['median']:.2f}"
+            return _interval(one[case]["difference_us"][row])
+
+        title = f"One rank, µs per call, from `{where}` ({results['rounds']} rounds of {calls} calls per series):"
+        blocks["percall-one-rank"] = "\n".join(_table(title, list(one), list(PAGE_ROWS), one_cell))
+    two = results.get("two_ranks")
+    if two:
+        first = next(iter(two.values()))
+
+        def two_cell(case: str, row: str) -> str:
+            wall, cpu = two[case]["wall"], two[case]["cpu"]
+            if row in wall["us"]:
+                return f"{wall['us'][row]['median']:.1f} / {cpu['us'][row]['median']:.1f}"
+            return _interval(wall["difference_us"][row], 1) + " / " + _interval(cpu["difference_us"][row], 1)
+
+        rows = [row for row in PAGE_ROWS if row in first["wall"]["us"] or row in first["wall"]["difference_us"]]
+        title = (
+            f"Two ranks, rank 0, wall time / CPU time, from `{where}` ({results['two_rank_rounds']} rounds of "
+            f"{first['calls_per_block']} calls per series):"
+        )
+        blocks["percall-two-ranks"] = "\n".join(_table(title, list(two), rows, two_cell))
+    return blocks
+
+
+def update_docs(results: dict[str, Any], where: str) -> None:
+    """Put this run's tables into docs/performance.md (the targets' verdicts stay in the artifact)."""
     page = ROOT / "docs" / "performance.md"
-    text = page.read_text()
-    begin, end = "<!-- percall:begin -->", "<!-- percall:end -->"
-    if begin not in text or end not in text:
-        print("docs/performance.md has no percall markers; not updated", file=sys.stderr)
-        return
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    # The report's first paragraph (when, command, commit, load) is provenance: it stays in the artifact only.
-    body = report.split("\n\n", 1)[1]
-    source = f"From `{where}` (its first line gives the command, commit and load average of the run):"
-    page.write_text(f"{head}{begin}\n{source}\n\n{body}\n{end}{tail}")
+    for name, body in page_blocks(results, where).items():
+        if not replace_region(page, name, body):
+            print(f"docs/performance.md has no {name} markers; not updated", file=sys.stderr)
 
 
 if __name__ == "__main__":

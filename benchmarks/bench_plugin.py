@@ -1,7 +1,7 @@
 """What a ``@pytest.mark.ranks(2)`` test costs against calling ``spawn_ranks`` by hand, as a ratio in one run;
 with ``--pool``, what a pooled test (``ranks(2, reuse=True)``) costs against a fresh one.
 
-    python benchmarks/bench_plugin.py [--rounds 10] [--world-size 2] [--json out.json]
+    python benchmarks/bench_plugin.py [--rounds 10] [--world-size 2] [--json out.json] [--text out.txt]
     python benchmarks/bench_plugin.py --pool [--rounds 50] [--json out.json] [--text out.txt] [--update-docs]
 
 One pytest session (in a subprocess, plugin enabled with ``-p``) runs a generated test file: per round, a marked
@@ -16,7 +16,8 @@ test module in every rank, and rendering a failure (none here).
 run in one warm pool for the whole session while a fresh spawn happens between them (the idle pool waits on its
 pipes). Reported: the median cost per test of each with its 95% confidence interval, the pooled cost averaged
 over all rounds *including* the first pooled test, which starts the pool, and the per-round ratio fresh /
-pooled. The JSON states the command, the commit, the machine and its load average at start and end.
+pooled. Both reports and JSON files state the command, the commit, the machine and its load average at start
+and end.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code
     _root = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(_root / "src"), str(_root)]
 
+from benchmarks._pages import artifact_name, replace_region
 from benchmarks._provenance import child_env, commit
 from benchmarks._stats import spread
 
@@ -112,12 +114,18 @@ def _session_times(source: str) -> dict[str, float]:
 
 
 def main(rounds: int = 10, world_size: int = 2) -> dict[str, Any]:
-    """Run the session; return per-test times and the ratio summary (JSON-able)."""
+    """Run the session; return per-test times and the ratio summary, with the run's provenance (JSON-able)."""
+    started = {"loadavg": os.getloadavg(), "commit": commit()}
     times = _session_times(_test_file(rounds, world_size))
     marked = [times[f"test_r{index:03d}_marked"] for index in range(rounds)]
     by_hand = [times[f"test_r{index:03d}_by_hand"] for index in range(rounds)]
     ratios = [m / h for m, h in zip(marked, by_hand, strict=True)]
     return {
+        "command": "python " + " ".join(["benchmarks/bench_plugin.py", *sys.argv[1:]]),
+        "commit": started["commit"],
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "loadavg_start": started["loadavg"],
+        "loadavg_end": os.getloadavg(),
         "world_size": world_size,
         "rounds": rounds,
         "marked_s": marked,
@@ -152,13 +160,20 @@ def main_pool(rounds: int = 50, world_size: int = 2) -> dict[str, Any]:
     }
 
 
-def _print_pool(result: dict[str, Any]) -> str:
-    pooled, fresh, ratio = result["pooled_per_test_s"], result["fresh_per_test_s"], result["ratio_fresh_over_pooled"]
-    lines = [
+def _provenance(result: dict[str, Any]) -> list[str]:
+    """The report's first lines: command, commit, machine and load (the docs quote only artifacts that state them)."""
+    return [
         f"command: {result['command']}",
         f"commit: {result['commit']}; {result['machine']['cpus']} CPUs; load average at start "
         f"{' '.join(f'{x:.2f}' for x in result['loadavg_start'])}, at end "
         f"{' '.join(f'{x:.2f}' for x in result['loadavg_end'])}",
+    ]
+
+
+def _print_pool(result: dict[str, Any]) -> str:
+    pooled, fresh, ratio = result["pooled_per_test_s"], result["fresh_per_test_s"], result["ratio_fresh_over_pooled"]
+    lines = [
+        *_provenance(result),
         f"{result['rounds']} rounds, {result['world_size']} ranks, pooled and fresh tests in A B / B A order",
         f"  fresh test   median {fresh['median']:.3f} s per test, 95% CI [{fresh['ci95_lo']:.3f}, "
         f"{fresh['ci95_hi']:.3f}]",
@@ -175,16 +190,14 @@ def _print_pool(result: dict[str, Any]) -> str:
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "testing-your-metrics.md"
-BEGIN, END = "<!-- plugin-pool:begin -->", "<!-- plugin-pool:end -->"
 
 
 def update_docs(result: dict[str, Any], artifact: str) -> None:
     """Write the pool's figures into docs/testing-your-metrics.md, between the plugin-pool markers."""
     pooled, fresh, ratio = result["pooled_per_test_s"], result["fresh_per_test_s"], result["ratio_fresh_over_pooled"]
-    load = "{:.2f} at start and {:.2f} at end".format(result["loadavg_start"][0], result["loadavg_end"][0])
     text = (
-        f"Measured with `{result['command']}` on {result['machine']['cpus']} CPU cores shared with other work "
-        f"(one-minute load average {load}; `{artifact}`): a fresh test took {fresh['median']:.3f} s (95% CI "
+        f"From `{artifact}` ({result['rounds']} rounds, {result['world_size']} ranks): a fresh test took "
+        f"{fresh['median']:.3f} s (95% CI "
         f"[{fresh['ci95_lo']:.3f}, {fresh['ci95_hi']:.3f}]) and a pooled one {pooled['median']:.3f} s (95% CI "
         f"[{pooled['ci95_lo']:.3f}, {pooled['ci95_hi']:.3f}]), median; per round, fresh / pooled was "
         f"{ratio['median']:.1f} (95% CI [{ratio['ci95_lo']:.1f}, {ratio['ci95_hi']:.1f}]). The first pooled test, "
@@ -192,21 +205,24 @@ def update_docs(result: dict[str, Any], artifact: str) -> None:
         f"{result['pooled_mean_with_start_s']:.3f} s on average, and the fresh tests took "
         f"{result['ratio_of_totals_fresh_over_pooled']:.1f} times as long in total."
     )
-    page = DOCS.read_text()
-    head, _, rest = page.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    DOCS.write_text(f"{head}{BEGIN}\n{textwrap.fill(text, 115, break_long_words=False)}\n{END}{tail}")
+    if not replace_region(DOCS, "plugin-pool", textwrap.fill(text, 115, break_long_words=False)):
+        raise SystemExit(f"no plugin-pool markers in {DOCS}")
 
 
-def _print(result: dict[str, Any]) -> None:
+def _print(result: dict[str, Any]) -> str:
     ratio = result["ratio_marked_over_by_hand"]
-    print(
-        f"{result['rounds']} rounds, {result['world_size']} ranks, A B / B A order\n"
-        f"  marked test      median {result['marked_median_s']:.2f} s\n"
-        f"  spawn_ranks      median {result['by_hand_median_s']:.2f} s\n"
-        f"  ratio marked / by hand: median {ratio['median']:.3f}, "
-        f"95% CI [{ratio['ci95_lo']:.3f}, {ratio['ci95_hi']:.3f}], range [{ratio['min']:.3f}, {ratio['max']:.3f}]"
+    text = "\n".join(
+        [
+            *_provenance(result),
+            f"{result['rounds']} rounds, {result['world_size']} ranks, A B / B A order",
+            f"  marked test      median {result['marked_median_s']:.2f} s",
+            f"  spawn_ranks      median {result['by_hand_median_s']:.2f} s",
+            f"  ratio marked / by hand: median {ratio['median']:.3f}, 95% CI [{ratio['ci95_lo']:.3f}, "
+            f"{ratio['ci95_hi']:.3f}], range [{ratio['min']:.3f}, {ratio['max']:.3f}]",
+        ]
     )
+    print(text)
+    return text
 
 
 if __name__ == "__main__":
@@ -215,7 +231,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, help="rounds of pairs (default 10; 50 with --pool)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write the result here")
-    parser.add_argument("--text", type=Path, help="with --pool: also write the printed report here")
+    parser.add_argument("--text", type=Path, help="also write the printed report here")
     parser.add_argument("--from-json", type=Path, help="with --pool: do not run, report this earlier --json result")
     parser.add_argument(
         "--update-docs", action="store_true", help="with --pool: write the figures into docs/testing-your-metrics.md"
@@ -231,9 +247,11 @@ if __name__ == "__main__":
         if args.text and fresh_run:
             args.text.write_text(report + "\n")
         if args.update_docs:
-            update_docs(summary, "benchmarks/results/plugin-pool.txt")
+            update_docs(summary, artifact_name(args.text) if args.text else "benchmarks/results/plugin-pool.txt")
     else:
         summary = main(rounds, args.world_size)
-        _print(summary)
+        report = _print(summary)
+        if args.text:
+            args.text.write_text(report + "\n")
     if args.json and (not args.pool or args.from_json is None):
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
