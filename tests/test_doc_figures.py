@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,3 +172,37 @@ def test_the_command_line_exits_non_zero_and_prints_each_problem(
 def test_an_artifact_named_after_a_code_span_that_wraps_is_found(tmp_path: Path) -> None:
     page = "A marked test took 1.56 s (`python\nbench.py --rounds 20`, `results/run.txt`).\n"
     assert _tree(tmp_path, page, PROVENANCE + "1.56 s\n") == []
+
+
+def _compat_table_module() -> Any:
+    spec = importlib.util.spec_from_file_location("compat_table", ROOT / "scripts" / "compat_table.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compatibility_table_is_generated_from_the_record() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compat_table.py"), "--from", "results/matrix.json", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        "docs/compatibility.md's table differs from `python scripts/compat_table.py --from results/matrix.json`: "
+        f"regenerate it\n{proc.stdout}{proc.stderr}"
+    )
+
+
+def test_the_compatibility_table_shows_current_verdicts_and_the_record_keeps_their_history() -> None:
+    record = json.loads((ROOT / "results" / "matrix.json").read_text())
+    rerun = {name: entry for name, entry in record["environments"].items() if "first_run" in entry}
+    assert rerun, "the record has no re-run cell: this test needs one to mean anything"
+    table = _compat_table_module().table(record)
+    for mark in ("†", "‡", "first run", "re-run"):
+        assert mark not in table, f"the table shows history ({mark!r}); it belongs in results/matrix.json"
+    for name, entry in rerun.items():  # a re-run never erases what the first run said
+        assert entry["first_run"] and name in {env for run in record["reruns"] for env in run["environments"]}
