@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code
     _root = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(_root / "src"), str(_root)]
 
+from benchmarks._pages import artifact_name, replace_region
 from benchmarks._provenance import commit
 from benchmarks._stats import spread
 
@@ -176,21 +177,15 @@ def _update_docs(record: dict[str, Any], artifact: Path) -> None:
     def fig(name: str) -> str:
         return f"{r[name]['median']:.0f} ns (95% CI {r[name]['ci95_lo']:.0f} to {r[name]['ci95_hi']:.0f})"
 
-    text = (
-        f"Measured by `{record['command']}` (`{artifact.relative_to(ROOT)}`, commit {record['commit']}, torch "
-        f"{record['torch']}, {record['cpus']} CPUs, load average {record['load_start'][0]} at start and "
-        f"{record['load_end'][0]} at end), per call: the check adds "
+    text = (  # the run's command, commit and load are in the artifact's header, not on the page
+        f"From `{artifact_name(artifact)}` (torch {record['torch']}), per call: the check adds "
         f"{fig('dispatch_with_check - dispatch_without_check')} to the trampoline's dispatch in front of a no-op "
         f"gather; calling through `torch.compiler.disable` instead would add {fig('disable_wrapper - plain_call')}. "
         f"A real gather in a one-rank gloo group takes {r['gather_without_check']['median']:.0f} ns, and the "
         f"difference with and without the check there is {fig('gather_with_check - gather_without_check')}."
     )
-    target = ROOT / "docs" / "design.md"
-    begin, end = "<!-- compile-cost:begin -->", "<!-- compile-cost:end -->"
-    doc = target.read_text()
-    head, rest = doc.split(begin)
-    _, tail = rest.split(end)
-    target.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+    if not replace_region(ROOT / "docs" / "design.md", "compile-cost", text):
+        raise SystemExit("docs/design.md has no compile-cost markers")
 
 
 if __name__ == "__main__":
