@@ -166,7 +166,10 @@ def _run_all(rank: int, backend: str | None) -> dict[str, Outcome]:
         dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
         start = time.perf_counter()
         try:
-            grads: list[torch.Tensor] | None = _run_one(name, rank, backend)
+            # A check that failed inside torch.compile can leave grad mode off (dynamo's unwinding of a Metric's
+            # forward); each check starts with it on, so one failure cannot fail the checks after it.
+            with torch.enable_grad():
+                grads: list[torch.Tensor] | None = _run_one(name, rank, backend)
             error = None
         except Exception as err:  # reported per check; a failing check must not hide the others
             grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()

@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
             shown = ", ".join(name for name in offered if "TESTING_ONLY" not in name)
             return usage_error(
                 f"argument --compile: torch {installed_version('torch')} has no backend {args.compile!r}; "
-                f"choose one of: {shown}"
+                f"choose one of: {shown}",
+                "check",
             )
     status, results = _spawn(args)
     if status != EXIT_OK:
@@ -200,7 +201,10 @@ def run(args: argparse.Namespace) -> int:
     passed_count = len(_checks.CHECKS) - len(failures)
     lines.append("")
     if not failures:
-        lines.append(f"all {passed_count} checks passed: every rank's gradient matches the single-process reference")
+        lines.append(
+            f"all {passed_count} checks passed: every rank's gradient matches the single-process reference"
+            + (f" ({len(needs_support)} only with compile_support(), below)" if needs_support else "")
+        )
     else:
         lines.append(f"{len(failures)} of {len(_checks.CHECKS)} checks FAILED:")
         lines += failures
@@ -211,11 +215,12 @@ def run(args: argparse.Namespace) -> int:
             )
     if needs_support:
         lines += [
-            f"needs compile_support(): on torchmetrics {state['torchmetrics_version']} these fail inside "
-            f"torch.compile unless your program calls torchmetrics_gradpatch.compile_support() (with it they pass):",
+            f"needs compile_support(): on torchmetrics {state['torchmetrics_version']} your compiled Metric loss "
+            "needs torchmetrics_gradpatch.compile_support() in your program; without it these fail inside "
+            "torch.compile (with it they pass):",
             *needs_support,
         ]
-    elif results[0][2] is not None:
+    elif results[0][2] is not None and not failures:
         lines.append(
             f"compile_support() is not needed here: on torchmetrics {state['torchmetrics_version']} every check "
             "passed inside torch.compile without it."

@@ -83,9 +83,9 @@ def refusal_message(error: BaseException) -> str:
     return f"{PROG}: cannot run with torch {torch_version} and torchmetrics {torchmetrics_version}.\n{error}"
 
 
-def usage_error(message: str) -> int:
-    """Print ``message`` as argparse prints its errors (``prog: error: ...``); return the usage exit status."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+def usage_error(message: str, command: str = "") -> int:
+    """Print ``message`` as argparse prints its errors (``prog [command]: error: ...``); return exit status 2."""
+    print(f"{PROG}{' ' + command if command else ''}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
 
 
