@@ -243,7 +243,7 @@ def test_status_prints_versions_and_mode() -> None:
     assert proc.returncode == 0, show(proc)
     assert f"torchmetrics:     {TORCHMETRICS}" in proc.stdout, show(proc)
     assert ("native" if NATIVE else "gather:           patched") in proc.stdout, show(proc)
-    assert "in force:         yes: patch() is on" in proc.stdout, show(proc)
+    assert "in force:         yes: " in proc.stdout, show(proc)  # why: tests/test_cli_contract.py
 
 
 @needs_supported_torch

@@ -10,6 +10,7 @@ namespace, so the rendezvous really meets EADDRINUSE.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import shlex
 import shutil
 import subprocess
@@ -59,6 +60,18 @@ def test_bad_environment_variable_still_raises_in_a_program() -> None:
     code = "import torchmetrics_gradpatch"
     proc = cli(command=[sys.executable, "-c", code], env={"TORCHMETRICS_GRADPATCH_MODE": "foo"})
     assert proc.returncode == 1 and "ValueError: TORCHMETRICS_GRADPATCH_MODE='foo'" in proc.stderr, show(proc)
+
+
+# --- status ---------------------------------------------------------------------------------------------------------
+
+
+def test_status_after_a_plain_import_credits_the_import_not_patch() -> None:
+    """The CLI imports the package and never calls patch(): status must not say patch() put the patch in force."""
+    text = cli("status")
+    assert text.returncode == 0 and "in force:         yes" in text.stdout, show(text)
+    assert "patch() is on" not in text.stdout, show(text)
+    data = json.loads(cli("status", "--json").stdout)
+    assert data["in_force"] and data["mode_from"] != "patch()", data
 
 
 # --- arguments ------------------------------------------------------------------------------------------------------

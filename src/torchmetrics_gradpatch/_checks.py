@@ -178,17 +178,15 @@ def _run_all(rank: int, backend: str | None) -> dict[str, Outcome]:
 
 
 def rank_main(
-    mode: str | None = None, backend: str | None = None
-) -> tuple[dict[str, Any], dict[str, Outcome], dict[str, Outcome] | None]:
-    """Run every check on this rank; return this process's ``status()``, one :class:`Outcome` per check, and, on
-    native torchmetrics with ``backend``, one more per check run with :func:`~torchmetrics_gradpatch.compile_support`.
+    mode: str | None = None, backend: str | None = None, with_compile_support: bool = False
+) -> tuple[dict[str, Any], dict[str, Outcome]]:
+    """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check.
 
     ``mode`` (``"local"`` or ``"global"``) runs the checks inside ``patched(mode=mode)``; ``None`` runs them with
     whatever the import set up (``TORCHMETRICS_GRADPATCH_AUTOPATCH``, ``TORCHMETRICS_GRADPATCH_MODE``).
-    ``backend`` runs each check's step inside ``torch.compile(step, backend=backend)``. The first run is always the
-    user's program as it stands: ``compile_support()`` is never switched on silently. On native torchmetrics the
-    checks then run again with it on, so the parent can tell whether a compiled Metric loss needs it. Every rank
-    runs the same checks in the same order whatever its results, so no rank waits in a collective alone.
+    ``backend`` runs each check's step inside ``torch.compile(step, backend=backend)``. The checks run as the
+    user's program stands: :func:`~torchmetrics_gradpatch.compile_support` is called only when
+    ``with_compile_support`` asks for it (the CLI does, in a second run, to tell whether a program needs it).
     """
     import contextlib
 
@@ -196,18 +194,15 @@ def rank_main(
 
     from torchmetrics_gradpatch import compile_support, patched, status
 
+    if with_compile_support:
+        compile_support()
     # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (tests/test_engine.py shows it); that noise
     # would bury the table when the checks run unpatched. The patched gather does not warn.
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence", category=UserWarning)
-    rank = dist.get_rank()
     with patched(mode=mode) if mode is not None else contextlib.nullcontext():
-        outcomes = _run_all(rank, backend)
+        outcomes = _run_all(dist.get_rank(), backend)
         state = status().as_dict()
-        supported = None
-        if backend is not None and state["native"]:
-            compile_support()
-            supported = _run_all(rank, backend)
-    return state, outcomes, supported
+    return state, outcomes
 
 
 # --- what the parent computes -------------------------------------------------------------------------------------

@@ -119,16 +119,23 @@ def _timed_out(args: argparse.Namespace, details: str) -> list[str]:
     return [*lines, hint + "."]
 
 
-def _spawn(args: argparse.Namespace) -> tuple[int, list[Any]]:
-    """Run the checks on the ranks: ``(EXIT_OK, results)``, or an exit status after printing why not."""
+def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: bool = False) -> tuple[int, list[Any]]:
+    """Run the checks on the ranks until ``deadline``: ``(EXIT_OK, results)``, or an exit status, said why."""
     from torchmetrics_gradpatch import _checks
     from torchmetrics_gradpatch.testing import RankError, spawn_ranks
 
     world_size: int = args.world_size
     text = f"starting {world_size} gloo rank{'s' if world_size > 1 else ''} on loopback (each imports torch)..."
+    if with_compile_support:
+        text = "running the checks again with compile_support() on..."
+    timeout = deadline - time.monotonic()
+    if timeout <= 0:  # the first run used all of --timeout
+        print("\n".join(_timed_out(args, "")), file=sys.stderr)
+        return EXIT_CHECK_FAILED, []
     try:
         with _Progress(text):
-            results = spawn_ranks(_checks.rank_main, world_size, args=(args.mode, args.compile), timeout=args.timeout)
+            run_args = (args.mode, args.compile, with_compile_support)
+            results = spawn_ranks(_checks.rank_main, world_size, args=run_args, timeout=timeout)
     except RankError as err:
         if err.reason == "timed out":
             print("\n".join(_timed_out(args, err.details)), file=sys.stderr)
@@ -149,6 +156,16 @@ def _spawn(args: argparse.Namespace) -> tuple[int, list[Any]]:
     return EXIT_OK, results
 
 
+def _verdicts(results: list[Any], world_size: int, mode: str) -> dict[str, str | None]:
+    """Each check's failure (see :func:`torchmetrics_gradpatch._checks.failure`), or ``None`` when it passed."""
+    from torchmetrics_gradpatch import _checks
+
+    verdicts: dict[str, str | None] = {}
+    for name in _checks.CHECKS:
+        verdicts[name] = _checks.failure(name, [outcomes[name] for _, outcomes in results], world_size, mode)
+    return verdicts
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``check`` command; returns the exit status."""
     if torchmetrics_refused():  # before the ranks start: each would refuse the same way, slower
@@ -165,13 +182,24 @@ def run(args: argparse.Namespace) -> int:
                 f"choose one of: {shown}",
                 "check",
             )
-    status, results = _spawn(args)
+    deadline = time.monotonic() + args.timeout
+    status, results = _spawn(args, deadline)
     if status != EXIT_OK:
         return status
 
     world_size: int = args.world_size
     state = results[0][0]
     mode = state.get("mode", "local")
+    verdicts = _verdicts(results, world_size, mode)
+    # Native torchmetrics under torch.compile: the run above was the user's program as it stands. If a check failed,
+    # run again with compile_support() on, to say whether the program needs it (never switched on silently).
+    native_compiled = args.compile is not None and state["native"]
+    supported: dict[str, str | None] = {}
+    if native_compiled and any(verdicts.values()):
+        status, again = _spawn(args, deadline, with_compile_support=True)
+        if status != EXIT_OK:
+            return status
+        supported = _verdicts(again, world_size, mode)
     lines = [
         f"torchmetrics-gradpatch check, {world_size} rank{'s' if world_size > 1 else ''} (gloo, loopback)",
         f"  torch         {state['torch_version']}",
@@ -185,17 +213,13 @@ def run(args: argparse.Namespace) -> int:
     needs_support: list[str] = []  # checks that pass only with compile_support() (native torchmetrics, --compile)
     table = [("check", "result", "time", "")]
     for name, title in _checks.CHECKS.items():
-        plain = [outcomes[name] for _, outcomes, _ in results]
-        why = _checks.failure(name, plain, world_size, mode)
-        note = ""
-        if why is not None and results[0][2] is not None:
-            supported = [again[name] for _, _, again in results]
-            if _checks.failure(name, supported, world_size, mode) is None:
-                needs_support.append(f"  {title}, {why}")
-                why, note = None, "  with compile_support() only"
+        why, note = verdicts[name], ""
+        if why is not None and name in supported and supported[name] is None:
+            needs_support.append(f"  {title}, {why}")
+            why, note = None, "  with compile_support() only"
         if why is not None:
             failures.append(f"  {title}, {why}")
-        seconds = max(outcome.seconds for outcome in plain)
+        seconds = max(outcomes[name].seconds for _, outcomes in results)
         table.append((title, "pass" if why is None else "FAIL", f"{seconds * 1000:.1f} ms", note))
     lines += _rows(iter(table))
     passed_count = len(_checks.CHECKS) - len(failures)
@@ -220,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
             "torch.compile (with it they pass):",
             *needs_support,
         ]
-    elif results[0][2] is not None and not failures:
+    elif native_compiled and not failures:
         lines.append(
             f"compile_support() is not needed here: on torchmetrics {state['torchmetrics_version']} every check "
             "passed inside torch.compile without it."
