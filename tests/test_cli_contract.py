@@ -133,6 +133,30 @@ def test_a_run_that_times_out_in_the_checks_says_the_ranks_had_started() -> None
     assert "cannot run here" not in proc.stderr and "could not start" not in proc.stderr, show(proc)
 
 
+@pytest.mark.parametrize(
+    ("details", "status", "says"),
+    [
+        ('File "/x/_checks.py", line 9 in _run_one\nprocess was killed by SIGSEGV', 1, "while running the checks"),
+        ("process exited with code 1 without returning", 3, "cannot run here: rank 1 died before the checks"),
+    ],
+    ids=["inside-a-check", "before-the-checks"],
+)
+def test_a_rank_that_died_is_cannot_run_here_only_before_the_checks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], details: str, status: int, says: str
+) -> None:
+    """The runner's report decides: a rank that crashed inside a check failed it (1); one that never got there is 3."""
+    from torchmetrics_gradpatch import testing
+    from torchmetrics_gradpatch._cli import main
+
+    def dying_runner(*args: object, **kwargs: object) -> None:
+        raise testing.RankError(1, "died", details)
+
+    monkeypatch.setattr(testing, "spawn_ranks", dying_runner)
+    assert main(["check"]) == status
+    err = capsys.readouterr().err
+    assert says in err and details in err, err
+
+
 # --- cannot run here --------------------------------------------------------------------------------------------
 
 OCCUPY_AND_RUN = """

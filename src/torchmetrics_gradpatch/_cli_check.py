@@ -109,8 +109,13 @@ def _where_ranks_were(details: str) -> list[str]:
     return found
 
 
+def _in_checks(details: str) -> bool:
+    """Whether a failed run's stacks show a rank inside one check (``_checks._run_one``), not before them."""
+    return "in _run_one" in details  # a traceback's "line N, in f" and faulthandler's "line N in f" alike
+
+
 def _timed_out(args: argparse.Namespace, details: str) -> list[str]:
-    started = "_checks.py" in details  # a rank's stack is inside a check: the ranks had started
+    started = "_checks.py" in details  # a rank was running the checks' module: it had joined the group
     doing = "the ranks had started and were still running the checks" if started else "the ranks were still starting"
     lines = [f"{PROG}: check did not finish within --timeout {args.timeout:g} s: {doing}.", *_where_ranks_were(details)]
     hint = f"Give it more time with --timeout SECONDS (at most {MAX_TIMEOUT:g})"
@@ -139,6 +144,10 @@ def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: b
     except RankError as err:
         if err.reason == "timed out":
             print("\n".join(_timed_out(args, err.details)), file=sys.stderr)
+            return EXIT_CHECK_FAILED, []
+        if _in_checks(err.details):  # a rank crashed inside a check (rank_main reports what checks raise)
+            print(f"{PROG}: check FAILED: rank {err.rank} {err.reason} while running the checks:", file=sys.stderr)
+            print(err.details, file=sys.stderr)
             return EXIT_CHECK_FAILED, []
         print(f"{PROG}: cannot run here: rank {err.rank} {err.reason} before the checks could run.", file=sys.stderr)
         print(err.details, file=sys.stderr)
