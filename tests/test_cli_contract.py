@@ -22,7 +22,7 @@ import pytest
 from packaging.version import Version
 
 from tests._subprocess import fake_torchmetrics
-from tests.test_cli import cli, show
+from tests.test_cli import cli, console_script, show
 
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
 TORCH = importlib.metadata.version("torch")
@@ -53,6 +53,11 @@ def test_bad_environment_variable_is_a_usage_error_in_every_command(variable: st
     assert_one_message(proc, 2, "torchmetrics-gradpatch: error: ", *needles)
     assert len(proc.stderr.strip().splitlines()) == 1, show(proc)
     assert "starting" not in proc.stderr, show(proc)  # refused before any rank was spawned
+
+
+def test_bad_environment_variable_through_the_console_script(tmp_path: Path) -> None:
+    proc = cli("status", env={"TORCHMETRICS_GRADPATCH_MODE": "Globl"}, command=console_script(tmp_path))
+    assert_one_message(proc, 2, "torchmetrics-gradpatch: error: TORCHMETRICS_GRADPATCH_MODE='Globl'", "local, global")
 
 
 def test_bad_environment_variable_still_raises_in_a_program() -> None:
@@ -100,6 +105,10 @@ def test_the_maximum_timeout_runs_the_checks() -> None:
 def test_world_size_refuses_what_is_not_a_positive_whole_number() -> None:
     for value in ("0", "-2", "1.5", "two"):
         assert_one_message(cli("check", f"--world-size={value}"), 2, "argument --world-size", "at least 1")
+
+
+def test_mode_refuses_a_name_that_is_not_a_mode() -> None:
+    assert_one_message(cli("check", "--mode", "both"), 2, "argument --mode", "'both'", "'local', 'global'")
 
 
 def test_unknown_compile_backend_is_a_usage_error_naming_torchs_backends() -> None:
