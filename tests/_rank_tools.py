@@ -1,5 +1,5 @@
-"""What several test modules share: two small float64 MSE metrics, a collective recorder, and the error a call
-raises with the patch off and on."""
+"""What several test modules share: two small MSE metrics (the cat-state one is ``check``'s own, imported from the
+package), a collective recorder, and the error a call raises with the patch off and on."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
+
+from torchmetrics_gradpatch._checks import CatMeanSquaredError as CatSquaredError  # check's cat-state MSE
 
 #: The collectives :func:`record_collectives` watches (those missing from a torch version are skipped).
 COLLECTIVES = ("barrier", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "reduce_scatter", "broadcast")
@@ -32,22 +34,6 @@ class SumSquaredError(Metric):
 
     def compute(self) -> torch.Tensor:
         return self.sse / self.n
-
-
-class CatSquaredError(Metric):
-    """MSE with a list state (``dist_reduce_fx="cat"``): per-rank lengths differ, so the uneven path runs."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("errors", default=[], dist_reduce_fx="cat")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.errors.append((preds - target) ** 2)
-
-    def compute(self) -> torch.Tensor:
-        return dim_zero_cat(self.errors).mean()
 
 
 @contextmanager

@@ -338,3 +338,48 @@ def test_global_mode_at_import_on_an_unknown_native_gather_refuses_the_import(
     proc = run_python(code, env={**future_native_torchmetrics, "TORCHMETRICS_GRADPATCH_MODE": "global"})
     assert proc.returncode == 1, proc.stderr
     assert "UnsupportedVersionError" in proc.stderr and "unrecognised signature" in proc.stderr, proc.stderr
+
+
+# --- torchmetrics below 0.11: refused, as the test matrix starts at 0.11 ------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.10.3", "0.10.0", "0.6.0", "0.10.3+local"])
+def test_torchmetrics_below_0_11_is_refused_naming_both_versions(version: str) -> None:
+    with pytest.raises(UnsupportedVersionError) as info:
+        _version.check_torchmetrics(version)
+    assert f"torchmetrics {version} is installed" in str(info.value)
+    assert "torchmetrics >= 0.11" in str(info.value) and "nothing was patched" in str(info.value)
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.11.0rc1", "0.11.4", "1.5.2", "1.9.0"])
+def test_torchmetrics_0_11_and_newer_pass_including_prereleases(version: str) -> None:
+    assert str(_version.check_torchmetrics(version)) == version
+
+
+def test_import_refuses_torchmetrics_0_10_and_touches_nothing(tmp_path: Path) -> None:
+    """A stand-in torchmetrics 0.10.3 whose gather has 0.10's very signature: refused for its version alone."""
+    root = fake_torchmetrics(tmp_path / "old", "0.10.3", signature="result, group=None")
+    out = ok(
+        """
+import sys
+import torchmetrics, torchmetrics.utilities.distributed as tm_dist
+assert torchmetrics.__version__ == "0.10.3"
+function = tm_dist.gather_all_tensors
+code = function.__code__
+messages = []
+for attempt in (1, 2):
+    try:
+        import torchmetrics_gradpatch
+    except ImportError as err:
+        assert type(err).__name__ == "UnsupportedVersionError", repr(err)
+        messages.append(str(err))
+    else:
+        raise SystemExit("torchmetrics 0.10.3 was accepted")
+    assert not [n for n in sys.modules if n.split(".")[0] == "torchmetrics_gradpatch"], "left in sys.modules"
+assert tm_dist.gather_all_tensors is function and function.__code__ is code
+assert messages[0] == messages[1], messages
+print(messages[0])
+""",
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))},
+    )
+    assert "torchmetrics 0.10.3 is installed" in out and ">= 0.11" in out, out

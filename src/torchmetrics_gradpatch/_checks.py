@@ -51,26 +51,27 @@ class Outcome:
 
 
 class CatMeanSquaredError(Metric):
-    """Mean squared error kept as list (``cat``) states, so every rank's batch travels through the gather."""
+    """Mean squared error kept as a list (``cat``) state, so every rank's errors travel through the gather.
+
+    Per-rank batch sizes may differ, so the uneven path runs. The tests use this very class (the one home of the
+    cat-state metric that ``check`` and the test suite share).
+    """
 
     is_differentiable = True
     higher_is_better = False
     full_state_update = False
 
-    preds: list[torch.Tensor]
-    target: list[torch.Tensor]
+    errors: list[torch.Tensor]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.add_state("preds", default=[], dist_reduce_fx="cat")
-        self.add_state("target", default=[], dist_reduce_fx="cat")
+        self.add_state("errors", default=[], dist_reduce_fx="cat")
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.preds.append(preds)
-        self.target.append(target)
+        self.errors.append((preds - target) ** 2)
 
     def compute(self) -> torch.Tensor:
-        return torch.mean((dim_zero_cat(self.preds) - dim_zero_cat(self.target)) ** 2)
+        return dim_zero_cat(self.errors).mean()
 
 
 # --- deterministic inputs, identical in the parent and in every rank ----------------------------------------
@@ -157,14 +158,35 @@ def _run_one(name: str, rank: int, backend: str | None = None) -> list[torch.Ten
     return [parameter.grad.detach().clone() for parameter in model.parameters() if parameter.grad is not None]
 
 
-def rank_main(mode: str | None = None, backend: str | None = None) -> tuple[dict[str, Any], dict[str, Outcome]]:
+def _run_all(rank: int, backend: str | None) -> dict[str, Outcome]:
+    import torch.distributed as dist
+
+    outcomes: dict[str, Outcome] = {}
+    for name in CHECKS:
+        dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
+        start = time.perf_counter()
+        try:
+            # A check that failed inside torch.compile can leave grad mode off (dynamo's unwinding of a Metric's
+            # forward); each check starts with it on, so one failure cannot fail the checks after it.
+            with torch.enable_grad():
+                grads: list[torch.Tensor] | None = _run_one(name, rank, backend)
+            error = None
+        except Exception as err:  # reported per check; a failing check must not hide the others
+            grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()
+        outcomes[name] = Outcome(grads, error, time.perf_counter() - start)
+    return outcomes
+
+
+def rank_main(
+    mode: str | None = None, backend: str | None = None, with_compile_support: bool = False
+) -> tuple[dict[str, Any], dict[str, Outcome]]:
     """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check.
 
     ``mode`` (``"local"`` or ``"global"``) runs the checks inside ``patched(mode=mode)``; ``None`` runs them with
     whatever the import set up (``TORCHMETRICS_GRADPATCH_AUTOPATCH``, ``TORCHMETRICS_GRADPATCH_MODE``).
-    ``backend`` runs each check's step inside ``torch.compile(step, backend=backend)``; on native torchmetrics it
-    first calls :func:`torchmetrics_gradpatch.compile_support` (torchmetrics' own gather fails under
-    ``torch.compile`` on gloo), as the docs tell users to.
+    ``backend`` runs each check's step inside ``torch.compile(step, backend=backend)``. The checks run as the
+    user's program stands: :func:`~torchmetrics_gradpatch.compile_support` is called only when
+    ``with_compile_support`` asks for it (the CLI does, in a second run, to tell whether a program needs it).
     """
     import contextlib
 
@@ -172,24 +194,13 @@ def rank_main(mode: str | None = None, backend: str | None = None) -> tuple[dict
 
     from torchmetrics_gradpatch import compile_support, patched, status
 
-    if backend is not None and status().native:
+    if with_compile_support:
         compile_support()
-
     # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (tests/test_engine.py shows it); that noise
     # would bury the table when the checks run unpatched. The patched gather does not warn.
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence", category=UserWarning)
-    rank = dist.get_rank()
-    outcomes: dict[str, Outcome] = {}
     with patched(mode=mode) if mode is not None else contextlib.nullcontext():
-        for name in CHECKS:
-            dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
-            start = time.perf_counter()
-            try:
-                grads: list[torch.Tensor] | None = _run_one(name, rank, backend)
-                error = None
-            except Exception as err:  # reported per check; a failing check must not hide the others
-                grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()
-            outcomes[name] = Outcome(grads, error, time.perf_counter() - start)
+        outcomes = _run_all(dist.get_rank(), backend)
         state = status().as_dict()
     return state, outcomes
 
@@ -231,3 +242,23 @@ def matches(got: list[torch.Tensor] | None, want: list[torch.Tensor]) -> bool:
             g.shape == w.shape and torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want, strict=True)
         )
     )
+
+
+def failure(name: str, outcomes: list[Outcome], world_size: int, mode: str) -> str | None:
+    """Why check ``name`` failed (the first failing rank and its error, or its gradient's mismatch), or ``None``.
+
+    ``outcomes`` holds one :class:`Outcome` per rank, in rank order.
+    """
+    for rank, outcome in enumerate(outcomes):
+        if outcome.error is not None:
+            return f"rank {rank}: {outcome.error.splitlines()[-1]}"
+        if not matches(outcome.grads, reference(name, rank, world_size, mode)):
+            return f"rank {rank}: gradient differs from the single-process reference"
+    return None
+
+
+def compile_backends() -> list[str]:
+    """Every backend name ``torch.compile`` accepts here (debug and experimental ones included)."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))

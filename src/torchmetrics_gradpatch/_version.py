@@ -19,6 +19,8 @@ from packaging.version import InvalidVersion, Version
 
 #: Upstream documents the graph-preserving gather for PyTorch 2.0 and newer only.
 MIN_TORCH = Version("2.0")
+#: The oldest torchmetrics the project's test matrix runs; older ones are refused rather than patched untested.
+MIN_TORCHMETRICS = Version("0.11")
 #: torchmetrics keeps the local rank's graph natively from this release on (upstream PR #2754).
 NATIVE_TORCHMETRICS = Version("1.6.0")
 
@@ -75,12 +77,20 @@ def check_torch(version: str | None) -> Version:
 
 
 def check_torchmetrics(version: str | None) -> Version:
-    """Return the parsed torchmetrics version; raise :class:`UnsupportedVersionError` when it is missing."""
+    """Return the parsed torchmetrics version; raise :class:`UnsupportedVersionError` when it is missing or below
+    0.11 (release part compared, as for torch: ``0.11.0rc1`` is the 0.11 line)."""
     if version is None:
         raise UnsupportedVersionError(
             "torchmetrics_gradpatch patches torchmetrics, which is not installed: pip install torchmetrics."
         )
-    return parse(version, "torchmetrics")
+    parsed = parse(version, "torchmetrics")
+    if Version(parsed.base_version) < MIN_TORCHMETRICS:
+        raise UnsupportedVersionError(
+            f"torchmetrics_gradpatch supports torchmetrics >= {MIN_TORCHMETRICS} only, and torchmetrics {version} is "
+            "installed; nothing was patched. Upgrade torchmetrics (pip install 'torchmetrics>=0.11') or do not "
+            "import torchmetrics_gradpatch."
+        )
+    return parsed
 
 
 def is_native(torchmetrics_version: Version) -> bool:

@@ -1,0 +1,220 @@
+"""The command line's exit contract: every misuse is one message naming what was wrong and what is allowed.
+
+0 success; 1 a check failed or did not finish within ``--timeout`` (saying how to give it more time); 2 a usage
+error -- a bad argument or a bad ``TORCHMETRICS_GRADPATCH_*`` variable, in every command; 3 only "cannot run here"
+(versions refused, no loopback port to listen on, a rank that could not start). Never a traceback. Every run is
+the real CLI in a fresh interpreter; the occupied-ports case fills the ephemeral port range of a private network
+namespace, so the rendezvous really meets EADDRINUSE.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from tests._subprocess import fake_torchmetrics
+from tests.test_cli import cli, console_script, show
+
+NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
+TORCH = importlib.metadata.version("torch")
+
+
+def assert_one_message(proc: subprocess.CompletedProcess[str], status: int, *needles: str) -> None:
+    """Exit ``status``, nothing on stdout, no traceback, and every needle in the message on stderr."""
+    assert proc.returncode == status, show(proc)
+    assert "Traceback" not in proc.stderr and proc.stdout == "", show(proc)
+    for needle in needles:
+        assert needle in proc.stderr, f"{needle!r} missing\n{show(proc)}"
+
+
+# --- environment variables, in every command ---------------------------------------------------------------------
+
+COMMANDS = [["status"], ["status", "--json"], ["check"], ["--version"]]
+BAD_VARIABLES = {
+    "TORCHMETRICS_GRADPATCH_MODE": ("foo", ["TORCHMETRICS_GRADPATCH_MODE='foo'", "local, global"]),
+    "TORCHMETRICS_GRADPATCH_AUTOPATCH": ("maybe", ["TORCHMETRICS_GRADPATCH_AUTOPATCH='maybe'", "use 0", "1"]),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("variable", sorted(BAD_VARIABLES))
+def test_bad_environment_variable_is_a_usage_error_in_every_command(variable: str, command: list[str]) -> None:
+    value, needles = BAD_VARIABLES[variable]
+    proc = cli(*command, env={variable: value})
+    assert_one_message(proc, 2, "torchmetrics-gradpatch: error: ", *needles)
+    assert len(proc.stderr.strip().splitlines()) == 1, show(proc)
+    assert "starting" not in proc.stderr, show(proc)  # refused before any rank was spawned
+
+
+def test_bad_environment_variable_through_the_console_script(tmp_path: Path) -> None:
+    proc = cli("status", env={"TORCHMETRICS_GRADPATCH_MODE": "Globl"}, command=console_script(tmp_path))
+    assert_one_message(proc, 2, "torchmetrics-gradpatch: error: TORCHMETRICS_GRADPATCH_MODE='Globl'", "local, global")
+
+
+def test_bad_environment_variable_still_raises_in_a_program() -> None:
+    """Only the CLI turns it into exit 2: a program's import raises the ValueError naming the variable."""
+    code = "import torchmetrics_gradpatch"
+    proc = cli(command=[sys.executable, "-c", code], env={"TORCHMETRICS_GRADPATCH_MODE": "foo"})
+    assert proc.returncode == 1 and "ValueError: TORCHMETRICS_GRADPATCH_MODE='foo'" in proc.stderr, show(proc)
+
+
+# --- status ---------------------------------------------------------------------------------------------------------
+
+
+def test_status_after_a_plain_import_credits_the_import_not_patch() -> None:
+    """The CLI imports the package and never calls patch(): status must not say patch() put the patch in force."""
+    text = cli("status")
+    assert text.returncode == 0 and "in force:         yes" in text.stdout, show(text)
+    assert "patch() is on" not in text.stdout, show(text)
+    data = json.loads(cli("status", "--json").stdout)
+    assert data["in_force"] and data["mode_from"] != "patch()", data
+
+
+# --- arguments ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-1", "1e12", "86401", "abc", ""])
+def test_timeout_refuses_what_is_not_a_positive_finite_number_up_to_a_day(value: str) -> None:
+    proc = cli("check", f"--timeout={value}")  # "=": argparse would read a bare "-inf" as an option
+    assert_one_message(proc, 2, "argument --timeout", "greater than 0 and at most 86400", repr(value))
+    assert "starting" not in proc.stderr, show(proc)
+
+
+def test_timeout_parses_every_positive_number_up_to_the_maximum() -> None:
+    from torchmetrics_gradpatch._cli import build_parser
+
+    for text, seconds in [("86400", 86400.0), ("1e-3", 0.001), ("120", 120.0), ("2.5", 2.5)]:
+        assert build_parser().parse_args(["check", "--timeout", text]).timeout == seconds
+
+
+def test_the_maximum_timeout_runs_the_checks() -> None:
+    """The harness can wait that long (1e12 s overflowed it): a real run with the maximum passes."""
+    proc = cli("check", "--timeout", "86400")
+    assert proc.returncode == 0 and "all 4 checks passed" in proc.stdout, show(proc)
+
+
+def test_world_size_refuses_what_is_not_a_positive_whole_number() -> None:
+    for value in ("0", "-2", "1.5", "two"):
+        assert_one_message(cli("check", f"--world-size={value}"), 2, "argument --world-size", "at least 1")
+
+
+def test_mode_refuses_a_name_that_is_not_a_mode() -> None:
+    assert_one_message(cli("check", "--mode", "both"), 2, "argument --mode", "'both'", "'local', 'global'")
+
+
+def test_unknown_compile_backend_is_a_usage_error_naming_torchs_backends() -> None:
+    proc = cli("check", "--compile", "no_such_backend")
+    assert_one_message(proc, 2, "argument --compile", "'no_such_backend'", f"torch {TORCH}", "eager", "inductor")
+    assert "starting" not in proc.stderr, show(proc)  # refused before any rank was spawned
+
+
+def test_compile_defaults_to_the_eager_backend_and_takes_inductor_by_name() -> None:
+    from torchmetrics_gradpatch._cli import build_parser
+
+    assert build_parser().parse_args(["check", "--compile"]).compile == "eager"
+    assert build_parser().parse_args(["check", "--compile", "inductor"]).compile == "inductor"
+    assert build_parser().parse_args(["check"]).compile is None
+
+
+# --- the run: timeouts are not "cannot run here" -------------------------------------------------------------------
+
+
+def test_a_run_that_times_out_while_the_ranks_start_says_so_and_how_to_give_more_time() -> None:
+    proc = cli("check", "--timeout", "0.5")
+    assert_one_message(proc, 1, "did not finish within --timeout 0.5 s", "still starting", "--timeout SECONDS")
+    assert "cannot run here" not in proc.stderr and "could not" not in proc.stderr, show(proc)
+
+
+def test_a_run_that_times_out_in_the_checks_says_the_ranks_had_started() -> None:
+    """inductor compiles for minutes on these cores: 30 s lets the ranks start (a few seconds) but not finish."""
+    proc = cli("check", "--compile", "inductor", "--timeout", "30")
+    assert_one_message(proc, 1, "did not finish within --timeout 30 s", "had started", "--timeout SECONDS")
+    assert "--compile eager" in proc.stderr and "rank 0 was at File" in proc.stderr, show(proc)
+    assert "cannot run here" not in proc.stderr and "could not start" not in proc.stderr, show(proc)
+
+
+@pytest.mark.parametrize(
+    ("details", "status", "says"),
+    [
+        ('File "/x/_checks.py", line 9 in _run_one\nprocess was killed by SIGSEGV', 1, "while running the checks"),
+        ("process exited with code 1 without returning", 3, "cannot run here: rank 1 died before the checks"),
+    ],
+    ids=["inside-a-check", "before-the-checks"],
+)
+def test_a_rank_that_died_is_cannot_run_here_only_before_the_checks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], details: str, status: int, says: str
+) -> None:
+    """The runner's report decides: a rank that crashed inside a check failed it (1); one that never got there is 3."""
+    from torchmetrics_gradpatch import testing
+    from torchmetrics_gradpatch._cli import main
+
+    def dying_runner(*args: object, **kwargs: object) -> None:
+        raise testing.RankError(1, "died", details)
+
+    monkeypatch.setattr(testing, "spawn_ranks", dying_runner)
+    assert main(["check"]) == status
+    err = capsys.readouterr().err
+    assert says in err and details in err, err
+
+
+# --- cannot run here --------------------------------------------------------------------------------------------
+
+OCCUPY_AND_RUN = """
+import socket, subprocess, sys
+low, high = (int(port) for port in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+held = []
+for port in range(low, high + 1):  # every port the kernel could hand out for port 0
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    held.append(sock)
+sys.exit(subprocess.run([sys.executable, "-m", "torchmetrics_gradpatch", "check"]).returncode)
+"""
+
+
+def test_occupied_ports_are_cannot_run_here(tmp_path: Path) -> None:
+    """In a private network namespace whose two ephemeral ports are both taken, the rendezvous cannot listen."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--net", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a network namespace here (no unshare, or not permitted)")
+    script = tmp_path / "occupy_and_run.py"
+    script.write_text(textwrap.dedent(OCCUPY_AND_RUN))
+    shell = (
+        "ip link set lo up && echo '50000 50001' > /proc/sys/net/ipv4/ip_local_port_range && "
+        f"exec {shlex.quote(sys.executable)} {shlex.quote(str(script))}"
+    )
+    proc = cli(command=[unshare, "--net", "sh", "-c", shell])
+    assert_one_message(proc, 3, "cannot run here", "loopback port", "address already in use")
+
+
+def test_torchmetrics_below_0_11_is_cannot_run_here(tmp_path: Path) -> None:
+    fake = fake_torchmetrics(tmp_path / "old", "0.10.3", signature="result, group=None")
+    for command in (["check"], ["status"]):
+        proc = cli(*command, pythonpath=[fake])
+        assert_one_message(proc, 3, "cannot run with torch", "torchmetrics 0.10.3", "torchmetrics >= 0.11")
+
+
+# --- check --compile on native torchmetrics: compile_support() is never switched on silently ------------------------
+
+
+def test_check_compile_says_whether_a_compiled_metric_loss_needs_compile_support() -> None:
+    proc = cli("check", "--compile", timeout=900)
+    assert proc.returncode == 0, show(proc)
+    assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, show(proc)
+    assert "all 4 checks passed" in proc.stdout, show(proc)
+    if not NATIVE:  # the trampoline is installed in local mode anyway: nothing to say about compile_support()
+        assert "compile_support" not in proc.stdout, show(proc)
+        return
+    # torchmetrics >= 1.6: its own gather is traced, and gloo refuses the sum state's 0-d tensors (docs/design.md)
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("Metric loss, sum state"))
+    assert row.rstrip().endswith("with compile_support() only"), show(proc)
+    assert "needs compile_support()" in proc.stdout and "allgather" in proc.stdout, show(proc)
