@@ -9,6 +9,7 @@ data (each rank regenerates every rank's data from the same seeds).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-import torchmetrics_gradpatch as tg
 from torchmetrics_gradpatch import _fused
 
 ORIGINAL_SYNC_DIST = Metric.__dict__["_sync_dist"]
@@ -152,3 +152,209 @@ def test_values_bit_identical_and_two_collectives(world_size: int, case: str) ->
     assert calls() - before == 2
     for name, value in states(expected).items():
         assert same(getattr(fused, name), value), (name, getattr(fused, name), value)
+
+
+def test_install_restores_the_identical_original() -> None:
+    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+    _fused.install("fused")
+    try:
+        replacement = Metric.__dict__["_sync_dist"]
+        assert replacement is not ORIGINAL_SYNC_DIST and _fused.installed()
+        assert replacement.__defaults__ == ORIGINAL_SYNC_DIST.__defaults__  # torchmetrics' gather stays the default
+        _fused.install("fused")  # idempotent: not wrapped twice
+        assert Metric.__dict__["_sync_dist"] is replacement
+    finally:
+        _fused.uninstall()
+    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.installed()
+    _fused.install("torchmetrics")  # the default strategy: nothing installed
+    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+    with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
+        _fused.install("fast")
+
+
+def real_metrics(rank: int) -> dict[str, tuple[Callable[[], Metric], tuple[torch.Tensor, ...]]]:
+    """Real torchmetrics Metrics and rank ``rank``'s (uneven) batch for each."""
+    from torchmetrics.classification import MulticlassAccuracy
+    from torchmetrics.regression import MeanSquaredError, SpearmanCorrCoef
+
+    n = 4 + rank
+    generator = torch.Generator().manual_seed(rank)
+    regression = (torch.randn(n, generator=generator), torch.randn(n, generator=generator))
+    classes = (torch.randn(n, 5, generator=generator).softmax(-1), torch.randint(0, 5, (n,), generator=generator))
+    return {
+        "MeanSquaredError": (MeanSquaredError, regression),
+        "MulticlassAccuracy(macro)": (lambda: MulticlassAccuracy(num_classes=5, average="macro"), classes),
+        "SpearmanCorrCoef (cat lists)": (SpearmanCorrCoef, regression),
+    }
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("name", ["MeanSquaredError", "MulticlassAccuracy(macro)", "SpearmanCorrCoef (cat lists)"])
+def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
+    make, batch = real_metrics(dist.get_rank())[name]
+    expected, fused, custom = make(), make(), make()
+    for metric in (expected, fused, custom):
+        metric.update(*batch)
+        metric.update(*batch)  # two updates: cat lists hold two tensors
+    before = calls()
+    expected.sync()
+    tm_calls = calls() - before
+    _fused.install("fused")
+    try:
+        before = calls()
+        fused.sync()  # Metric.sync -> _sync_dist(torchmetrics' gather): fused
+        assert calls() - before == 2
+        before = calls()
+        custom.sync(dist_sync_fn=lambda t, group=None: gather_all_tensors(t, group))  # a custom function
+        assert calls() - before == tm_calls  # torchmetrics' own path
+    finally:
+        _fused.uninstall()
+    for name_, value in states(expected).items():
+        assert same(getattr(fused, name_), value), name_
+        assert same(getattr(custom, name_), value), name_
+
+
+@pytest.mark.ranks(3, reuse=True, timeout=60)
+def test_subgroup() -> None:
+    rank = dist.get_rank()
+    group = dist.new_group([0, 2])
+    if rank == 1:
+        return  # not a member: it takes part in new_group only
+    case = STATE_CASES["cat list states"] + STATE_CASES["builtin reductions, float32 n-d"]
+    expected, fused = build(rank // 2, case), build(rank // 2, case)
+    torchmetrics_sync(expected, group)
+    before, world_before = calls(group), calls()
+    _fused.fused_sync(fused, process_group=group)
+    assert (calls(group) - before, calls() - world_before) == (2, 0)
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), name
+
+
+class OwnSync(Probe):
+    """Overrides ``_sync_dist`` and calls ``super()`` (as MeanAveragePrecision does), then post-processes."""
+
+    def _sync_dist(self, dist_sync_fn: Any = gather_all_tensors, process_group: Any = None) -> None:
+        super()._sync_dist(dist_sync_fn=dist_sync_fn, process_group=process_group)
+        self.extra = self.s0 * 2
+
+
+@pytest.mark.parametrize("world_size", worlds(2))
+def test_override_calling_super(world_size: int) -> None:
+    rank = dist.get_rank()
+    case = STATE_CASES["builtin reductions, 0-d"] + STATE_CASES["dist_reduce_fx=None lists"]
+    specs = {f"s{i}": (torch.zeros(()) if k == "tensor" else [], r) for i, (r, k, _, _) in enumerate(case)}
+    expected, fused = OwnSync(specs), OwnSync(specs)
+    for metric in (expected, fused):
+        for name, value in states(build(rank, case)).items():
+            setattr(metric, name, value)
+    expected.sync()
+    _fused.install("fused")
+    try:
+        before = calls()
+        fused.sync()
+        assert calls() - before == 2
+    finally:
+        _fused.uninstall()
+    for name, value in [*states(expected).items(), ("extra", expected.extra)]:
+        assert same(getattr(fused, name), value), name
+
+
+class WeightedLoss(Metric):
+    """A loss whose value depends on every state kind and on the order of the gathered samples."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__(dist_sync_on_step=True)
+        self.add_state("sse", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("largest", torch.tensor(-1e9, dtype=torch.float64), dist_reduce_fx="max")
+        self.add_state("preds", [], dist_reduce_fx="cat")
+        self.add_state("sums", [], dist_reduce_fx=None)
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.sse = self.sse + ((preds - target) ** 2).sum()
+        self.n = self.n + preds.numel()
+        self.largest = torch.maximum(self.largest, preds.max())
+        self.preds.append(preds.reshape(-1, 1) * 1.0)  # 2-d cat rows
+        self.sums.append(preds.sum().reshape(1))
+
+    def compute(self) -> torch.Tensor:
+        return weighted(self.sse, self.n, self.largest, _cat(self.preds), self.sums)
+
+
+def _cat(x: Any) -> torch.Tensor:
+    return torch.cat(x) if isinstance(x, list) else x
+
+
+def weighted(sse: torch.Tensor, n: torch.Tensor, largest: torch.Tensor, rows: torch.Tensor, sums: Any) -> torch.Tensor:
+    order = torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype).reshape(-1, 1)
+    lists = sum(((i + 2) * s.sum() for i, s in enumerate(sums)), torch.zeros((), dtype=rows.dtype))
+    return sse / n + 0.5 * largest + (order * rows**3).sum() / 10 + lists
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s uneven batch: ``2 + rank`` samples."""
+    generator = torch.Generator().manual_seed(rank + 7)
+    n = 2 + rank
+    return torch.randn(n, generator=generator, dtype=torch.float64), torch.randn(
+        n, generator=generator, dtype=torch.float64
+    )
+
+
+def reference_grads(world_size: int) -> list[torch.Tensor]:
+    """The gradient of the same loss over every rank's samples, in one process, split by rank."""
+    batches = [batch(r) for r in range(world_size)]
+    preds = [p.clone().requires_grad_() for p, _ in batches]
+    targets = torch.cat([t for _, t in batches])
+    everything = torch.cat(preds)
+    loss = weighted(
+        ((everything - targets) ** 2).sum(),
+        torch.tensor(everything.numel()),
+        everything.max(),
+        everything.reshape(-1, 1),
+        [p.sum().reshape(1) for p in preds],
+    )
+    loss.backward()
+    return [p.grad for p in preds]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_gradients_against_one_process(world_size: int, mode: str) -> None:
+    rank = dist.get_rank()
+    preds, target = batch(rank)
+    preds.requires_grad_()
+    _fused.install("fused", mode=mode)
+    try:
+        metric = WeightedLoss()
+        before = calls()
+        loss = metric(preds, target)
+        assert calls() - before == 2
+        before = calls()
+        loss.backward()
+        assert calls() - before == (1 if mode == "global" else 0)  # one backward collective for every state
+    finally:
+        _fused.uninstall()
+    scale = world_size if mode == "global" else 1  # global: every rank's (equal) loss reaches every rank's preds
+    torch.testing.assert_close(preds.grad, scale * reference_grads(world_size)[rank], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
+    rank = dist.get_rank()
+    preds, target = batch(rank)
+    if rank != 1:
+        preds.requires_grad_()  # rank 1's states have no graph: it still takes part in the backward
+    _fused.install("fused", mode="global")
+    try:
+        loss = WeightedLoss()(preds, target)
+        assert loss.requires_grad
+        before = calls()
+        loss.backward()
+        assert calls() - before == 1
+    finally:
+        _fused.uninstall()
+    if rank != 1:
+        expected = world_size * reference_grads(world_size)[rank]
+        torch.testing.assert_close(preds.grad, expected, rtol=1e-12, atol=1e-12)

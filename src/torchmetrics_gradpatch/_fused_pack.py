@@ -150,7 +150,10 @@ def layout(states: Sequence[State], start: int) -> tuple[list[list[int]], int]:
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s memory as a flat ``uint8`` tensor (a view when it is contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # expanded gradients (stride 0) pass is_contiguous at one element
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def pack(
