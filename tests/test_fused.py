@@ -358,3 +358,27 @@ def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
     if rank != 1:
         expected = world_size * reference_grads(world_size)[rank]
         torch.testing.assert_close(preds.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_description_round_trip_and_alignment() -> None:
+    from torchmetrics_gradpatch import _fused_pack as fp
+
+    tensors = [
+        torch.ones((), dtype=torch.bool),
+        torch.ones(3, dtype=torch.float16),
+        torch.ones(2, 2, dtype=torch.complex128),
+    ]
+    described = [
+        fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0]),)),
+        fp.State(fp.KIND_LIST, tuple(fp.piece_of(t.requires_grad_(t.is_floating_point())) for t in tensors[1:])),
+        fp.State(fp.KIND_LIST, (fp.piece_of(torch.tensor([])),), placeholder=True),
+    ]
+    words = fp.encode(described)
+    assert fp.decode(words) == described and len(words) % 2 == 0
+    offsets, size = fp.layout(described, 8 * len(words))
+    assert all(o % fp.ALIGN == 0 for state in offsets for o in state) and size % fp.ALIGN == 0
+    buffer = fp.pack(words, [[tensors[0]], tensors[1:], [torch.tensor([])]], offsets, size + 32, torch.device("cpu"))
+    assert fp.words_of(buffer, len(words)) == words
+    unpacked = fp.unpack(buffer, described, offsets)
+    assert same(unpacked[0][0], tensors[0]) and same(unpacked[1], tensors[1:]) and unpacked[2][0].shape == (0,)
+    assert not buffer[size:].any()  # padding is zeros, not this process's memory

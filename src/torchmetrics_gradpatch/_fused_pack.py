@@ -21,6 +21,7 @@ fixed list, so they mean the same on every rank even where a torch lacks some dt
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,10 @@ __all__ = [
     "gather_payloads",
     "layout",
     "pack",
+    "piece_of",
+    "sendable",
     "unpack",
+    "words_of",
 ]
 
 FORMAT = 0x7467_6673_0001  # "tgfs", format 1: a rank running another format is told so, not misread
@@ -66,7 +70,15 @@ _DTYPES: dict[int, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in _DTYPES.items()}
-_SIZES: dict[torch.dtype, int] = {dtype: torch._utils._element_size(dtype) for dtype in _CODES}
+
+
+def _size(dtype: torch.dtype) -> int:
+    with warnings.catch_warnings():  # complex32: "ComplexHalf support is experimental"
+        warnings.simplefilter("ignore")
+        return torch.empty((), dtype=dtype).element_size()
+
+
+_SIZES: dict[torch.dtype, int] = {dtype: _size(dtype) for dtype in _CODES}
 UNKNOWN_DTYPE = -1
 
 
@@ -94,6 +106,11 @@ class State:
     kind: int
     pieces: tuple[Piece, ...]
     placeholder: bool = False
+
+
+def sendable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or an empty stand-in when its dtype is unknown to the format (described, refused, never sent)."""
+    return tensor if tensor.dtype in _CODES else torch.empty(0, dtype=torch.uint8)
 
 
 def piece_of(tensor: torch.Tensor) -> Piece:

@@ -199,7 +199,8 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     with torch.no_grad():
         rows = fp.gather_headers([len(words), size, flags, _fingerprint(metric, states)], resolved, world_size, device)
         _check_headers(metric, rows, mode)
-        payload = fp.pack(words, [s.tensors for s in states], offsets, max(row[2] for row in rows), device)
+        sent = [[fp.sendable(t) for t in s.tensors] for s in states]
+        payload = fp.pack(words, sent, offsets, max(row[2] for row in rows), device)
         buffers = fp.gather_payloads(payload, resolved, world_size)
         del payload
         every: list[list[fp.State]] = []
