@@ -9,6 +9,7 @@ data (each rank regenerates every rank's data from the same seeds).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -382,3 +383,23 @@ def test_description_round_trip_and_alignment() -> None:
     unpacked = fp.unpack(buffer, described, offsets)
     assert same(unpacked[0][0], tensors[0]) and same(unpacked[1], tensors[1:]) and unpacked[2][0].shape == (0,)
     assert not buffer[size:].any()  # padding is zeros, not this process's memory
+
+
+@pytest.mark.parametrize("world_size", worlds(2))
+def test_global_mode_graph_keeps_no_receive_buffer(world_size: int) -> None:
+    import gc
+
+    rank = dist.get_rank()
+    metric = Probe({"x": ([], "cat")})
+    metric.x = [torch.randn(100_000 + rank, dtype=torch.float64, requires_grad=True)]
+    _fused.fused_sync(metric, mode="global")
+    assert metric.x.requires_grad
+    gc.collect()
+    # a receive buffer holds one rank's payload: 64 bytes of description, then the largest rank's 100,001 float64
+    # values aligned to 16 bytes; anything viewing it (as any dtype) shares its storage of exactly that size
+    payload = 64 + 800_016
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on torch's deprecated module attributes warns
+        held = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == payload]
+    assert held == []  # the synced state's graph needs shapes and dtypes only
+    metric.x.sum().backward()

@@ -32,7 +32,7 @@ __all__ = ["Entry", "Plan", "apply"]
 @dataclass(frozen=True)
 class Entry:
     """One differentiable entry: its owner rank, the gathered copy (a view of the receive buffer), whether the
-    output must own its memory (it outlives the sync as list-state content), and its dtype and shape."""
+    output must own its memory (it outlives the sync as list-state content)."""
 
     owner: int
     value: torch.Tensor
@@ -51,63 +51,78 @@ class Plan:
     device: torch.device
 
 
-def _offsets(values: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+@dataclass(frozen=True)
+class _Shape:
+    """What the backward needs of an entry: its owner, dtype and shape (never the gathered data: a graph that
+    outlives the sync must not keep the receive buffers alive)."""
+
+    owner: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _offsets(items: Sequence[_Shape]) -> tuple[list[int], int]:
     offsets, at = [], 0
-    for value in values:
+    for item in items:
         offsets.append(at)
-        at += -(-value.numel() * value.element_size() // ALIGN) * ALIGN
+        at += -(-item.nbytes // ALIGN) * ALIGN
     return offsets, at
 
 
 class _FusedGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: Plan, leaf: torch.Tensor | None, *own: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.plan = plan
+        ctx.shapes = [_Shape(e.owner, e.value.dtype, e.value.shape) for e in plan.entries]
+        ctx.rank, ctx.world_size, ctx.group, ctx.device = plan.rank, plan.world_size, plan.group, plan.device
         ctx.set_materialize_grads(False)  # an entry the loss does not use sends zeros without a gradient tensor
         return tuple(entry.value.clone() if entry.copy else entry.value for entry in plan.entries)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        plan: Plan = ctx.plan
-        by_owner: list[list[tuple[Entry, torch.Tensor | None]]] = [[] for _ in range(plan.world_size)]
-        for entry, grad in zip(plan.entries, grads, strict=True):
-            by_owner[entry.owner].append((entry, grad))
-        mine = by_owner[plan.rank]
-        own_offsets, own_size = _offsets([entry.value for entry, _ in mine])
+        rank, world_size = ctx.rank, ctx.world_size
+        by_owner: list[list[tuple[_Shape, torch.Tensor | None]]] = [[] for _ in range(world_size)]
+        for item, grad in zip(ctx.shapes, grads, strict=True):
+            by_owner[item.owner].append((item, grad))
+        mine = by_owner[rank]
+        own_offsets, own_size = _offsets([item for item, _ in mine])
         totals: list[torch.Tensor | None] = [grad for _, grad in mine]  # this rank's own gradient first
-        if plan.world_size > 1:
+        if world_size > 1:
             send_splits, pieces = [], []
             for owner, items in enumerate(by_owner):
-                offsets, size = _offsets([entry.value for entry, _ in items])
-                send_splits.append(0 if owner == plan.rank else size)
-                if owner != plan.rank:
+                offsets, size = _offsets([item for item, _ in items])
+                send_splits.append(0 if owner == rank else size)
+                if owner != rank:
                     pieces.append((items, offsets, size))
-            send = torch.empty(sum(send_splits), dtype=torch.uint8, device=plan.device)
+            send = torch.empty(sum(send_splits), dtype=torch.uint8, device=ctx.device)
             at = 0
             for items, offsets, size in pieces:
-                for (entry, grad), offset in zip(items, offsets, strict=True):
-                    target = send[at + offset : at + offset + entry.value.numel() * entry.value.element_size()]
+                for (item, grad), offset in zip(items, offsets, strict=True):
+                    target = send[at + offset : at + offset + item.nbytes]
                     if grad is None:
                         target.zero_()
                     else:
-                        target.copy_(as_bytes(grad.to(entry.value.dtype)))
+                        target.copy_(as_bytes(grad.to(item.dtype)))
                 at += size
-            receive_splits = [0 if owner == plan.rank else own_size for owner in range(plan.world_size)]
-            received = torch.empty(sum(receive_splits), dtype=torch.uint8, device=plan.device)
-            dist.all_to_all_single(received, send, receive_splits, send_splits, group=plan.group)
-            for source in range(plan.world_size - 1):  # every other rank's gradients for this rank's tensors
+            receive_splits = [0 if owner == rank else own_size for owner in range(world_size)]
+            received = torch.empty(sum(receive_splits), dtype=torch.uint8, device=ctx.device)
+            dist.all_to_all_single(received, send, receive_splits, send_splits, group=ctx.group)
+            for source in range(world_size - 1):  # every other rank's gradients for this rank's tensors
                 base = source * own_size
-                for k, ((entry, _), offset) in enumerate(zip(mine, own_offsets, strict=True)):
-                    nbytes = entry.value.numel() * entry.value.element_size()
-                    piece = received[base + offset : base + offset + nbytes].view(entry.value.dtype)
-                    piece = piece.view(entry.value.shape)
+                for k, ((item, _), offset) in enumerate(zip(mine, own_offsets, strict=True)):
+                    piece = received[base + offset : base + offset + item.nbytes].view(item.dtype).view(item.shape)
                     total = totals[k]
                     totals[k] = piece.clone() if total is None else total + piece
         needs = ctx.needs_input_grad[2:]
         inputs = [
-            (total if total is not None else torch.zeros_like(entry.value)) if need else None
-            for (entry, _), total, need in zip(mine, totals, needs, strict=True)
+            (total if total is not None else torch.zeros(item.shape, dtype=item.dtype, device=ctx.device))
+            if need
+            else None
+            for (item, _), total, need in zip(mine, totals, needs, strict=True)
         ]
         return (None, None, *inputs)
 
