@@ -403,3 +403,23 @@ def test_global_mode_graph_keeps_no_receive_buffer(world_size: int) -> None:
         held = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == payload]
     assert held == []  # the synced state's graph needs shapes and dtypes only
     metric.x.sum().backward()
+
+
+def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
+    import torchmetrics_gradpatch as tg
+
+    was_patched = tg.is_patched()
+    try:
+        tg.patch(sync="fused")
+        assert _fused.installed()
+        tg.patch()  # TORCHMETRICS_GRADPATCH_SYNC unset: torchmetrics' own sync
+        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        tg.patch(sync="fused")
+        tg.unpatch()
+        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
+            tg.patch(sync="fast")
+    finally:
+        _fused.uninstall()
+        if was_patched:
+            tg.patch()
