@@ -33,18 +33,19 @@ from typing import Any, TypeVar, cast, overload
 
 import wrapt
 
-from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch import _engine, _fused
 from torchmetrics_gradpatch._modes import MODES, check_mode
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 AUTOPATCH_ENV = "TORCHMETRICS_GRADPATCH_AUTOPATCH"
 MODE_ENV = "TORCHMETRICS_GRADPATCH_MODE"
+SYNC_ENV = "TORCHMETRICS_GRADPATCH_SYNC"
 _TRUE = {"", "1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def patch(mode: str | None = None) -> None:
+def patch(mode: str | None = None, sync: str | None = None) -> None:
     """Put the graph-preserving gather in force until :func:`unpatch`. Idempotent.
 
     Args:
@@ -54,16 +55,23 @@ def patch(mode: str | None = None) -> None:
     In local mode on a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed; the
     global mode is installed on every torchmetrics. If torchmetrics is not imported yet, the patch lands the
     moment ``torchmetrics.utilities.distributed`` is imported.
+
+    ``sync``: ``"torchmetrics"`` (its own collectives) or ``"fused"`` (two collectives per Metric sync,
+    docs/fused-sync.md); ``None`` means ``TORCHMETRICS_GRADPATCH_SYNC``, else ``"torchmetrics"``.
     """
+    chosen = sync_requested() if sync is None else _fused.check_sync(sync)
     _engine.set_manual(True, None if mode is None else check_mode(mode))
+    _fused.install(chosen, mode=lambda: _engine.snapshot().mode)
 
 
 def unpatch() -> None:
     """Switch off what :func:`patch` switched on (open ``patched()`` blocks stay in force). Idempotent.
 
-    Once nothing holds the patch in force, torchmetrics' gather gets back its original code object.
+    Once nothing holds the patch in force, torchmetrics' gather gets back its original code object; the fused
+    sync, if on, is switched off (``Metric._sync_dist`` is torchmetrics' own function object again).
     """
     _engine.set_manual(False)
+    _fused.uninstall()
 
 
 def is_patched() -> bool:
@@ -366,6 +374,17 @@ def mode_requested() -> str:
             f"{MODE_ENV}={raw!r} is not a gradient mode; use one of: {allowed}, in any case (unset means local). "
             "See the README section 'Gradient modes'."
         ) from None
+
+
+def sync_requested() -> str:
+    """Read ``TORCHMETRICS_GRADPATCH_SYNC`` (unset or blank: ``"torchmetrics"``); a bad value names the variable."""
+    raw = os.environ.get(SYNC_ENV, "")
+    if not raw.strip():
+        return "torchmetrics"
+    try:
+        return _fused.check_sync(raw)
+    except ValueError:
+        raise ValueError(f"{SYNC_ENV}={raw!r} is not a sync strategy; use one of: {', '.join(_fused.SYNCS)}.") from None
 
 
 # The default mode is read once, when the package is imported; an invalid value makes the import fail.

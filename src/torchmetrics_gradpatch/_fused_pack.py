@@ -1,0 +1,234 @@
+"""The fused sync's wire format: a description of a Metric's states, one byte buffer for their data, two collectives.
+
+What one rank sends
+-------------------
+* A **header** of :data:`HEADER_WORDS` int64 words, the same size on every rank: a format tag, the length of the
+  rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad) and a
+  fingerprint of the Metric (class and state names, each state's reduction).
+* A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
+  :data:`ALIGN` so that it can be viewed back as its dtype in place.
+
+``all_gather`` needs the same size on every rank, and a description's size depends on what the rank holds (list
+lengths, numbers of dimensions). So the fixed-size header goes first (collective 1) and tells every rank every
+payload's size; each rank then pads its payload to the largest and one ``all_gather`` moves every description and
+every byte of data at once (collective 2). A sync therefore costs two collectives whatever the states, and every
+rank decides what to do next from the same gathered headers and descriptions.
+
+The description, per state: ``[kind, placeholder, n_pieces]`` then per piece ``[dtype code, requires_grad, ndim,
+*shape]``. A tensor state is one piece; a list state is its elements. Dtype codes index :data:`_DTYPE_NAMES`, a
+fixed list, so they mean the same on every rank even where a torch lacks some dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ALIGN",
+    "HEADER_WORDS",
+    "KIND_LIST",
+    "KIND_OTHER",
+    "KIND_TENSOR",
+    "Piece",
+    "State",
+    "decode",
+    "encode",
+    "gather_headers",
+    "gather_payloads",
+    "layout",
+    "pack",
+    "piece_of",
+    "sendable",
+    "unpack",
+    "words_of",
+]
+
+FORMAT = 0x7467_6673_0001  # "tgfs", format 1: a rank running another format is told so, not misread
+HEADER_WORDS = 5
+ALIGN = 16  # every piece starts at a multiple of this, so its bytes can be viewed as any dtype (complex128: 16)
+FLAG_GRAD_MODE = 1
+FLAG_REQUIRES_GRAD = 2
+
+KIND_TENSOR = 0
+KIND_LIST = 1
+KIND_OTHER = 2  # neither a tensor nor a list of tensors: refused on every rank, see _fused_sync
+
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+    "complex32", "complex64", "complex128", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)  # fmt: skip
+_DTYPES: dict[int, torch.dtype] = {
+    code: getattr(torch, name)
+    for code, name in enumerate(_DTYPE_NAMES)
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in _DTYPES.items()}
+
+
+def _size(dtype: torch.dtype) -> int:
+    with warnings.catch_warnings():  # complex32: "ComplexHalf support is experimental"
+        warnings.simplefilter("ignore")
+        return torch.empty((), dtype=dtype).element_size()
+
+
+_SIZES: dict[torch.dtype, int] = {dtype: _size(dtype) for dtype in _CODES}
+UNKNOWN_DTYPE = -1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor as the description gives it: dtype (``None``: unknown to the format), shape, requires_grad."""
+
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * (_SIZES[self.dtype] if self.dtype is not None else 0)
+
+
+@dataclass(frozen=True)
+class State:
+    """One state as the description gives it: its kind, its pieces, and whether its one piece is the placeholder
+    torchmetrics puts in for an empty ``cat`` list (so it is no data of this rank's)."""
+
+    kind: int
+    pieces: tuple[Piece, ...]
+    placeholder: bool = False
+
+
+def sendable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or an empty stand-in when its dtype is unknown to the format (described, refused, never sent)."""
+    return tensor if tensor.dtype in _CODES else torch.empty(0, dtype=torch.uint8)
+
+
+def piece_of(tensor: torch.Tensor) -> Piece:
+    """The description of ``tensor``."""
+    return Piece(tensor.dtype if tensor.dtype in _CODES else None, tuple(tensor.shape), tensor.requires_grad)
+
+
+def encode(states: Sequence[State]) -> list[int]:
+    """The description as int64 words (see the module docstring), padded to an even count (``ALIGN`` bytes)."""
+    words = [len(states)]
+    for state in states:
+        words += [state.kind, int(state.placeholder), len(state.pieces)]
+        for piece in state.pieces:
+            code = UNKNOWN_DTYPE if piece.dtype is None else _CODES[piece.dtype]
+            words += [code, int(piece.requires_grad), len(piece.shape), *piece.shape]
+    if len(words) % 2:
+        words.append(0)
+    return words
+
+
+def decode(words: Sequence[int]) -> list[State]:
+    """The inverse of :func:`encode` (trailing padding ignored)."""
+    states: list[State] = []
+    at = 1
+    for _ in range(words[0]):
+        kind, placeholder, count = words[at : at + 3]
+        at += 3
+        pieces = []
+        for _ in range(count):
+            code, requires_grad, ndim = words[at : at + 3]
+            shape = tuple(words[at + 3 : at + 3 + ndim])
+            at += 3 + ndim
+            pieces.append(Piece(_DTYPES.get(code), shape, bool(requires_grad)))
+        states.append(State(kind, tuple(pieces), bool(placeholder)))
+    return states
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(states: Sequence[State], start: int) -> tuple[list[list[int]], int]:
+    """Each piece's byte offset in the payload (pieces from ``start`` on, each aligned), and the payload's size."""
+    offsets: list[list[int]] = []
+    at = _aligned(start)
+    for state in states:
+        mine = []
+        for piece in state.pieces:
+            mine.append(at)
+            at = _aligned(at + piece.nbytes)
+        offsets.append(mine)
+    return offsets, at
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory as a flat ``uint8`` tensor (a view when it is contiguous)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # expanded gradients (stride 0) pass is_contiguous at one element
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
+def pack(
+    words: Sequence[int],
+    tensors: Sequence[Sequence[torch.Tensor]],
+    offsets: Sequence[Sequence[int]],
+    size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's payload in a buffer of ``size`` bytes: its description, then each tensor's bytes at its offset.
+
+    The one copy of the local states' bytes that the fused sync makes; padding bytes are zeroed, not left
+    uninitialised, so nothing of this process's memory travels.
+    """
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    head = torch.tensor(list(words), dtype=torch.int64).view(torch.uint8)
+    buffer[: head.numel()].copy_(head)
+    end = head.numel()
+    for state_tensors, state_offsets in zip(tensors, offsets, strict=True):
+        for tensor, offset in zip(state_tensors, state_offsets, strict=True):
+            if offset > end:
+                buffer[end:offset].zero_()
+            data = as_bytes(tensor)
+            buffer[offset : offset + data.numel()].copy_(data)
+            end = offset + data.numel()
+    buffer[end:].zero_()
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, states: Sequence[State], offsets: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
+    """Every piece of one rank's payload viewed back as its dtype and shape (views into ``buffer``, no copy)."""
+    out: list[list[torch.Tensor]] = []
+    for state, state_offsets in zip(states, offsets, strict=True):
+        out.append(
+            [
+                buffer[offset : offset + piece.nbytes].view(piece.dtype).view(piece.shape)
+                for piece, offset in zip(state.pieces, state_offsets, strict=True)
+                if piece.dtype is not None
+            ]
+        )
+    return out
+
+
+def gather_headers(header: Sequence[int], group: Any, world_size: int, device: torch.device) -> list[list[int]]:
+    """Collective 1: every rank's header, in group-rank order."""
+    mine = torch.tensor([FORMAT, *header], dtype=torch.int64, device=device)
+    received = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(received, mine, group)
+    return torch.stack(received).tolist()
+
+
+def gather_payloads(buffer: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:
+    """Collective 2: every rank's payload (all padded to the same size), in group-rank order."""
+    received = [torch.empty_like(buffer) for _ in range(world_size)]
+    dist.all_gather(received, buffer, group)
+    return received
+
+
+def words_of(buffer: torch.Tensor, count: int) -> list[int]:
+    """The first ``count`` int64 words of a payload: its description."""
+    return buffer[: 8 * count].view(torch.int64).tolist()

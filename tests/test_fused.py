@@ -1,0 +1,425 @@
+"""The fused sync against torchmetrics' own sync, on real gloo ranks: values bit for bit, two collectives, gradients.
+
+Each rank builds the same Metric twice from the same data, syncs one with torchmetrics' own ``_sync_dist`` (the
+original method, with torchmetrics' gather) and the other with the fused sync, and compares every state's dtype,
+shape and bytes. Collectives are counted with the process group's sequence number, which counts every collective
+whatever API issued it. Gradients are checked against the same loss computed in one process from every rank's
+data (each rank regenerates every rank's data from the same seeds).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from torchmetrics_gradpatch import _fused
+
+ORIGINAL_SYNC_DIST = Metric.__dict__["_sync_dist"]
+
+
+def calls(group: Any = None) -> int:
+    """The number of collectives ``group`` (default: the world) has issued so far."""
+    group = dist.distributed_c10d._get_default_group() if group is None else group
+    return int(group._get_sequence_number_for_group())
+
+
+class Probe(Metric):
+    """A Metric whose states are whatever ``specs`` says: name -> (default, dist_reduce_fx)."""
+
+    full_state_update = False
+
+    def __init__(self, specs: dict[str, tuple[Any, Any]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name, (default, reduction) in specs.items():
+            self.add_state(name, default=default, dist_reduce_fx=reduction)
+
+    def update(self) -> None:  # states are set directly by the tests
+        pass
+
+    def compute(self) -> None:
+        pass
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit for bit: the same type, and for tensors the same dtype, shape and bytes (lists element by element)."""
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def values(rank: int, seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s data for one state: reproducible on every rank."""
+    generator = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-50, 50, shape, generator=generator).to(dtype)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def prod0(x: torch.Tensor) -> torch.Tensor:  # a custom reduction on a stacked tensor state
+    return x.prod(dim=0)
+
+
+def sum_list(xs: list[torch.Tensor]) -> torch.Tensor:  # a custom reduction on a list state
+    return torch.stack([x.sum() for x in xs]).sum()
+
+
+# name -> (reduction, kind, dtype, shape); kind "tensor" or "list:<lengths by rank>"
+STATE_CASES: dict[str, list[tuple[Any, str, torch.dtype, tuple[int, ...]]]] = {
+    "builtin reductions, float32 n-d": [(r, "tensor", torch.float32, (3, 4)) for r in ("sum", "mean", "max", "min")],
+    "builtin reductions, 0-d": [(r, "tensor", torch.float64, ()) for r in ("sum", "mean", "max", "min")],
+    "integer, bool and half dtypes": [
+        ("sum", "tensor", torch.int64, (5,)),
+        ("max", "tensor", torch.int32, (2, 2)),
+        ("min", "tensor", torch.int8, ()),
+        ("sum", "tensor", torch.bool, (3,)),
+        ("sum", "tensor", torch.float16, (4,)),
+        ("mean", "tensor", torch.bfloat16, (2, 3)),
+        ("max", "tensor", torch.float64, (1,)),
+    ],
+    "cat on tensor states, reduction None": [
+        ("cat", "tensor", torch.float32, (2, 3)),
+        (None, "tensor", torch.int64, (4,)),
+    ],
+    "cat list states": [
+        ("cat", "list:1,3,2", torch.float32, (2, 3)),
+        ("cat", "list:2,2,2", torch.int64, (3,)),
+        ("cat", "list:1,1,1", torch.float64, ()),
+        ("cat", "list:3,2,2", torch.bfloat16, ()),
+    ],
+    "dist_reduce_fx=None lists": [
+        (None, "list:2,2,2", torch.float32, (3,)),
+        (None, "list:1,1,1", torch.int32, (2, 2)),
+        (None, "list:3,3,3", torch.float16, ()),
+    ],
+    "custom callables": [
+        (prod0, "tensor", torch.float64, (3,)),
+        (sum_list, "list:2,2,2", torch.float32, (4,)),
+    ],
+}
+
+
+def build(rank: int, case: list[tuple[Any, str, torch.dtype, tuple[int, ...]]], **kwargs: Any) -> Probe:
+    """The case's Metric with rank ``rank``'s data in every state."""
+    specs: dict[str, tuple[Any, Any]] = {}
+    for i, (reduction, kind, dtype, shape) in enumerate(case):
+        default = torch.zeros(shape, dtype=dtype) if kind == "tensor" else []
+        specs[f"s{i}"] = (default, reduction)
+    metric = Probe(specs, **kwargs)
+    for i, (_, kind, dtype, shape) in enumerate(case):
+        if kind == "tensor":
+            setattr(metric, f"s{i}", values(rank, i, shape, dtype))
+        else:
+            length = int(kind.split(":")[1].split(",")[rank])
+            setattr(metric, f"s{i}", [values(rank, 10 * i + k, shape, dtype) for k in range(length)])
+    return metric
+
+
+def states(metric: Metric) -> dict[str, Any]:
+    return {name: getattr(metric, name) for name in metric._defaults}
+
+
+def torchmetrics_sync(metric: Metric, group: Any = None) -> None:
+    ORIGINAL_SYNC_DIST(metric, gather_all_tensors, process_group=group)
+
+
+def worlds(*sizes: int, timeout: float = 60) -> list[Any]:
+    """One parameter per world size, each run on that many pooled ranks."""
+    return [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True, timeout=timeout), id=f"{n}ranks") for n in sizes]
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("case", list(STATE_CASES))
+def test_values_bit_identical_and_two_collectives(world_size: int, case: str) -> None:
+    rank = dist.get_rank()
+    expected, fused = build(rank, STATE_CASES[case]), build(rank, STATE_CASES[case])
+    torchmetrics_sync(expected)
+    before = calls()
+    _fused.fused_sync(fused)
+    assert calls() - before == 2
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), (name, getattr(fused, name), value)
+
+
+def test_install_restores_the_identical_original() -> None:
+    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+    _fused.install("fused")
+    try:
+        replacement = Metric.__dict__["_sync_dist"]
+        assert replacement is not ORIGINAL_SYNC_DIST and _fused.installed()
+        assert replacement.__defaults__ == ORIGINAL_SYNC_DIST.__defaults__  # torchmetrics' gather stays the default
+        _fused.install("fused")  # idempotent: not wrapped twice
+        assert Metric.__dict__["_sync_dist"] is replacement
+    finally:
+        _fused.uninstall()
+    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.installed()
+    _fused.install("torchmetrics")  # the default strategy: nothing installed
+    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+    with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
+        _fused.install("fast")
+
+
+def real_metrics(rank: int) -> dict[str, tuple[Callable[[], Metric], tuple[torch.Tensor, ...]]]:
+    """Real torchmetrics Metrics and rank ``rank``'s (uneven) batch for each."""
+    from torchmetrics.classification import MulticlassAccuracy
+    from torchmetrics.regression import MeanSquaredError, SpearmanCorrCoef
+
+    n = 4 + rank
+    generator = torch.Generator().manual_seed(rank)
+    regression = (torch.randn(n, generator=generator), torch.randn(n, generator=generator))
+    classes = (torch.randn(n, 5, generator=generator).softmax(-1), torch.randint(0, 5, (n,), generator=generator))
+    return {
+        "MeanSquaredError": (MeanSquaredError, regression),
+        "MulticlassAccuracy(macro)": (lambda: MulticlassAccuracy(num_classes=5, average="macro"), classes),
+        "SpearmanCorrCoef (cat lists)": (SpearmanCorrCoef, regression),
+    }
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("name", ["MeanSquaredError", "MulticlassAccuracy(macro)", "SpearmanCorrCoef (cat lists)"])
+def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
+    make, batch = real_metrics(dist.get_rank())[name]
+    expected, fused, custom = make(), make(), make()
+    for metric in (expected, fused, custom):
+        metric.update(*batch)
+        metric.update(*batch)  # two updates: cat lists hold two tensors
+    before = calls()
+    expected.sync()
+    tm_calls = calls() - before
+    _fused.install("fused")
+    try:
+        before = calls()
+        fused.sync()  # Metric.sync -> _sync_dist(torchmetrics' gather): fused
+        assert calls() - before == 2
+        before = calls()
+        custom.sync(dist_sync_fn=lambda t, group=None: gather_all_tensors(t, group))  # a custom function
+        assert calls() - before == tm_calls  # torchmetrics' own path
+    finally:
+        _fused.uninstall()
+    for name_, value in states(expected).items():
+        assert same(getattr(fused, name_), value), name_
+        assert same(getattr(custom, name_), value), name_
+
+
+@pytest.mark.ranks(3, reuse=True, timeout=60)
+def test_subgroup() -> None:
+    rank = dist.get_rank()
+    group = dist.new_group([0, 2])
+    if rank == 1:
+        return  # not a member: it takes part in new_group only
+    case = STATE_CASES["cat list states"] + STATE_CASES["builtin reductions, float32 n-d"]
+    expected, fused = build(rank // 2, case), build(rank // 2, case)
+    torchmetrics_sync(expected, group)
+    before, world_before = calls(group), calls()
+    _fused.fused_sync(fused, process_group=group)
+    assert (calls(group) - before, calls() - world_before) == (2, 0)
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), name
+
+
+class OwnSync(Probe):
+    """Overrides ``_sync_dist`` and calls ``super()`` (as MeanAveragePrecision does), then post-processes."""
+
+    def _sync_dist(self, dist_sync_fn: Any = gather_all_tensors, process_group: Any = None) -> None:
+        super()._sync_dist(dist_sync_fn=dist_sync_fn, process_group=process_group)
+        self.extra = self.s0 * 2
+
+
+@pytest.mark.parametrize("world_size", worlds(2))
+def test_override_calling_super(world_size: int) -> None:
+    rank = dist.get_rank()
+    case = STATE_CASES["builtin reductions, 0-d"] + STATE_CASES["dist_reduce_fx=None lists"]
+    specs = {f"s{i}": (torch.zeros(()) if k == "tensor" else [], r) for i, (r, k, _, _) in enumerate(case)}
+    expected, fused = OwnSync(specs), OwnSync(specs)
+    for metric in (expected, fused):
+        for name, value in states(build(rank, case)).items():
+            setattr(metric, name, value)
+    expected.sync()
+    _fused.install("fused")
+    try:
+        before = calls()
+        fused.sync()
+        assert calls() - before == 2
+    finally:
+        _fused.uninstall()
+    for name, value in [*states(expected).items(), ("extra", expected.extra)]:
+        assert same(getattr(fused, name), value), name
+
+
+class WeightedLoss(Metric):
+    """A loss whose value depends on every state kind and on the order of the gathered samples."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__(dist_sync_on_step=True)
+        self.add_state("sse", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("largest", torch.tensor(-1e9, dtype=torch.float64), dist_reduce_fx="max")
+        self.add_state("preds", [], dist_reduce_fx="cat")
+        self.add_state("sums", [], dist_reduce_fx=None)
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.sse = self.sse + ((preds - target) ** 2).sum()
+        self.n = self.n + preds.numel()
+        self.largest = torch.maximum(self.largest, preds.max())
+        self.preds.append(preds.reshape(-1, 1) * 1.0)  # 2-d cat rows
+        self.sums.append(preds.sum().reshape(1))
+
+    def compute(self) -> torch.Tensor:
+        return weighted(self.sse, self.n, self.largest, _cat(self.preds), self.sums)
+
+
+def _cat(x: Any) -> torch.Tensor:
+    return torch.cat(x) if isinstance(x, list) else x
+
+
+def weighted(sse: torch.Tensor, n: torch.Tensor, largest: torch.Tensor, rows: torch.Tensor, sums: Any) -> torch.Tensor:
+    order = torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype).reshape(-1, 1)
+    lists = sum(((i + 2) * s.sum() for i, s in enumerate(sums)), torch.zeros((), dtype=rows.dtype))
+    return sse / n + 0.5 * largest + (order * rows**3).sum() / 10 + lists
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s uneven batch: ``2 + rank`` samples."""
+    generator = torch.Generator().manual_seed(rank + 7)
+    n = 2 + rank
+    return torch.randn(n, generator=generator, dtype=torch.float64), torch.randn(
+        n, generator=generator, dtype=torch.float64
+    )
+
+
+def reference_grads(world_size: int) -> list[torch.Tensor]:
+    """The gradient of the same loss over every rank's samples, in one process, split by rank."""
+    batches = [batch(r) for r in range(world_size)]
+    preds = [p.clone().requires_grad_() for p, _ in batches]
+    targets = torch.cat([t for _, t in batches])
+    everything = torch.cat(preds)
+    loss = weighted(
+        ((everything - targets) ** 2).sum(),
+        torch.tensor(everything.numel()),
+        everything.max(),
+        everything.reshape(-1, 1),
+        [p.sum().reshape(1) for p in preds],
+    )
+    loss.backward()
+    return [p.grad for p in preds]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_gradients_against_one_process(world_size: int, mode: str) -> None:
+    rank = dist.get_rank()
+    preds, target = batch(rank)
+    preds.requires_grad_()
+    _fused.install("fused", mode=mode)
+    try:
+        metric = WeightedLoss()
+        before = calls()
+        loss = metric(preds, target)
+        assert calls() - before == 2
+        before = calls()
+        loss.backward()
+        assert calls() - before == (1 if mode == "global" else 0)  # one backward collective for every state
+    finally:
+        _fused.uninstall()
+    scale = world_size if mode == "global" else 1  # global: every rank's (equal) loss reaches every rank's preds
+    torch.testing.assert_close(preds.grad, scale * reference_grads(world_size)[rank], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
+    rank = dist.get_rank()
+    preds, target = batch(rank)
+    if rank != 1:
+        preds.requires_grad_()  # rank 1's states have no graph: it still takes part in the backward
+    _fused.install("fused", mode="global")
+    try:
+        loss = WeightedLoss()(preds, target)
+        assert loss.requires_grad
+        before = calls()
+        loss.backward()
+        assert calls() - before == 1
+    finally:
+        _fused.uninstall()
+    if rank != 1:
+        expected = world_size * reference_grads(world_size)[rank]
+        torch.testing.assert_close(preds.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_description_round_trip_and_alignment() -> None:
+    from torchmetrics_gradpatch import _fused_pack as fp
+
+    tensors = [
+        torch.ones((), dtype=torch.bool),
+        torch.ones(3, dtype=torch.float16),
+        torch.ones(2, 2, dtype=torch.complex128),
+    ]
+    described = [
+        fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0]),)),
+        fp.State(fp.KIND_LIST, tuple(fp.piece_of(t.requires_grad_(t.is_floating_point())) for t in tensors[1:])),
+        fp.State(fp.KIND_LIST, (fp.piece_of(torch.tensor([])),), placeholder=True),
+    ]
+    words = fp.encode(described)
+    assert fp.decode(words) == described and len(words) % 2 == 0
+    offsets, size = fp.layout(described, 8 * len(words))
+    assert all(o % fp.ALIGN == 0 for state in offsets for o in state) and size % fp.ALIGN == 0
+    buffer = fp.pack(words, [[tensors[0]], tensors[1:], [torch.tensor([])]], offsets, size + 32, torch.device("cpu"))
+    assert fp.words_of(buffer, len(words)) == words
+    unpacked = fp.unpack(buffer, described, offsets)
+    assert same(unpacked[0][0], tensors[0]) and same(unpacked[1], tensors[1:]) and unpacked[2][0].shape == (0,)
+    assert not buffer[size:].any()  # padding is zeros, not this process's memory
+
+
+@pytest.mark.parametrize("world_size", worlds(2))
+def test_global_mode_graph_keeps_no_receive_buffer(world_size: int) -> None:
+    import gc
+
+    rank = dist.get_rank()
+    metric = Probe({"x": ([], "cat")})
+    metric.x = [torch.randn(100_000 + rank, dtype=torch.float64, requires_grad=True)]
+    _fused.fused_sync(metric, mode="global")
+    assert metric.x.requires_grad
+    gc.collect()
+    # a receive buffer holds one rank's payload: 64 bytes of description, then the largest rank's 100,001 float64
+    # values aligned to 16 bytes; anything viewing it (as any dtype) shares its storage of exactly that size
+    payload = 64 + 800_016
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on torch's deprecated module attributes warns
+        held = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == payload]
+    assert held == []  # the synced state's graph needs shapes and dtypes only
+    metric.x.sum().backward()
+
+
+def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
+    import torchmetrics_gradpatch as tg
+
+    was_patched = tg.is_patched()
+    try:
+        tg.patch(sync="fused")
+        assert _fused.installed()
+        tg.patch()  # TORCHMETRICS_GRADPATCH_SYNC unset: torchmetrics' own sync
+        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        tg.patch(sync="fused")
+        tg.unpatch()
+        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
+            tg.patch(sync="fast")
+    finally:
+        _fused.uninstall()
+        if was_patched:
+            tg.patch()

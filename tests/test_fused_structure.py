@@ -1,0 +1,213 @@
+"""The fused sync when ranks hold differently shaped states: it syncs to what one process would get, or every rank
+raises the same error within seconds. torchmetrics' own sync hangs or desyncs in these cases; the bounded
+demonstration below runs it on a gloo group with a short timeout.
+
+Every case runs on 2 and 3 pooled ranks; each rank regenerates every rank's data, so it checks its own result
+against the one-process answer it computes itself.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+from torchmetrics import Metric
+from torchmetrics import __version__ as tm_version
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from tests.test_fused import ORIGINAL_SYNC_DIST, Probe, calls, same, states, values, worlds
+from torchmetrics_gradpatch import _fused
+from torchmetrics_gradpatch._fused_errors import FusedSyncError
+from torchmetrics_gradpatch._modes import GradModeMismatchError
+
+PLACEHOLDER = Version(tm_version).release >= (1, 4)  # torchmetrics puts tensor([]) in for an empty cat list
+ERROR_BOUND_S = 5.0
+
+
+def every_rank(value: object) -> list[object]:
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def lists_of_lengths(rank: int, lengths: list[int], shape_of: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [values(rank, k, shape_of(rank, k), dtype) for k in range(lengths[rank])]
+
+
+def one_list_state(reduction: Any, rank: int, content: list[torch.Tensor]) -> Probe:
+    metric = Probe({"x": ([], reduction)})
+    metric.x = content
+    return metric
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_lists_of_different_lengths_sync_element_by_element(world_size: int) -> None:
+    rank = dist.get_rank()
+    lengths = [1, 3, 2][:world_size]
+    shape_of = lambda r, k: (r + 1, k + 1)  # noqa: E731 - every element of its own shape
+    everyone = [lists_of_lengths(r, lengths, shape_of, torch.float32) for r in range(world_size)]
+    metric = one_list_state(None, rank, everyone[rank])
+    before = calls()
+    _fused.fused_sync(metric)
+    assert calls() - before == 2
+    # element 0 of every rank, then element 1 of every rank that has one, ...: torchmetrics' order at equal lengths
+    expected = [everyone[r][k] for k in range(max(lengths)) for r in range(world_size) if k < lengths[r]]
+    assert same(metric.x, expected)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("shape", [(3,), (3, 2)], ids=["1-d", "2-d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_an_empty_cat_list_contributes_nothing(world_size: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    rank = dist.get_rank()
+    content = {r: [] if r == 1 else [values(r, k, shape, dtype) for k in range(r + 1)] for r in range(world_size)}
+    metric = one_list_state("cat", rank, content[rank])
+    _fused.fused_sync(metric)
+    expected = torch.cat([t for r in range(world_size) for t in content[r]])  # one process, rank order
+    assert same(metric.x, expected)
+    if PLACEHOLDER and len(shape) == 1 and dtype == torch.float32:
+        # torchmetrics' own sync completes here (its float32 placeholder meets 1-d float32 data): the same bits
+        reference = one_list_state("cat", rank, content[rank])
+        ORIGINAL_SYNC_DIST(reference, gather_all_tensors)
+        assert same(metric.x, reference.x)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("reduction", ["cat", None])
+def test_every_rank_empty_is_torchmetrics_own_result(world_size: int, reduction: Any) -> None:
+    rank = dist.get_rank()
+    fused, reference = one_list_state(reduction, rank, []), one_list_state(reduction, rank, [])
+    ORIGINAL_SYNC_DIST(reference, gather_all_tensors)  # completes on every torchmetrics line
+    _fused.fused_sync(fused)
+    assert same(fused.x, reference.x)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_zero_d_and_one_d_cat_pieces_concatenate(world_size: int) -> None:
+    rank = dist.get_rank()
+    # rank 0 holds one 0-d tensor (sent as it is), the others several (concatenated to 1-d first)
+    content = {r: [values(r, k, (), torch.float64) for k in range(1 if r == 0 else r + 1)] for r in range(world_size)}
+    metric = one_list_state("cat", rank, content[rank])
+    _fused.fused_sync(metric)
+    assert same(metric.x, torch.stack([t for r in range(world_size) for t in content[r]]))
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_never_updated_rank(world_size: int) -> None:
+    from torchmetrics.regression import MeanSquaredError, SpearmanCorrCoef
+
+    rank = dist.get_rank()
+    data = {r: (values(r, 0, (4,), torch.float32), values(r, 1, (4,), torch.float32)) for r in range(world_size)}
+    fused = [MeanSquaredError(), SpearmanCorrCoef()]
+    reference = MeanSquaredError()
+    for metric in [*fused, reference]:
+        if rank != 0:  # rank 0 never updates
+            metric.update(*data[rank])
+    ORIGINAL_SYNC_DIST(reference, gather_all_tensors)
+    for metric in fused:
+        _fused.fused_sync(metric)
+    for name, value in states(reference).items():  # torchmetrics' own sync completes for MeanSquaredError
+        assert same(getattr(fused[0], name), value), name
+    preds = torch.cat([data[r][0] for r in range(1, world_size)])
+    assert same(fused[1].preds, preds)  # SpearmanCorrCoef's cat list: the updated ranks' samples, in rank order
+
+
+def _tensor_state(rank: int, bad: int, good: torch.Tensor, odd: torch.Tensor) -> Probe:
+    metric = Probe({"x": (torch.zeros(()), "sum"), "y": (torch.zeros(()), "sum")})
+    metric.x, metric.y = torch.ones(()), (odd if rank == bad else good)
+    return metric
+
+
+BAD_CASES = {
+    "tensor dtype": lambda rank: _tensor_state(rank, 1, torch.ones(3), torch.ones(3, dtype=torch.float64)),
+    "tensor ndim": lambda rank: _tensor_state(rank, 0, torch.ones(3), torch.ones(3, 1)),
+    "tensor shape": lambda rank: _tensor_state(rank, 1, torch.ones(3), torch.ones(4)),
+    "cat dtype": lambda rank: one_list_state("cat", rank, [torch.ones(2, dtype=torch.int32 if rank else torch.int64)]),
+    "cat trailing size": lambda rank: one_list_state("cat", rank, [torch.ones(2, 3 + (rank == 1))]),
+    "cat ndim": lambda rank: one_list_state("cat", rank, [torch.ones((2, 3) if rank == 0 else (2,))]),
+    "not a tensor": lambda rank: one_list_state(None, rank, [torch.ones(1), 2.0] if rank == 1 else [torch.ones(1)]),
+    "another metric": lambda rank: Probe({"x": (torch.zeros(()), "sum" if rank == 0 else "max")}),
+}
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_the_same_error_on_every_rank_within_seconds(world_size: int, case: str) -> None:
+    rank = dist.get_rank()
+    metric = BAD_CASES[case](rank)
+    before = states(metric)
+    started = time.monotonic()
+    try:
+        _fused.fused_sync(metric)
+        outcome = "synced"
+    except FusedSyncError as error:
+        outcome = str(error)
+    elapsed = time.monotonic() - started
+    outcomes = every_rank(outcome)
+    assert outcome.startswith("torchmetrics_gradpatch: fused sync of"), outcome
+    assert outcomes == [outcome] * world_size  # the same message on every rank
+    assert elapsed < ERROR_BOUND_S
+    assert all(same(getattr(metric, k), v) or getattr(metric, k) is v for k, v in before.items())  # unchanged
+    follow_up = one_list_state("cat", rank, [torch.ones(1)])
+    _fused.fused_sync(follow_up)  # the group is in step: the next sync works
+    assert same(follow_up.x, torch.ones(world_size))
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_global_mode_grad_mode_mismatch_raises_on_every_rank(world_size: int) -> None:
+    rank = dist.get_rank()
+    metric = Probe({"x": (torch.zeros(()), "sum")})
+    metric.x = torch.ones((), requires_grad=True) * 2
+    mismatch = pytest.raises(GradModeMismatchError, match=r"Rank\(s\) \[0\] synced with grad mode off")
+    with torch.set_grad_enabled(rank != 0), mismatch:
+        _fused.fused_sync(metric, mode="global")
+    follow_up = one_list_state("cat", rank, [torch.ones(1)])
+    _fused.fused_sync(follow_up)
+    assert same(follow_up.x, torch.ones(world_size))
+
+
+def _torchmetrics_sync_on_short_timeout(metric: Metric) -> str:
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    started = time.monotonic()
+    try:
+        ORIGINAL_SYNC_DIST(metric, gather_all_tensors, process_group=group)
+        return "returned"
+    except RuntimeError as error:  # gloo's timeout
+        return f"raised after {time.monotonic() - started:.0f} s: {str(error).splitlines()[0][:60]}"
+
+
+TORCHMETRICS_HANGS = {
+    "lists of different lengths": lambda rank: one_list_state(None, rank, [torch.ones(2)] * (rank + 1)),
+    # before 1.4 an empty cat list sends nothing; from 1.4 on torchmetrics' placeholder makes it complete
+    "an empty cat list": lambda rank: one_list_state("cat", rank, [] if rank == 0 else [torch.ones(2)]),
+}
+
+
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(n, marks=pytest.mark.ranks(n, timeout=90), id=f"{n}ranks") for n in (2, 3)]
+)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "lists of different lengths",
+        pytest.param(
+            "an empty cat list",
+            marks=pytest.mark.skipif(
+                PLACEHOLDER, reason="torchmetrics >= 1.4 completes it; compared bit for bit above"
+            ),
+        ),
+    ],
+)
+def test_torchmetrics_own_sync_hangs_where_fused_syncs(world_size: int, case: str) -> None:
+    rank = dist.get_rank()
+    fused = TORCHMETRICS_HANGS[case](rank)
+    _fused.fused_sync(fused)  # first, while the group is in step
+    outcomes = every_rank(_torchmetrics_sync_on_short_timeout(TORCHMETRICS_HANGS[case](rank)))
+    # some rank returned while another waited for it until the timeout: a hang without one
+    assert "returned" in outcomes and any(o.startswith("raised") for o in outcomes), outcomes
+    assert len(fused.x) == (sum(r + 1 for r in range(world_size)) if case.startswith("lists") else 2 * (world_size - 1))
