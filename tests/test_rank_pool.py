@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests._procs import alive, interrupt_once
-from torchmetrics_gradpatch import _pool
+from torchmetrics_gradpatch.testing import _pool
 
 pytest_plugins = ["pytester"]
 

@@ -64,8 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torchmetrics_gradpatch import testing
-from torchmetrics_gradpatch.testing import DEFAULT_TIMEOUT
+from torchmetrics_gradpatch.testing import _spawn as testing
+from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT
 
 T = TypeVar("T")
 

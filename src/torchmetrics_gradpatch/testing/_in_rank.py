@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch import _rank_coverage
+from torchmetrics_gradpatch.testing import _coverage as _rank_coverage
 
 #: The line a rank's failed assert shows until the pytest process writes the message (see RankReport).
 _PLACEHOLDER = "assert <torchmetrics_gradpatch: assertion message>"
