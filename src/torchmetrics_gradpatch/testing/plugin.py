@@ -1,46 +1,39 @@
 """pytest plugin: ``@pytest.mark.ranks(n)`` runs a test's body on ``n`` real spawned gloo ranks.
 
-Enable it explicitly, with ``-p torchmetrics_gradpatch.pytest_plugin`` or
-``pytest_plugins = ["torchmetrics_gradpatch.pytest_plugin"]`` in a conftest. It has no ``pytest11`` entry point on
-purpose: loading it imports :mod:`torchmetrics_gradpatch`, which patches torchmetrics, and installing the package
-must never change another project's test run.
+Enabled explicitly, with ``-p torchmetrics_gradpatch.pytest_plugin`` (which names this module) or in a conftest's
+``pytest_plugins``; no ``pytest11`` entry point, so installing the package never changes another project's test
+run (docs/testing-your-metrics.md says why). The fixtures are set up in the pytest process, their values pickled
+and sent to the ranks, which import the test module as pytest did and call the test (:mod:`._in_rank`); the
+outcome is decided from every rank's record (a failure on any rank wins, then xfail, then skip, then pass).
 
-How a marked test runs, and why:
+Settings, one rule: the marker's argument > the command line (``--ranks-timeout``, ``--ranks-reuse``) > the ini
+key (``ranks_timeout``, ``ranks_reuse``) > the default. One timeout per marked test: the marker's (the pool's
+start-up apart); pytest-timeout's limit for that test is raised to a backstop beyond it, never below.
 
-* **One spawn per test.** The fixtures are set up in the pytest process as usual; their values are pickled and
-  :func:`torchmetrics_gradpatch.testing.spawn_ranks` starts ``n`` fresh interpreters, each inside its gloo
-  group before the test body runs (so rank ``r`` is the process that runs the body as rank ``r``). Every rank
-  gets the same fixture values: ``tmp_path`` is the same directory everywhere. spawn_ranks also gives the
-  timeout, the hung rank's stack and "no process left behind".
-* **The module is imported the way pytest found it.** A rank starts with the pytest process's ``sys.path``
-  (which holds what pytest's ``prepend``/``append`` import modes put there: the rootdir-relative basedir of the
-  module, conftest directories), then imports the test module under the name pytest gave it, from the same
-  file (``importlib`` mode, whose names are not importable, is loaded straight from the file). The rank's side
-  is :mod:`torchmetrics_gradpatch._in_rank`.
-* **The outcome does not depend on which rank finishes first.** Every rank that finishes leaves a record (see
-  ``_in_rank``); the pytest process decides from all of them: a failure on any rank wins, then xfail, then
-  skip, then pass. The failure is raised as an exception of the rank's own type (so ``xfail(raises=...)``
-  matches) and reported at the rank's line in the test file (so ``--tb=line`` points there).
-* **What a test leaves in the pytest process is delivered there**: the ranks' warnings (re-issued under
-  pytest's filters), pytest's return-value warning, print output under ``--capture=sys``, and the ranks'
-  coverage data (:mod:`torchmetrics_gradpatch._rank_coverage`).
+pytest's private names used, each because no public API does the job:
+``_pytest.assertion.rewrite.AssertionRewritingHook`` (which modules pytest rewrote, to rewrite them in the
+ranks), ``_pytest._code.code.ReprExceptionInfo``/``ReprFileLocation``/``ReprTracebackNative`` (a report
+located at the rank's line, as ``--tb=line`` and the short summary read it), ``skip.Exception(...,
+_use_item_location=True)`` (a skip reported at the test, as an in-test skip); in the ranks, see :mod:`._in_rank`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import os
 import pickle
-import re
+import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch.testing import _coverage as _rank_coverage
-from torchmetrics_gradpatch.testing import _pool
+from torchmetrics_gradpatch.testing import _coverage, _pool, _reaper
 from torchmetrics_gradpatch.testing._in_rank import (
     FreshMonkeyPatch,
     RankRecord,
@@ -49,23 +42,36 @@ from torchmetrics_gradpatch.testing._in_rank import (
     record_path,
     run_in_rank,
 )
-from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT, RankError, spawn_ranks
+from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT, RankError, check_timeout, spawn_ranks
 
 __all__ = [
     "pytest_addoption",
+    "pytest_collection_modifyitems",
     "pytest_configure",
     "pytest_pyfunc_call",
+    "pytest_report_header",
     "pytest_runtest_makereport",
+    "pytest_runtest_setup",
     "pytest_unconfigure",
 ]
 
 _MARKER_HELP = (
-    "ranks(n, timeout=seconds, backend='gloo'): run the test body on n spawned processes, each in an initialised "
-    f"default process group (torchmetrics_gradpatch); timeout defaults to {DEFAULT_TIMEOUT:g} s, start-up "
-    "included; backend='nccl' puts rank r on cuda:r; reuse=True runs it in warm processes kept across tests "
-    "(default: the ranks_reuse ini option)"
+    "ranks(n, timeout=seconds, backend='gloo', reuse=False): run the test body on n spawned processes, each in an "
+    "initialised default process group (torchmetrics_gradpatch); backend='nccl' puts rank r on cuda:r; "
+    "reuse=True runs it in warm processes kept across tests"
+)
+_TIMEOUT_HELP = (
+    f"seconds a @pytest.mark.ranks test may take on its ranks (default {DEFAULT_TIMEOUT:g}; a fresh spawn's "
+    "start-up included, a warm pool's start-up not); the marker's timeout=... overrides it"
+)
+_REUSE_HELP = (
+    "run @pytest.mark.ranks tests in warm rank processes kept across tests (true/false, default false); "
+    "the marker's reuse=... overrides it"
 )
 _BACKENDS = ("gloo", "nccl")
+#: How far beyond the marker's timeout pytest-timeout's limit for a marked test is put: the stack dump, the
+#: terminate-then-kill grace and the report, so the marker's own report always comes first.
+_BACKSTOP = 30.0
 _FAILURE = pytest.StashKey["tuple[str, tuple[str, int] | None]"]()
 
 #: Why a pytest fixture cannot reach a rank, and what to do instead (monkeypatch is replaced, not refused).
@@ -78,62 +84,150 @@ _PYTEST_FIXTURES = {
 }
 
 
+@pytest.hookimpl
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ranks", "torchmetrics_gradpatch: tests on spawned ranks (@pytest.mark.ranks)")
+    group.addoption("--ranks-timeout", dest="ranks_timeout", metavar="SECONDS", default=None, help=_TIMEOUT_HELP)
+    group.addoption("--ranks-reuse", dest="ranks_reuse", choices=("true", "false"), default=None, help=_REUSE_HELP)
+    parser.addini("ranks_timeout", _TIMEOUT_HELP, default=None)
+    parser.addini("ranks_reuse", _REUSE_HELP, type="bool", default=False)
+
+
+@pytest.hookimpl
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_HELP)
+    _settings(config, None, "ranks_timeout")  # a bad --ranks-timeout or ini value is a usage error, at once
+    _settings(config, None, "ranks_reuse")
 
 
-# --- warm rank pool (issue 18 item 5): the ini option, the choice of runner, the teardown -------------------------
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addini(
-        "ranks_reuse",
-        "run @pytest.mark.ranks tests in warm rank processes kept across tests (torchmetrics_gradpatch); "
-        "a marker's reuse=True/False overrides it",
-        type="bool",
-        default=False,
+@pytest.hookimpl
+def pytest_report_header(config: pytest.Config) -> str:
+    timeout, where = _settings(config, None, "ranks_timeout")
+    reuse, reuse_where = _settings(config, None, "ranks_reuse")
+    return (
+        f"torchmetrics_gradpatch ranks: timeout {timeout:g}s ({where}), reuse {str(reuse).lower()} ({reuse_where}), "
+        f"pool start-up bound {_pool.STARTUP_TIMEOUT:g}s"
     )
 
 
-def _runner(item: pytest.Function, marker: pytest.Mark) -> Callable[..., list[Any]]:
-    """The pool's run for ``reuse=True`` (or the ``ranks_reuse`` ini option), else a fresh spawn_ranks."""
-    reuse = marker.kwargs.get("reuse", item.config.getini("ranks_reuse"))
-    if not isinstance(reuse, bool):
-        pytest.fail(f"{item.nodeid}: ranks(reuse=...) must be True or False, got {reuse!r}", pytrace=False)
-    return _pool.run_pooled if reuse else spawn_ranks
-
-
+@pytest.hookimpl
 def pytest_unconfigure(config: pytest.Config) -> None:
     """No pool outlives the session (each pytest-xdist worker stops its own)."""
     _pool.close_all()
 
 
-# --- end of the warm rank pool's part -----------------------------------------------------------------------------
+def _settings(config: pytest.Config, marker: pytest.Mark | None, name: str) -> tuple[Any, str]:
+    """``(value, where it came from)`` for ``ranks_timeout`` or ``ranks_reuse``: marker > command line > ini.
+
+    A bad value fails with a message naming where it came from.
+    """
+    key = name.removeprefix("ranks_")
+    candidates: list[tuple[Any, str]] = []
+    if marker is not None and key in marker.kwargs:
+        candidates.append((marker.kwargs[key], f"ranks({key}=...)"))
+    option = config.getoption(name)
+    if option is not None:
+        candidates.append((option, f"--ranks-{key}"))
+    ini = config.getini(name)
+    if name == "ranks_timeout" and ini not in (None, ""):
+        candidates.append((ini, "ini ranks_timeout"))
+    if name == "ranks_reuse" and ini:
+        candidates.append((ini, "ini ranks_reuse"))
+    value, where = candidates[0] if candidates else ((DEFAULT_TIMEOUT if key == "timeout" else False), "default")
+    if key == "timeout":
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise pytest.UsageError(f"{where}: timeout must be a number of seconds, got {value!r}") from None
+        try:
+            return check_timeout(value, where), where
+        except ValueError as err:
+            raise pytest.UsageError(str(err)) from None
+    if isinstance(value, str) and where == f"--ranks-{key}":
+        value = value == "true"
+    if not isinstance(value, bool):
+        raise pytest.UsageError(f"{where} must be True or False, got {value!r}")
+    return value, where
+
+
+def _runner(item: pytest.Function, marker: pytest.Mark) -> Callable[..., list[Any]]:
+    """The pool's run for reuse (marker > --ranks-reuse > ini ranks_reuse), else a fresh spawn_ranks."""
+    reuse, _ = _settings(item.config, marker, "ranks_reuse")
+    return _pool.run_pooled if reuse else spawn_ranks
 
 
 # --- before the spawn -----------------------------------------------------------------------------------------------
 
 
-def _ranks_options(item: pytest.Function, marker: pytest.Mark) -> tuple[int, float, str]:
+def _ranks_options(item: pytest.Item, marker: pytest.Mark) -> tuple[int, float, str]:
     """``(n, timeout, backend)`` from ``@pytest.mark.ranks(n, ...)``; a clear failure for anything else."""
-    usage = "use @pytest.mark.ranks(n), with optional timeout=seconds and backend='gloo' or 'nccl'"
+    usage = "use @pytest.mark.ranks(n), with optional timeout=seconds, backend='gloo' or 'nccl', reuse=True/False"
     kwargs = dict(marker.kwargs)
     args = list(marker.args)
     if "n" in kwargs and not args:
         args.append(kwargs.pop("n"))
-    timeout = kwargs.pop("timeout", DEFAULT_TIMEOUT)
     backend = kwargs.pop("backend", "gloo")
-    kwargs.pop("reuse", None)  # read by _runner (warm rank pool)
+    for known in ("timeout", "reuse"):
+        kwargs.pop(known, None)  # read by _settings
     if len(args) != 1 or kwargs:
         pytest.fail(f"{item.nodeid}: bad ranks marker {marker.args!r} {marker.kwargs!r}: {usage}", pytrace=False)
     n = args[0]
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         pytest.fail(f"{item.nodeid}: the number of ranks must be a positive int, got {n!r}: {usage}", pytrace=False)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        pytest.fail(f"{item.nodeid}: timeout must be a positive number of seconds, got {timeout!r}", pytrace=False)
+    try:
+        timeout, _ = _settings(item.config, marker, "ranks_timeout")
+    except pytest.UsageError as err:
+        pytest.fail(f"{item.nodeid}: {err}", pytrace=False)
     if backend not in _BACKENDS:
         pytest.fail(f"{item.nodeid}: backend must be one of {_BACKENDS}, got {backend!r}", pytrace=False)
-    return n, float(timeout), str(backend)
+    return n, timeout, str(backend)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One timeout story: under pytest-timeout, a marked test's limit becomes a backstop beyond the marker's."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    for item in items:
+        marker = item.get_closest_marker("ranks")
+        if marker is None:
+            continue
+        try:
+            timeout, _ = _settings(config, marker, "ranks_timeout")
+            reuse, _ = _settings(config, marker, "ranks_reuse")
+        except pytest.UsageError:
+            continue  # the test fails with the reason when it runs
+        backstop = timeout + (_pool.STARTUP_TIMEOUT if reuse else 0.0) + _BACKSTOP
+        current = item.get_closest_marker("timeout")
+        if current is not None and current.args and isinstance(current.args[0], (int, float)):
+            backstop = max(backstop, float(current.args[0]))
+        item.add_marker(pytest.mark.timeout(backstop), append=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A marked test whose backend cannot run here is skipped at once, before fixtures or ranks start."""
+    marker = item.get_closest_marker("ranks")
+    if marker is None:
+        return
+    n, backend = (marker.args or (marker.kwargs.get("n"),))[0], marker.kwargs.get("backend", "gloo")
+    if backend == "nccl" and isinstance(n, int):  # a bad marker fails the call, with the reason
+        found = _cuda_devices()
+        if found < n:
+            reason = f"ranks({n}, backend='nccl') needs {n} CUDA devices (one per rank); this machine has {found}"
+            raise pytest.skip.Exception(reason, _use_item_location=True)  # at the test, not in this plugin
+
+
+def _cuda_devices() -> int:
+    """How many CUDA devices torch would see; 0 without importing torch where the machine has no GPU driver."""
+    if "torch" not in sys.modules and not any(
+        os.path.exists(path) for path in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd")
+    ):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _refuse_hypothesis(item: pytest.Function) -> None:
@@ -145,17 +239,6 @@ def _refuse_hypothesis(item: pytest.Function) -> None:
             f"the test body from a generator seeded the same on every rank.",
             pytrace=False,
         )
-
-
-def _skip_without_gpus(n: int, backend: str) -> None:
-    if backend != "nccl":
-        return
-    import torch
-
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < n:
-        reason = f"ranks({n}, backend='nccl') needs {n} CUDA devices (one per rank); this machine has {found}"
-        raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def _unsendable(name: str, value: Any) -> str | None:
@@ -201,6 +284,13 @@ def _rewritten_modules() -> dict[str, str]:
     return found
 
 
+def _argnames(item: pytest.Function) -> list[str]:
+    """The names the test function takes (what pytest passes it), from its signature."""
+    parameters = inspect.signature(item.obj).parameters.values()
+    positional = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+
+
 def _describe(item: pytest.Function, outbox: str, backend: str) -> RankTest:
     classes = []
     node = item.parent
@@ -209,7 +299,7 @@ def _describe(item: pytest.Function, outbox: str, backend: str) -> RankTest:
         node = node.parent
     module = item.module
     assert module is not None and module.__file__ is not None
-    funcargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    funcargs = {name: item.funcargs[name] for name in _argnames(item)}
     funcargs = {k: FreshMonkeyPatch() if isinstance(v, pytest.MonkeyPatch) else v for k, v in funcargs.items()}
     instance = getattr(item, "instance", None)
     state = vars(instance) if instance is not None and hasattr(instance, "__dict__") else {}
@@ -225,7 +315,7 @@ def _describe(item: pytest.Function, outbox: str, backend: str) -> RankTest:
         tbstyle=str(item.config.getoption("tbstyle", "auto")),
         outbox=outbox,
         capture_output=item.config.getoption("capture", "fd") in ("sys", "tee-sys"),
-        coverage=_rank_coverage.parent_config(),
+        coverage=_coverage.parent_config(),
         backend=backend,
     )
 
@@ -241,8 +331,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     n, timeout, backend = _ranks_options(pyfuncitem, marker)
     _refuse_hypothesis(pyfuncitem)
-    _skip_without_gpus(n, backend)
-    with tempfile.TemporaryDirectory(prefix="tmgp-outbox-") as outbox:
+    with _outbox() as outbox:
         failure = _run_on_ranks(_runner(pyfuncitem, marker), _describe(pyfuncitem, outbox, backend), n, timeout)
         records = {}
         for rank in range(n):
@@ -262,6 +351,18 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+@contextlib.contextmanager
+def _outbox() -> Iterator[str]:
+    """The directory the ranks leave their records in, removed afterwards (also if SIGTERM ends pytest)."""
+    path = tempfile.mkdtemp(prefix="tmgp-outbox-")
+    _reaper.track(id(path), lambda: shutil.rmtree(path, ignore_errors=True))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        _reaper.untrack(id(path))
+
+
 def _run_on_ranks(run: Callable[..., list[Any]], spec: RankTest, n: int, timeout: float) -> RankError | None:
     """Run :func:`run_in_rank` on ``n`` ranks with ``run`` (the warm pool or a fresh :func:`spawn_ranks`); the
     runner's error if a rank raised, died or timed out."""
@@ -276,7 +377,7 @@ def _deliver(item: pytest.Function, records: dict[int, RankRecord]) -> None:
     """Hand the pytest process what the ranks left: coverage, output, warnings, the return-value warning."""
     seen = set()
     for record in records.values():
-        _rank_coverage.merge(record.coverage)
+        _coverage.merge(record.coverage)
         sys.stdout.write(record.stdout)
         sys.stderr.write(record.stderr)
         for entry in record.warnings:
@@ -302,19 +403,10 @@ def _deliver(item: pytest.Function, records: dict[int, RankRecord]) -> None:
         )
 
 
-def _hung_in(failure: RankError, rank: int) -> str | None:
-    """The collective a rank that left no record was stuck in at the timeout, from its stack dump."""
-    if failure.reason != "timed out":
-        return None
-    part = failure.details.partition(f"--- rank {rank}, still running")[2].partition("--- rank ")[0]
-    found = re.search(r'distributed_c10d\.py", line \d+ in (\w+)', part)
-    return found.group(1) if found else None
-
-
 def _left_early(failure: RankError, n: int, records: dict[int, RankRecord]) -> str:
     """Name ranks that finished while their peers waited for them: "rank 1 returned; rank 0 waited in all_reduce"."""
     finished = [r for r in records.values() if r.outcome != "failed"]
-    waiting = [(rank, _hung_in(failure, rank)) for rank in range(n) if rank not in records]
+    waiting = [(rank, failure.collectives.get(rank)) for rank in range(n) if rank not in records]
     waiting += [(r.rank, r.report.collective) for r in records.values() if r.report is not None]
     waited = [f"rank {rank} waited in {where}" for rank, where in sorted(waiting) if where]
     if not finished or not waited:
@@ -357,7 +449,8 @@ def _fail(item: pytest.Function, n: int, failure: RankError, records: dict[int, 
             details = details.replace(str(record.report), finished)
             if rank == failure.rank:
                 headline, crash = " " + RankReport.headline(finished), record.report.crash
-    first = f"rank {failure.rank} of {n} {failure.reason}:{headline}"
+    during = " while the rank pool was starting (not counted in the test's timeout)" if failure.starting else ""
+    first = f"rank {failure.rank} of {n} {failure.reason}{during}:{headline}"
     note = _left_early(failure, n, records)
     if note:
         first = f"{note}: {first}"
