@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+import torchmetrics_gradpatch
 from tests._procs import alive
 from torchmetrics_gradpatch.testing import RankError, _pool, spawn_ranks
 
 pytest_plugins = ["pytester"]
 
 TIMEOUT = 60.0
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+#: Where the imported package lives, for the subprocesses here to import the same one.
+SRC = str(Path(torchmetrics_gradpatch.__file__).resolve().parents[1])
 
 
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
