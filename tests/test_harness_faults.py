@@ -416,3 +416,67 @@ def test_marker_over_command_line_over_ini(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_command_line_wins_over_ini*rank 0 of 1 timed out*"])
     assert "ranks: timeout 1.5s (--ranks-timeout)" in result.stdout.str()
+
+
+# --- the layout: one way, no engine; working without the patch -----------------------------------------------------
+
+TESTING = Path(torchmetrics_gradpatch.__file__).parent / "testing"
+RANK_SIDE = {"_rank", "_worker", "_in_rank", "_coverage"}
+PARENT_SIDE = {"_spawn", "_pool", "_reaper", "plugin"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports (at any depth of the file: imports inside functions count)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_harness_imports_no_module_of_the_core_and_the_rank_side_nothing_of_the_parent_side() -> None:
+    assert {path.stem for path in TESTING.glob("*.py")} == RANK_SIDE | PARENT_SIDE | {"__init__"}
+    for path in [*TESTING.glob("*.py"), TESTING.parent / "pytest_plugin.py"]:
+        ours = {name for name in _imports(path) if name.startswith("torchmetrics_gradpatch")}
+        outside = {name for name in ours if not name.startswith("torchmetrics_gradpatch.testing")}
+        assert outside == set(), f"{path.name} imports the core: {outside}"
+        if path.stem in RANK_SIDE:
+            parent = {name for name in ours if name.rpartition(".")[2] in PARENT_SIDE}
+            assert parent == set(), f"{path.name} (rank side) imports the parent side: {parent}"
+
+
+RANK_JOB = """
+import sys
+import torchmetrics_gradpatch
+
+def what_the_rank_loaded():
+    harness = sorted(name for name in sys.modules if name.startswith("torchmetrics_gradpatch.testing"))
+    return harness, torchmetrics_gradpatch.is_patched()
+"""
+
+
+def test_a_rank_loads_no_parent_side_module_and_runs_without_the_patch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "rank_job.py").write_text(RANK_JOB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import rank_job  # type: ignore[import-not-found]
+
+    parent_side = {f"torchmetrics_gradpatch.testing.{name}" for name in PARENT_SIDE}
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
+    (loaded, patched), _ = spawn_ranks(rank_job.what_the_rank_loaded, 2, timeout=TIMEOUT)
+    assert set(loaded) & parent_side == set() and not patched
+    pool = _pool.RankPool(1)
+    try:
+        [(loaded, patched)] = pool.run(rank_job.what_the_rank_loaded, timeout=TIMEOUT)
+        assert set(loaded) & parent_side == set() and not patched
+        monkeypatch.delenv("TORCHMETRICS_GRADPATCH_AUTOPATCH")
+        [(_, patched)] = pool.run(rank_job.what_the_rank_loaded, timeout=TIMEOUT)
+        assert patched  # the pool's reset reads each test's environment, as a fresh import would
+    finally:
+        pool.close()

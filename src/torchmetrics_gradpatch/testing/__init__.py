@@ -1,7 +1,37 @@
-"""Run code on real gloo ranks: :func:`spawn_ranks`, and the ``ranks`` pytest marker built on it."""
+"""Run code on real gloo ranks: :func:`spawn_ranks`, and the ``ranks`` pytest marker built on it.
+
+Public names: :func:`spawn_ranks`, :class:`RankError`, :data:`DEFAULT_TIMEOUT`. The plugin is
+:mod:`torchmetrics_gradpatch.testing.plugin` (``-p torchmetrics_gradpatch.pytest_plugin`` names it).
+
+Layout, one way (parent side -> rank side, never back):
+
+* parent side: ``_spawn`` (spawn_ranks, collecting answers, teardown), ``_pool`` (the warm pool), ``_reaper``
+  (clean-up on SIGTERM), ``plugin`` (the pytest hooks);
+* rank side: ``_rank`` (a rank's start, its group, its messages), ``_worker`` (a pool worker), ``_in_rank`` (a
+  marked test inside a rank);
+* both: ``_coverage`` (coverage measured in the ranks, merged in the parent).
+
+The names here are loaded on first use, so that a rank, which imports this package to reach ``_rank``, loads
+nothing of the parent side. Nothing here imports the patch engine.
+"""
 
 from __future__ import annotations
 
-from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT, RankError, spawn_ranks
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT, RankError, spawn_ranks
 
 __all__ = ["DEFAULT_TIMEOUT", "RankError", "spawn_ranks"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from torchmetrics_gradpatch.testing import _spawn
+
+        return getattr(_spawn, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

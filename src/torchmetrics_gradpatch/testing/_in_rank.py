@@ -1,19 +1,17 @@
-"""The rank's side of the ``ranks`` marker: import the test module as pytest did, call the test, report back.
+"""A marked test inside a rank: import the test module as pytest did, call the test, leave a record.
 
-The pytest process (:mod:`torchmetrics_gradpatch.pytest_plugin`) sends a :class:`RankTest`; each rank runs
-:func:`run_in_rank` inside its initialised process group and leaves a :class:`RankRecord` in the test's outbox
-directory, whatever happened: its outcome, warnings, captured output, coverage data and, on failure, a
-:class:`RankReport`. The record goes through a file, not through the runner's return value, because a rank that
-returned is as important as one that raised: "rank 1 returned while rank 0 waited in all_reduce" and "rank 0
-skipped, then rank 1 failed" can only be told when every finished rank's record is there, whichever rank the
-runner heard from first.
+The plugin (:mod:`.plugin`, parent side) sends a :class:`RankTest`; :func:`run_in_rank` runs inside the rank's
+initialised group and always leaves a :class:`RankRecord` in the test's outbox directory (outcome, warnings,
+output, coverage data, and a :class:`RankReport` on failure), so the pytest process decides from every finished
+rank, whichever the runner heard from first. Asserts are rewritten as pytest rewrote them; a failed comparison's
+operands are pickled so the pytest process writes the explanation with its own hooks.
 
-* **Asserts are rewritten as in the pytest process.** Every module pytest had rewritten (test modules,
-  conftests, ``register_assert_rewrite`` helpers) is rewritten again when a rank imports it. pytest's
-  comparison explanations need the pytest configuration, which lives in the pytest process, so a rank records
-  the compared values of a failed assert (when they pickle) and the pytest process writes the explanation.
-* **Tracebacks start at the test and stay short inside torch**: a follow-on failure in a collective shows
-  where the test called torch and torch's error, not the source of ``all_reduce``.
+Invariant: rank side; imports pytest, :mod:`._coverage` and the standard library, nothing of the parent side.
+pytest's private names used here, each for want of a public one: ``_pytest.assertion.rewrite.rewrite_asserts``
+(the rewriting itself), ``_call_reprcompare``/``_format_explanation`` of that module (replaced in the rank: the
+rewritten code looks them up there to explain a failed comparison), ``_pytest.assertion.util.format_explanation``
+and ``util._reprcompare`` (pytest's explanation, finished in the pytest process), ``_pytest._code.Traceback``
+(restyling entries inside torch) and ``_pytest._io.TerminalWriter`` (rendering as pytest renders).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch.testing import _coverage as _rank_coverage
+from torchmetrics_gradpatch.testing import _coverage
 
 #: The line a rank's failed assert shows until the pytest process writes the message (see RankReport).
 _PLACEHOLDER = "assert <torchmetrics_gradpatch: assertion message>"
@@ -285,7 +283,6 @@ def _collective(entries: list[Any]) -> str | None:
 
 
 def _report(error: BaseException, spec: RankTest, comparisons: _Comparisons) -> RankReport:
-    from _pytest._code import ExceptionInfo
     from _pytest._io import TerminalWriter
 
     message = str(error)
@@ -293,7 +290,7 @@ def _report(error: BaseException, spec: RankTest, comparisons: _Comparisons) -> 
     if raw is not None:
         error.args = (_PLACEHOLDER,)  # the pytest process writes the message, with its comparison hooks
     assert error.__traceback__ is not None  # it was raised
-    info = ExceptionInfo.from_exc_info((type(error), error, error.__traceback__))
+    info = pytest.ExceptionInfo.from_exc_info((type(error), error, error.__traceback__))
     entries = list(info.traceback)
     outside = [entry for entry in entries if not _in_torch(entry)] or entries
     crash = (str(outside[-1].path), outside[-1].lineno + 1) if outside else None
@@ -398,13 +395,13 @@ def run_in_rank(spec: RankTest) -> None:
     function = getattr(target, spec.function)
     kwargs = pickle.loads(spec.kwargs)
     record = RankRecord(dist.get_rank())
-    measuring = _rank_coverage.start(spec.coverage)
+    measuring = _coverage.start(spec.coverage)
     try:
         with _captured(record, spec.capture_output), warnings.catch_warnings(record=True) as log:
             warnings.simplefilter("always")  # the pytest process applies its own filters when it re-issues them
             error = _call(function, kwargs, record)
     finally:
-        record.coverage = _rank_coverage.finish(measuring)
+        record.coverage = _coverage.finish(measuring)
     record.warnings = _warnings(log)
     if error is not None:
         record.report = _report(error, spec, comparisons)
