@@ -273,9 +273,23 @@ def set_deterministic() -> bool:
 def test_the_pool_start_is_not_charged_to_the_first_test() -> None:
     pool = _pool.RankPool(2)
     try:
-        assert pool.run(echo, (1,), timeout=1.0) == [(1,), (1,)]  # a start takes seconds, the test none
+        # a start takes seconds, the test none (a builtin: unpickling it imports nothing)
+        assert pool.run(abs, (-1,), timeout=1.0) == [1, 1]
     finally:
         pool.close()
+
+
+def test_a_pool_start_that_overruns_its_own_bound_is_reported_as_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "STARTUP_TIMEOUT", 0.5)  # no rank imports torch that fast
+    pool = _pool.RankPool(2)
+    try:
+        with pytest.raises(RankError) as caught:
+            pool.run(echo, timeout=TIMEOUT)
+    finally:
+        pool.close()
+    assert caught.value.starting and caught.value.reason == "timed out"
+    assert str(caught.value).startswith(f"rank {caught.value.rank} timed out while the rank pool was starting:")
+    assert pool.pids == [] and pool.retired is not None and "at start-up" in pool.retired
 
 
 def test_the_per_test_reset_imports_nothing_a_fresh_rank_does_not() -> None:
@@ -414,15 +428,15 @@ def test_marker_over_command_line_over_ini(pytester: pytest.Pytester) -> None:
         "-p", "torchmetrics_gradpatch.pytest_plugin", "-p", "no:cacheprovider", "--ranks-timeout=1.5", timeout=300
     )
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*test_command_line_wins_over_ini*rank 0 of 1 timed out*"])
+    result.stdout.fnmatch_lines(["*_ test_command_line_wins_over_ini _*", "rank 0 of 1 timed out:*"])
     assert "ranks: timeout 1.5s (--ranks-timeout)" in result.stdout.str()
 
 
 # --- the layout: one way, no engine; working without the patch -----------------------------------------------------
 
 TESTING = Path(torchmetrics_gradpatch.__file__).parent / "testing"
-RANK_SIDE = {"_rank", "_worker", "_in_rank", "_coverage"}
-PARENT_SIDE = {"_spawn", "_pool", "_reaper", "plugin"}
+RANK_SIDE = {"_rank", "_worker", "_in_rank", "_records", "_coverage"}
+PARENT_SIDE = {"_spawn", "_processes", "_collect", "_pool", "_reaper", "plugin", "_settings", "_sending", "_outcome"}
 
 
 def _imports(path: Path) -> set[str]:

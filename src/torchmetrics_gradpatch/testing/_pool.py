@@ -5,8 +5,8 @@ all of it ``import torch``; the pool pays it once per world size per pytest proc
 the ``ranks_reuse`` ini option). The worker's side, and what each test sees, is :mod:`._worker`.
 
 * **Process r is rank r**, and only rank r's work goes to it (one pipe per rank).
-* **spawn_ranks' guarantees, with its code** (:mod:`._spawn`): the store on a kernel-chosen port, the replies
-  read by ``_spawn.collect``, ranks in their own process groups, killed whole.
+* **spawn_ranks' guarantees, with its code** (:mod:`._processes`, :mod:`._collect`): the store on a kernel-chosen
+  port, the replies read by ``collect``, ranks in their own process groups, killed whole.
 * **Start-up is not a test's time**: a pool starts under its own bound (:data:`STARTUP_TIMEOUT`), reported as
   start-up when it fails; the test's ``timeout`` starts once every worker is ready.
 * **Fresh processes after anything doubtful**: a test that fails or times out on any rank, or leaves what a
@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO, Any, TypeVar
 
-from torchmetrics_gradpatch.testing import _reaper, _spawn, _worker
+from torchmetrics_gradpatch.testing import _processes, _reaper, _spawn, _worker
+from torchmetrics_gradpatch.testing._collect import RankError, collect
 from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT
 
 T = TypeVar("T")
@@ -84,8 +85,8 @@ class RankPool:
             for conn in self._conns:
                 with contextlib.suppress(OSError):  # a worker that died is reported by collect
                     conn.send_bytes(payload)
-            replies = _spawn.collect(self._procs, self._conns, self._dumps, deadline)
-        except _spawn.RankError as error:
+            replies = collect(self._procs, self._conns, self._dumps, deadline)
+        except RankError as error:
             self._retire(f"rank {error.rank} {error.reason}" + (" at start-up" if error.starting else ""))
             raise
         except BaseException:
@@ -104,10 +105,10 @@ class RankPool:
         """Start every worker and wait until each has joined its group; on any failure its own error, nothing left."""
         deadline = time.monotonic() + STARTUP_TIMEOUT
         _reaper.track(id(self), self._kill)
-        self._store = _spawn.host_store(self.world_size, _GROUP_TIMEOUT)
+        self._store = _processes.host_store(self.world_size, _GROUP_TIMEOUT)
         context = multiprocessing.get_context("spawn")
         for rank in range(self.world_size):
-            self._dumps.append(_spawn.new_dump())
+            self._dumps.append(_processes.new_dump())
             mine, theirs = context.Pipe(duplex=True)
             self._conns.append(mine)
             try:
@@ -117,16 +118,16 @@ class RankPool:
                     self._store.port,
                     _GROUP_TIMEOUT,
                     theirs,
-                    _spawn.dump_of(self._dumps[-1]),
+                    _processes.dump_of(self._dumps[-1]),
                 )
                 name = f"tmgp-pool-rank{rank}"
-                self._procs.append(_spawn.start_rank(context, _worker.worker_main, name, (*args, os.getpid())))
+                self._procs.append(_processes.start_rank(context, _worker.worker_main, name, (*args, os.getpid())))
             finally:
                 theirs.close()
-        _spawn.collect(self._procs, self._conns, self._dumps, deadline, starting=True)  # every worker says READY
+        collect(self._procs, self._conns, self._dumps, deadline, starting=True)  # every worker says READY
 
     def _kill(self) -> None:
-        _spawn.teardown(self._procs)
+        _processes.teardown(self._procs)
 
     def _retire(self, why: str) -> None:
         _reaper.untrack(id(self))
@@ -138,7 +139,7 @@ class RankPool:
         end = time.monotonic() + _IDLE_EXIT
         for proc in self._procs:
             proc.join(max(0.0, end - time.monotonic()))
-        _spawn.teardown(self._procs)
+        _processes.teardown(self._procs)
         for dump in self._dumps:
             dump.close()
         self._procs, self._conns, self._dumps, self._store = [], [], [], None
