@@ -246,8 +246,15 @@ def one_sleeps_the_other_waits() -> None:
 
 
 def test_a_hang_report_leads_with_the_rank_outside_a_collective() -> None:
-    with pytest.raises(RankError) as caught:
-        spawn_ranks(one_sleeps_the_other_waits, 2, timeout=12.0)
+    # in a warm pool, where this module is imported already, so the deadline finds rank 0 in all_reduce however
+    # slowly a loaded machine starts ranks (spawn_ranks' deadline would include the start)
+    pool = _pool.RankPool(2)
+    try:
+        pool.run(echo, timeout=TIMEOUT)
+        with pytest.raises(RankError) as caught:
+            pool.run(one_sleeps_the_other_waits, timeout=6.0)
+    finally:
+        pool.close()
     error = caught.value
     assert (error.rank, error.reason) == (1, "timed out")
     assert error.collectives == {0: "all_reduce"}
@@ -494,3 +501,13 @@ def test_a_rank_loads_no_parent_side_module_and_runs_without_the_patch(
         assert patched  # the pool's reset reads each test's environment, as a fresh import would
     finally:
         pool.close()
+
+
+def test_a_rank_error_pickles_whole_and_is_named_where_it_is_imported_from() -> None:
+    import pickle
+
+    error = RankError(1, "timed out", "stacks", {1: "report"}, collectives={0: "all_reduce"}, starting=True)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.rank, copy.reason, copy.details, copy.reports) == (1, "timed out", "stacks", {1: "report"})
+    assert (copy.collectives, copy.starting, str(copy)) == ({0: "all_reduce"}, True, str(error))
+    assert f"{RankError.__module__}.{RankError.__qualname__}" == "torchmetrics_gradpatch.testing.RankError"

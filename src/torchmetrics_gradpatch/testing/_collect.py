@@ -45,6 +45,8 @@ class RankError(RuntimeError):
         starting: whether it happened while a warm pool was starting, before the test ran.
     """
 
+    __module__ = "torchmetrics_gradpatch.testing"  # where users import it from, and how tracebacks name it
+
     def __init__(
         self,
         rank: int,
@@ -63,6 +65,15 @@ class RankError(RuntimeError):
         self.starting = starting
         during = " while the rank pool was starting" if starting else ""
         super().__init__(f"rank {rank} {reason}{during}:\n{details}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # the arguments, not the message (pytest-xdist ships errors pickled)
+        return (_rebuilt, (self.rank, self.reason, self.details, self.reports, self.collectives, self.starting))
+
+
+def _rebuilt(
+    rank: int, reason: str, details: str, reports: dict[int, Any], collectives: dict[int, str], starting: bool
+) -> RankError:
+    return RankError(rank, reason, details, reports, collectives=collectives, starting=starting)
 
 
 def _receive(rank: int, conn: multiprocessing.connection.Connection) -> tuple[str | None, Any, float]:
