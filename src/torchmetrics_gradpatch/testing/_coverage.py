@@ -1,21 +1,13 @@
-"""Coverage of code that runs only inside spawned ranks, without any configuration from the user.
+"""Coverage of code that runs only inside the ranks, with no configuration from the user.
 
-pytest-cov 7 no longer measures subprocesses, and coverage's own ``patch = subprocess`` needs the child to start
-Python through a ``.pth`` hook with a config file and a data file per process, then a ``combine``. A rank is
-simpler than an arbitrary subprocess: the pytest process sends it the test and waits for its answer, so the
-rank can measure itself and send its data back with the answer:
+pytest-cov 7 measures no subprocess, and coverage's own subprocess support needs a ``.pth`` hook, a config file
+and a ``combine``. A rank answers the pytest process anyway, so it measures itself and sends the data back:
+:func:`parent_config` (pytest process: the running coverage's configuration, or ``None``), :func:`start` and
+:func:`finish` (rank: measure the test body with that configuration and no data file; the data as bytes), and
+:func:`merge` (pytest process: add the bytes to the running data, which pytest-cov or ``coverage run`` saves).
 
-1. in the pytest process, :func:`parent_config` returns the configuration of the coverage run in progress
-   (``Coverage.current()``: started by pytest-cov, or by ``coverage run -m pytest``), or ``None`` when nothing
-   measures;
-2. in the rank, :func:`start` starts a :class:`coverage.Coverage` with that very configuration (source,
-   include/omit, branch, plugins) and **no data file**, just before the test body runs; :func:`finish` stops it
-   and returns its data as bytes (``CoverageData.dumps()``);
-3. in the pytest process, :func:`merge` adds those bytes to the running coverage's data, which pytest-cov or
-   ``coverage run`` then saves, combines and reports as usual.
-
-No file is written by a rank, so nothing extra appears in the report or on disk. The interface is three plain
-functions so that any runner (a fresh spawn per test, or a pool of warm ranks) can call them around each test.
+Invariant: used on both sides; imports only the standard library (coverage inside functions). No rank writes
+a file, so nothing extra appears in the report or on disk.
 """
 
 from __future__ import annotations

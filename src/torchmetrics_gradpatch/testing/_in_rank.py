@@ -1,19 +1,18 @@
-"""The rank's side of the ``ranks`` marker: import the test module as pytest did, call the test, report back.
+"""A marked test inside a rank: import the test module as pytest did, call the test, leave a record.
 
-The pytest process (:mod:`torchmetrics_gradpatch.pytest_plugin`) sends a :class:`RankTest`; each rank runs
-:func:`run_in_rank` inside its initialised process group and leaves a :class:`RankRecord` in the test's outbox
-directory, whatever happened: its outcome, warnings, captured output, coverage data and, on failure, a
-:class:`RankReport`. The record goes through a file, not through the runner's return value, because a rank that
-returned is as important as one that raised: "rank 1 returned while rank 0 waited in all_reduce" and "rank 0
-skipped, then rank 1 failed" can only be told when every finished rank's record is there, whichever rank the
-runner heard from first.
+The plugin (parent side) sends a :class:`~._records.RankTest`; :func:`run_in_rank` runs inside the rank's
+initialised group and always leaves a :class:`~._records.RankRecord` in the test's outbox directory (outcome,
+warnings, output, coverage data, and a report on failure), so the pytest process decides from every finished
+rank, whichever the runner heard from first. Asserts are rewritten as pytest rewrote them; a failed comparison's
+operands are pickled so the pytest process writes the explanation with its own hooks.
 
-* **Asserts are rewritten as in the pytest process.** Every module pytest had rewritten (test modules,
-  conftests, ``register_assert_rewrite`` helpers) is rewritten again when a rank imports it. pytest's
-  comparison explanations need the pytest configuration, which lives in the pytest process, so a rank records
-  the compared values of a failed assert (when they pickle) and the pytest process writes the explanation.
-* **Tracebacks start at the test and stay short inside torch**: a follow-on failure in a collective shows
-  where the test called torch and torch's error, not the source of ``all_reduce``.
+Invariant: rank side; imports pytest, :mod:`._coverage`, :mod:`._records` and the standard library, nothing of
+the parent side.
+pytest's private names used here, each for want of a public one: ``_pytest.assertion.rewrite.rewrite_asserts``
+(the rewriting itself), ``_call_reprcompare``/``_format_explanation`` of that module (replaced in the rank: the
+rewritten code looks them up there to explain a failed comparison), ``_pytest.assertion.util.format_explanation``
+(the standard explanation, with tokens around each comparison), ``_pytest._code.Traceback``
+(restyling entries inside torch) and ``_pytest._io.TerminalWriter`` (rendering as pytest renders).
 """
 
 from __future__ import annotations
@@ -30,135 +29,23 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch import _rank_coverage
-
-#: The line a rank's failed assert shows until the pytest process writes the message (see RankReport).
-_PLACEHOLDER = "assert <torchmetrics_gradpatch: assertion message>"
-_TOKEN_START, _TOKEN_END = "\x02tmgp-compare-{}\x03", "\x02/tmgp-compare-{}\x03"
-
-
-class FreshMonkeyPatch:
-    """Sent in place of a ``monkeypatch`` fixture: the rank gets its own, undone when the test body ends."""
-
-
-@dataclass(frozen=True)
-class RankTest:
-    """What a rank needs to find and call the test: everything plain data, pickled once per test."""
-
-    module: str
-    path: str
-    classes: tuple[str, ...]
-    function: str
-    rewrite: dict[str, str]  # module name -> file, for every module pytest rewrote the asserts of
-    kwargs: bytes  # pickled fixture values, unpickled in the rank after the test module is imported
-    instance_state: bytes | None
-    showlocals: bool
-    tbstyle: str
-    outbox: str  # directory where each rank leaves its RankRecord
-    capture_output: bool = False  # --capture=sys/tee-sys: send print output back instead of writing to the fds
-    coverage: bytes | None = None  # the pytest process's coverage configuration (see _rank_coverage)
-    backend: str = "gloo"
-
-
-@dataclass
-class RankReport:
-    """A rank's failure: pytest's rendering of its traceback, finished in the pytest process.
-
-    ``text`` has the assert message as a placeholder line when the message contains comparisons; ``raw`` is the
-    message before formatting with each comparison's standard explanation between tokens, and ``comparisons``
-    the pickled ``(op, left, right)`` of each token (``None`` when the values did not pickle). ``crash`` is the
-    deepest frame outside torch (where ``--tb=line`` points), ``collective`` the torch.distributed function
-    the traceback went through, ``exc_type`` the pickled exception class (for ``xfail(raises=...)``).
-    """
-
-    text: str
-    raw: str | None = None
-    comparisons: dict[int, bytes | None] = field(default_factory=dict)
-    crash: tuple[str, int] | None = None
-    collective: str | None = None
-    exc_type: bytes | None = None
-    message: str = ""
-
-    def _message(self, explain: Callable[[str, object, object], str | None] | None) -> str:
-        from _pytest.assertion.util import format_explanation
-
-        assert self.raw is not None
-        raw = self.raw
-        for index, blob in self.comparisons.items():
-            start, end = _TOKEN_START.format(index), _TOKEN_END.format(index)
-            head, _, rest = raw.partition(start)
-            standard, _, tail = rest.partition(end)
-            custom = None
-            if explain is not None and blob is not None:
-                try:
-                    custom = explain(*pickle.loads(blob))
-                except Exception:  # an odd object's repr must not hide the rank's failure
-                    custom = None
-            # pytest escapes % in a custom explanation for the rewritten code's own % formatting, done already here
-            raw = head + (custom.replace("%%", "%") if custom else standard) + tail
-        return format_explanation(raw)
-
-    def _with_message(self, message: str) -> str:
-        lines: list[str] = []
-        for line in self.text.splitlines():
-            if _PLACEHOLDER in line:
-                prefix = line[: line.index(_PLACEHOLDER)]
-                lines.extend(prefix + part for part in message.splitlines())
-            else:
-                lines.append(line)
-        return "\n".join(lines)
-
-    @staticmethod
-    def headline(finished: str) -> str:
-        """The first line of the exception as pytest shows it (the ``E`` lines of the finished text)."""
-        for line in finished.splitlines():
-            if line.startswith("E   "):
-                return line[1:].strip()
-        return ""
-
-    def finished(self) -> str:
-        """The text with pytest's own comparison explanations (call inside the test, in the pytest process)."""
-        if self.raw is None:
-            return self.text
-        from _pytest.assertion import util
-
-        return self._with_message(self._message(util._reprcompare))
-
-    def __str__(self) -> str:
-        return self.text if self.raw is None else self._with_message(self._message(None))
-
-
-@dataclass
-class RankRecord:
-    """What one rank leaves in the outbox when its test body ends, whatever the outcome."""
-
-    rank: int
-    outcome: str = "passed"  # "skipped", "xfailed" (pytest.skip()/xfail() in the rank) or "failed"
-    reason: str = ""
-    returned: str | None = None  # repr of the type of a non-None return value
-    warnings: list[tuple[bytes, str, str, int]] = field(default_factory=list)  # category, message, file, line
-    stdout: str = ""
-    stderr: str = ""
-    coverage: bytes | None = None
-    report: RankReport | None = None
-
-
-def record_path(outbox: str, rank: int) -> Path:
-    return Path(outbox) / f"rank{rank}.pickle"
-
-
-class RankFailedError(Exception):
-    """Carries a :class:`RankReport` to the runner, which sends it instead of a plain traceback."""
-
-    def __init__(self, report: RankReport) -> None:
-        super().__init__(str(report))
-        self.rank_report = report
+from torchmetrics_gradpatch.testing import _coverage
+from torchmetrics_gradpatch.testing._records import (
+    PLACEHOLDER,
+    TOKEN_END,
+    TOKEN_START,
+    FreshMonkeyPatch,
+    RankFailedError,
+    RankRecord,
+    RankReport,
+    RankTest,
+    record_path,
+)
 
 
 class _RewritingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -214,14 +101,14 @@ class _Comparisons:
             self.pickled[token] = pickle.dumps((ops[index], each_obj[index], each_obj[index + 1]))
         except Exception:
             self.pickled[token] = None
-        return _TOKEN_START.format(token) + expls[index] + _TOKEN_END.format(token)
+        return TOKEN_START.format(token) + expls[index] + TOKEN_END.format(token)
 
     def format_explanation(self, raw: str) -> str:
         from _pytest.assertion.util import format_explanation
 
         plain = raw
         for token in self.pickled:
-            plain = plain.replace(_TOKEN_START.format(token), "").replace(_TOKEN_END.format(token), "")
+            plain = plain.replace(TOKEN_START.format(token), "").replace(TOKEN_END.format(token), "")
         message = format_explanation(plain)
         self.messages[message] = raw
         return message
@@ -285,15 +172,14 @@ def _collective(entries: list[Any]) -> str | None:
 
 
 def _report(error: BaseException, spec: RankTest, comparisons: _Comparisons) -> RankReport:
-    from _pytest._code import ExceptionInfo
     from _pytest._io import TerminalWriter
 
     message = str(error)
     raw = comparisons.messages.get(message) if isinstance(error, AssertionError) else None
     if raw is not None:
-        error.args = (_PLACEHOLDER,)  # the pytest process writes the message, with its comparison hooks
+        error.args = (PLACEHOLDER,)  # the pytest process writes the message, with its comparison hooks
     assert error.__traceback__ is not None  # it was raised
-    info = ExceptionInfo.from_exc_info((type(error), error, error.__traceback__))
+    info = pytest.ExceptionInfo.from_exc_info((type(error), error, error.__traceback__))
     entries = list(info.traceback)
     outside = [entry for entry in entries if not _in_torch(entry)] or entries
     crash = (str(outside[-1].path), outside[-1].lineno + 1) if outside else None
@@ -398,13 +284,13 @@ def run_in_rank(spec: RankTest) -> None:
     function = getattr(target, spec.function)
     kwargs = pickle.loads(spec.kwargs)
     record = RankRecord(dist.get_rank())
-    measuring = _rank_coverage.start(spec.coverage)
+    measuring = _coverage.start(spec.coverage)
     try:
         with _captured(record, spec.capture_output), warnings.catch_warnings(record=True) as log:
             warnings.simplefilter("always")  # the pytest process applies its own filters when it re-issues them
             error = _call(function, kwargs, record)
     finally:
-        record.coverage = _rank_coverage.finish(measuring)
+        record.coverage = _coverage.finish(measuring)
     record.warnings = _warnings(log)
     if error is not None:
         record.report = _report(error, spec, comparisons)
