@@ -35,6 +35,15 @@ PACKAGE = "torchmetrics_gradpatch"
 DIST_NAME = "torchmetrics_gradpatch"  # normalised distribution name in artifact file names
 #: tracked files a downstream packager does not need (the sdist is not a git checkout)
 NOT_IN_SDIST = (".gitignore",)
+#: run records kept in the repository but not shipped (MANIFEST.in prunes them): raw runs and CI logs
+NOT_IN_SDIST_PREFIXES = ("results/raw/", "results/raw-compile/", "results/raw-compile-2.15/")
+
+
+def shipped(name: str) -> bool:
+    """Whether a tracked file belongs in the sdist (MANIFEST.in's rules, restated for the check)."""
+    if name in NOT_IN_SDIST or name.startswith(NOT_IN_SDIST_PREFIXES):
+        return False
+    return not (name.startswith("results/") and name.endswith(".log"))
 
 
 class CheckError(Exception):
@@ -78,11 +87,11 @@ def check_sdist(sdist: Path, version: str) -> None:
     required = {"LICENSE", "README.md", "CHANGELOG.md", "tox.ini", "pyproject.toml", "tests/conftest.py"}
     tracked = tracked_files()
     if tracked is not None:
-        required |= {name for name in tracked if name not in NOT_IN_SDIST}
+        required |= {name for name in tracked if shipped(name)}
     missing = sorted(required - members)
     if missing:
         raise CheckError(f"the sdist lacks {len(missing)} file(s) (add them to MANIFEST.in): {', '.join(missing)}")
-    stray = sorted(m for m in members if "__pycache__" in m or m.startswith("results/raw/"))
+    stray = sorted(m for m in members if "__pycache__" in m or not shipped(m))
     if stray:
         raise CheckError(f"the sdist carries build or run leftovers: {', '.join(stray)}")
     print(f"sdist: {len(members)} files, every tracked file included" if tracked else f"sdist: {len(members)} files")
