@@ -9,9 +9,9 @@ Invariants:
 
 * Every rank decides from data every rank sent in full: a fixed-size header (status, flags, dtype, ndim, the
   shape or a scalar's bytes) gathered into zeroed buffers; the data step follows only once the headers agree.
-* What can stop one rank (a conjugate bit, a failure preparing its tensor) is caught before the first collective
-  and sent in the header; a disagreement on dtype, ndim or grad mode is read from the headers. Either way every
-  rank raises the same error, naming the ranks and the cause, after the same exchange: none is left waiting.
+* What can stop one rank (a conjugate bit) is found before the first collective and sent in the header; a
+  disagreement on dtype, ndim or grad mode is read from the headers. Either way every rank raises the same
+  error, naming the ranks and the cause, after the same exchange: none is left waiting.
 * Forward: one collective for a scalar, two otherwise (three above six dimensions). A non-member of ``group``
   takes the local gather's path, as the unpatched gather would.
 * Every rank of the group gathers in global mode and, when the node is built, runs ``backward()`` through it.
@@ -34,16 +34,14 @@ __all__ = ["GradModeMismatchError", "gather_global"]
 
 _REQUIRES_GRAD = 1  # flag bits each rank sends in its header
 _GRAD_MODE = 2
+_NOT_INLINE = 4  # this rank's scalar could not be read as bytes: every rank gathers the scalars as data instead
 
 # The header: int64 words, the same number on every rank whatever its tensor, so no exchange can mismatch.
 _STATUS, _FLAGS, _DTYPE, _NDIM, _BODY = range(5)
 _INLINE_DIMS = 6  # the body holds a shape of up to this many dims, or a scalar's bytes (up to 48)
 _HEADER_WORDS = _BODY + _INLINE_DIMS
-_OK, _CONJUGATE, _UNPREPARED = 0, 1, 2  # status codes
-_CAUSES = {
-    _CONJUGATE: "the tensor has the conjugate bit set; call .resolve_conj() on it before gathering",
-    _UNPREPARED: "preparing the tensor failed; the cause is chained to the error on that rank",
-}
+_OK, _CONJUGATE = 0, 1  # status codes
+_CAUSES = {_CONJUGATE: "the tensor has the conjugate bit set; call .resolve_conj() on it before gathering"}
 _END = "Every rank of the group raised this error after the same exchange; none is left waiting."
 
 _DTYPE_CODES: dict[torch.dtype, int] = {}
@@ -197,28 +195,21 @@ class _ScatterSum(torch.autograd.Function):
         return (None, *entries)
 
 
-def _own_header(result: torch.Tensor, flags: int) -> tuple[torch.Tensor, BaseException | None]:
-    """This rank's header, and what stops this rank from taking part (``None``: nothing does).
-
-    Nothing here raises on a tensor: a failure is recorded in the header, so that every rank learns of it in the
-    exchange instead of waiting for a rank that left.
-    """
+def _own_header(result: torch.Tensor, flags: int) -> torch.Tensor:
+    """This rank's header. Nothing here raises on a tensor: what stops this rank is sent as its status."""
     shape = result.shape
     words = [_OK, flags, _dtype_code(result.dtype), len(shape), *shape[:_INLINE_DIMS]]
     words += [0] * (_HEADER_WORDS - len(words))
     header = torch.tensor(words, dtype=torch.int64, device=result.device)
     if result.is_conj():  # gloo's all_gather refuses it (view_as_real), and it has no bytes of its own to send
         header[_STATUS] = _CONJUGATE
-        return header, None
-    if shape:
-        return header, None
-    try:  # a scalar travels in the header as its own bytes; the negative bit is applied first
-        data = result.detach().resolve_neg().reshape(1).view(torch.uint8)
-        header.view(torch.uint8)[_BODY * 8 : _BODY * 8 + data.numel()] = data
-    except Exception as err:  # whatever it is, every rank must hear of it
-        header[_STATUS] = _UNPREPARED
-        return header, err
-    return header, None
+    elif not shape:
+        try:  # a scalar travels in the header as its own bytes; the negative bit is applied first
+            data = result.detach().resolve_neg().reshape(1).view(torch.uint8)
+            header.view(torch.uint8)[_BODY * 8 : _BODY * 8 + data.numel()] = data
+        except Exception:  # a tensor subclass, say: it travels as data, as in the unpatched gather
+            header[_FLAGS] |= _NOT_INLINE
+    return header
 
 
 def _exchange(tensor: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
@@ -290,31 +281,30 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
         return gather_local(result, group)
     flags = (_REQUIRES_GRAD if result.requires_grad else 0) | (_GRAD_MODE if torch.is_grad_enabled() else 0)
     with torch.no_grad():
-        header, problem = _own_header(result, flags)
-        received = _exchange(header, resolved, world_size)
+        received = _exchange(_own_header(result, flags), resolved, world_size)
     rows: list[list[int]] = received.tolist()
     refusal = _refusal(rows)  # every rank reads the same rows, so every rank takes the same branch from here
     if refusal is not None:
-        raise refusal from problem
+        raise refusal
     all_flags = [row[_FLAGS] for row in rows]
     any_requires_grad = any(f & _REQUIRES_GRAD for f in all_flags)
     grad_modes = {bool(f & _GRAD_MODE) for f in all_flags}
     if any_requires_grad and len(grad_modes) > 1:
         raise _mismatch(all_flags)
     ndim = result.ndim
-    if ndim == 0:
+    if ndim == 0 and not any(f & _NOT_INLINE for f in all_flags):
         width = result.element_size()
         body = received.view(torch.uint8)[:, _BODY * 8 : _BODY * 8 + width]
         entries = [row.view(result.dtype).view(()) for row in body]
         entries[rank] = result
     else:
-        if ndim <= _INLINE_DIMS:
+        if ndim <= _INLINE_DIMS:  # a scalar's shape, [], included
             shapes = [row[_BODY : _BODY + ndim] for row in rows]
         else:  # every rank has this many dims (the headers agree), so every rank takes this exchange too
             with torch.no_grad():
                 shape = torch.tensor(result.shape, dtype=torch.int64, device=result.device)
                 shapes = _exchange(shape, resolved, world_size).tolist()
-        # the headers agree on dtype and shapes, so the data all_gather writes every element of every buffer
+        # every rank knows every shape and the dtypes agree: the data all_gather writes every element of every buffer
         entries = gather_entries(result, shapes, resolved, rank, torch.empty_like)
     if not (any_requires_grad and grad_modes == {True}):
         return entries
