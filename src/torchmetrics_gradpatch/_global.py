@@ -12,8 +12,9 @@ Invariants:
 * What can stop one rank (a conjugate bit) is found before the first collective and sent in the header; a
   disagreement on dtype, ndim or grad mode is read from the headers. Either way every rank raises the same
   error, naming the ranks and the cause, after the same exchange: none is left waiting.
-* Forward: one collective for a scalar, two otherwise (three above six dimensions). A non-member of ``group``
-  takes the local gather's path, as the unpatched gather would.
+* Forward: one collective for a scalar (its value rides in the header), two otherwise (one more above six
+  dimensions, or when a rank's scalar cannot be read as bytes). A non-member of ``group`` takes the local
+  gather's path, as the unpatched gather would.
 * Every rank of the group gathers in global mode and, when the node is built, runs ``backward()`` through it.
 """
 
@@ -205,8 +206,8 @@ def _own_header(result: torch.Tensor, flags: int) -> torch.Tensor:
         header[_STATUS] = _CONJUGATE
     elif not shape:
         try:  # a scalar travels in the header as its own bytes; the negative bit is applied first
-            data = result.detach().resolve_neg().reshape(1).view(torch.uint8)
-            header.view(torch.uint8)[_BODY * 8 : _BODY * 8 + data.numel()] = data
+            data = (result.resolve_neg() if result.is_neg() else result).reshape(1).view(torch.uint8)
+            header.view(torch.uint8)[_BODY * 8 : _BODY * 8 + data.numel()].copy_(data)
         except Exception:  # a tensor subclass, say: it travels as data, as in the unpatched gather
             header[_FLAGS] |= _NOT_INLINE
     return header
@@ -221,6 +222,9 @@ def _exchange(tensor: torch.Tensor, group: Any, world_size: int) -> torch.Tensor
 
 def _refusal(rows: list[list[int]]) -> RuntimeError | None:
     """The error every rank raises when the headers say the data step cannot run (``None``: it can)."""
+    first = rows[0]
+    if all(row[_STATUS] == _OK and row[_DTYPE] == first[_DTYPE] and row[_NDIM] == first[_NDIM] for row in rows):
+        return None
     stopped = [r for r, row in enumerate(rows) if row[_STATUS] != _OK]
     if stopped:
         causes = "; ".join(
@@ -293,9 +297,8 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
         raise _mismatch(all_flags)
     ndim = result.ndim
     if ndim == 0 and not any(f & _NOT_INLINE for f in all_flags):
-        width = result.element_size()
-        body = received.view(torch.uint8)[:, _BODY * 8 : _BODY * 8 + width]
-        entries = [row.view(result.dtype).view(()) for row in body]
+        body = received.view(torch.uint8)[:, _BODY * 8 : _BODY * 8 + result.element_size()]
+        entries = list(body.view(result.dtype)[:, 0].unbind())  # each rank's value, 0-d
         entries[rank] = result
     else:
         if ndim <= _INLINE_DIMS:  # a scalar's shape, [], included
