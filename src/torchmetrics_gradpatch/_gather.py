@@ -8,7 +8,7 @@ Invariants:
 
 * The same collectives in the same order as the unpatched gather of torchmetrics 0.11 to 1.9 (``barrier``, the
   shapes' ``all_gather`` for non-scalars, the data's ``all_gather``), so patched and unpatched ranks cannot
-  deadlock each other; the same errors, a non-member of ``group`` included.
+  deadlock each other; the same results and errors, a non-member of ``group`` included.
 * Every other entry is bit for bit the unpatched one (the same zeroed buffers, padding and trimming); no
   gathered copy of the caller's own tensor outlives the call; no warning (uneven results are sliced with a tuple).
 * It knows nothing of global mode (:mod:`torchmetrics_gradpatch._global`); :mod:`torchmetrics_gradpatch._modes`
