@@ -30,6 +30,8 @@ from torchmetrics_gradpatch.testing import RankError, spawn_ranks
 WORLD_SIZES = (2, 3)  # a world of one runs in a plain subprocess below (a spawn costs seconds)
 SUBGROUP = [0, 2]
 RTOL = 1e-12
+#: int64 words of global mode's header exchange, the same on every rank whatever its tensor
+HEADER_WORDS = 10
 # all_to_all_single calls issued by one backward of each Metric case (one per state that carries a graph)
 BACKWARD_GATHERS = {"collection": 2, "many_states": 3}
 
@@ -85,9 +87,9 @@ def global_collectives(local: list[str]) -> list[str]:
     """The forward collectives global mode issues for the gathers whose local-mode collectives are ``local``.
 
     Local mode (= unpatched torchmetrics) issues, per gather, ``barrier`` then, for a scalar, the data; for a
-    non-scalar, the shapes, then the data. Global mode drops the barrier, sends ``[*shape, flags]`` (one entry
-    more) in place of the shapes and, for a scalar, the scalar's bytes plus a flags byte (every scalar in these
-    tests is 8 bytes wide: float64 or int64).
+    non-scalar, the shapes, then the data. Global mode drops the barrier and sends, in place of the shapes, a
+    header of :data:`HEADER_WORDS` int64 words whatever the tensor (status, flags, dtype, ndim, then the shape or,
+    for a scalar, its bytes: a scalar's gather is that one exchange). Every tensor here has at most six dims.
     """
     out: list[str] = []
     gathers: list[list[str]] = []
@@ -98,18 +100,21 @@ def global_collectives(local: list[str]) -> list[str]:
             gathers[-1].append(call)
     for calls in gathers:
         shapes = ast.literal_eval(calls[0][len("all_gather") :])
-        if len(calls) == 1:  # a scalar
+        out.append(f"all_gather{[(HEADER_WORDS,)] * len(shapes)}")
+        if len(calls) == 1:  # a scalar: its value rides in the header
             assert all(shape == () for shape in shapes)
-            out.append(f"all_gather{[(9,)] * len(shapes)}")
         else:
-            out.append(f"all_gather{[(shape[0] + 1,) for shape in shapes]}")
             out.append(calls[1])
     return out
 
 
 def test_global_collectives_helper() -> None:
     local = ["barrier", "all_gather[(), ()]", "barrier", "all_gather[(1,), (1,)]", "all_gather[(3,), (3,)]"]
-    assert global_collectives(local) == ["all_gather[(9,), (9,)]", "all_gather[(2,), (2,)]", "all_gather[(3,), (3,)]"]
+    assert global_collectives(local) == [
+        "all_gather[(10,), (10,)]",
+        "all_gather[(10,), (10,)]",
+        "all_gather[(3,), (3,)]",
+    ]
 
 
 # ------------------------------------------------------------------------------------------- references
@@ -279,8 +284,8 @@ def test_rank_with_nothing_to_sync_still_joins_the_backward(
     for rank, out in enumerate(per_rank):
         assert out["loss_has_graph"], f"rank {rank}"
         assert torch.equal(out["loss"], per_rank[0]["loss"])
-        # one cat state: [*shape, flags], then the data; no barrier. One backward collective on every rank.
-        assert len(out["forward_collectives"]) == 2 and out["forward_collectives"][0].startswith("all_gather[(2,)")
+        # one cat state: the header, then the data; no barrier. One backward collective on every rank.
+        assert len(out["forward_collectives"]) == 2 and out["forward_collectives"][0].startswith("all_gather[(10,)")
         assert out["backward_collectives"] == ["all_to_all_single"], f"rank {rank}"
     # the empty rank's loss reaches no parameter of its own: its gradients stay None (really exercised)
     assert all(g is None for g in per_rank[empty]["grads"])

@@ -1,26 +1,18 @@
-"""The graph-preserving gather: torchmetrics 1.6.0's ``gather_all_tensors`` semantics, for any torchmetrics.
+"""The graph-preserving gather ("local" mode): torchmetrics 1.6.0's ``gather_all_tensors``, for any torchmetrics.
 
-``torch.distributed.all_gather`` writes into fresh tensors, so everything it returns is a leaf without a
-graph. Upstream's fix (torchmetrics PR #2754) puts the caller's own tensor back at the caller's index, so
-autograd flows through the local rank's entry while every other entry stays a plain value.
+Role: the unpatched gather, except that the caller's own tensor is put back at the caller's index (the rank
+*within* ``group``), so autograd flows through that entry; every other entry is a plain value. It also holds the
+data step both modes share (:func:`gather_entries`) and :func:`size_and_rank`.
 
-This module reproduces that, with three deliberate properties:
+Invariants:
 
-* **Same collectives, same order** as the unpatched gather of every torchmetrics from 0.11 to 1.9: one
-  ``barrier``, then (for non-scalars) one ``all_gather`` of the shapes, then one ``all_gather`` of the data.
-  A job where some ranks are patched and some are not therefore cannot deadlock.
-* **Bit-identical values** for every entry but the local one: the same zero buffers, padding and slicing.
-* **No extra memory and no warnings**: the local gathered copy is replaced, not kept beside the caller's
-  tensor, and uneven results are sliced with a tuple (torchmetrics < 1.6 slices with a list, which torch
-  >= 2.8 deprecates with a ``UserWarning`` at every uneven gather).
-
-The index is the caller's rank *within* ``group`` (``torch.distributed.get_rank(group)``), not its global rank.
-
-Gradient modes
---------------
-This is the ``"local"`` mode and nothing else; it knows nothing of the ``"global"`` mode
-(:mod:`torchmetrics_gradpatch._global`, which has its own forward). :mod:`torchmetrics_gradpatch._modes` chooses
-between the two.
+* The same collectives in the same order as the unpatched gather of torchmetrics 0.11 to 1.9 (``barrier``, the
+  shapes' ``all_gather`` for non-scalars, the data's ``all_gather``), so patched and unpatched ranks cannot
+  deadlock each other; the same results and errors, a non-member of ``group`` included.
+* Every other entry is bit for bit the unpatched one (the same zeroed buffers, padding and trimming); no
+  gathered copy of the caller's own tensor outlives the call; no warning (uneven results are sliced with a tuple).
+* It knows nothing of global mode (:mod:`torchmetrics_gradpatch._global`); :mod:`torchmetrics_gradpatch._modes`
+  chooses between the two.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ __all__ = ["gather_entries", "gather_local", "size_and_rank"]
 
 
 def _all_gather(buffers: list[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
-    """``dist.all_gather``, under ``no_grad`` only when ``tensor`` has a graph to keep out (entering it costs ~1 µs)."""
+    """``dist.all_gather``, under ``no_grad`` only when ``tensor`` has a graph to keep out (this runs at every sync)."""
     if tensor.requires_grad:
         with torch.no_grad():
             dist.all_gather(buffers, tensor, group)
@@ -54,7 +46,8 @@ def _gather_equal(
     """Every rank's tensor has ``result``'s shape: one ``all_gather``, then the caller's own entry put back."""
     entries = [new_buffer(result) for _ in range(world_size)]  # *_like factories never copy requires_grad
     _all_gather(entries, result, group)
-    entries[rank] = result
+    if entries:  # none on a non-member of ``group`` (world size -1): the unpatched gather returns [] there
+        entries[rank] = result
     return entries
 
 
@@ -76,8 +69,8 @@ def gather_entries(
     the call.
 
     Both modes' forwards use it, so they trim and order entries the same way. ``new_buffer`` allocates the receive
-    buffers: local mode keeps torchmetrics' zeroed ones; global mode takes ``torch.empty_like`` (``all_gather``
-    writes every element, so zeroing is only cost).
+    buffers: local mode keeps torchmetrics' zeroed ones; global mode, whose ranks have first agreed on dtype and
+    shapes (so ``all_gather`` writes every element), takes ``torch.empty_like``.
     """
     if shapes.count(shapes[0]) == len(shapes):  # one C-level pass; this runs at every sync of every metric state
         return _gather_equal(result, len(shapes), group, rank, new_buffer)
@@ -99,9 +92,9 @@ def gather_entries(
 def size_and_rank(group: Any) -> tuple[int, int]:
     """``group``'s size and this process's rank within it, as ``dist.get_world_size`` / ``dist.get_rank`` give them.
 
-    For a process group object (what every member of a group holds) both are plain C++ getters (~0.1 µs); the
-    ``torch.distributed`` functions around them cost ~1.2 µs each per call. Anything else (an uninitialised default
-    group, a non-member's placeholder) goes through those functions, so their errors and answers stay as they are.
+    For a process group object (what every member of a group holds) both are plain C++ getters, far cheaper than
+    the ``torch.distributed`` functions. Anything else (an uninitialised default group, a non-member's
+    placeholder, for which both are -1) goes through those functions, so their errors and answers stay as they are.
     """
     if isinstance(group, dist.ProcessGroup):
         return group.size(), group.rank()
@@ -132,4 +125,6 @@ def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.T
     local_size = torch.tensor(result.shape, device=result.device)
     local_sizes = [torch.zeros_like(local_size) for _ in range(world_size)]
     dist.all_gather(local_sizes, local_size, group=group)
+    if not local_sizes:  # a non-member of ``group``: the unpatched gather fails in ``torch.stack`` of no sizes
+        torch.stack(local_sizes)
     return gather_entries(result, [size.tolist() for size in local_sizes], group, rank)

@@ -1,119 +1,71 @@
 """The "global" gradient mode: a gather whose backward gives each rank every rank's gradient for its tensor.
 
-Semantics
----------
-In local mode (upstream 1.6) rank ``j``'s tensor ``x_j`` receives only ``dL_j/dx_j``, the gradient of its own
-loss. In global mode it receives ``sum_r dL_r/dx_j``: the gradient of *every* rank's loss with respect to
-``x_j``, summed. When every rank computes the same synced loss ``L`` (a Metric used as a loss), that is
-``W * dL/dx_j``, and once DDP averages parameter gradients over the ``W`` ranks the model receives exactly the
-single-process gradient of ``L`` (local mode gives ``1/W`` of it). When ranks compute different losses from
-the gathered values (contrastive losses), the model receives the gradient of the mean of the ranks' losses,
-cross-rank terms included (local mode drops them).
+Role: :func:`gather_global` returns local mode's values, bit for bit; when some rank's tensor requires grad and
+grad mode is on everywhere, every entry on every rank is an output of one autograd node whose backward is one
+``all_to_all_single`` summing, on rank ``j``, every rank's gradient for entry ``j``. Semantics and rules for
+users: docs/gradient-modes.md; the exchange protocol and the choice of collectives: docs/design.md.
 
-Forward: the exchange that also decides
----------------------------------------
-The forward does not call the local-mode gather (it shares only its data step): every rank of the group must be
-in global mode anyway (the backward is a collective), so the unpatched gather's ``barrier`` buys nothing here and
-is dropped. Each rank contributes, besides its tensor, two flags: *its tensor requires grad* and *grad mode is on*.
+Invariants:
 
-* Non-scalar: one ``all_gather`` of ``[*shape, flags]`` (int64, ``ndim + 1`` entries per rank), then one
-  ``all_gather`` of the data, padded to the largest shape when the shapes differ: the local gather's own data step
-  (:func:`~torchmetrics_gradpatch._gather.gather_entries`). Two collectives.
-* Scalar: one ``all_gather`` of the scalar's bytes with the flags byte appended (``uint8``). One collective.
-
-Every rank then holds every rank's flags and reaches the same decision, with no further collective:
-
-* no rank's tensor requires grad, or every rank gathers with grad mode off: plain values, no node, nothing to
-  wait for in backward;
-* some rank's tensor requires grad and every rank has grad mode on: **every** rank builds the node, also a rank
-  whose own tensor does not require grad (torchmetrics' empty ``cat`` state is a grad-less
-  ``torch.tensor([])``). Such a rank ties the node to a fresh zero-element leaf, so its outputs, and the loss
-  built from them, have a graph and its ``backward()`` issues the same collective as everyone else's;
-* grad mode differs across ranks while some tensor requires grad: every rank raises the same ``RuntimeError``
-  naming the ranks on each side, right after the exchange, before any rank could wait for another.
-
-Values are bit-identical to local mode: the data travel in the same dtype (or as their own bytes), the padding is
-trimmed the same way, and the caller's own tensor is its own entry.
-
-Backward: one ``all_to_all_single``
------------------------------------
-Rank ``r`` holds ``dL_r/d(entry j)`` for every ``j``; rank ``j`` needs their sum: a reduce-scatter with uneven
-(possibly empty) pieces. Candidates, each a single collective:
-
-* ``reduce_scatter``: gloo has none on torch 2.0.1 ("ProcessGroupGloo does not support reduce_scatter");
-  torch 2.13's gloo has one, but it was the slowest option measured there, and it wants equal pieces.
-* ``all_to_all`` (the list form used by ``torch.distributed.nn.functional.all_gather``): gloo on torch 2.0.1
-  refuses it ("Backend gloo does not support alltoall"), so it is out.
-* ``all_reduce`` of the gradients padded to the largest shape and stacked (``W * max`` elements), each rank
-  keeping its own row: works everywhere, but moves every row to every rank.
-* ``all_to_all_single`` with per-rank split sizes (gloo's ``alltoallv``): works on torch 2.0.1 and 2.13 with
-  uneven and zero-sized splits; every rank sends each piece only to its owner, no padding, then sums the
-  ``W`` pieces it received.
-
-Measured on this project's machine (2 cores, gloo on loopback, medians of 15 interleaved runs, the collective
-alone, float32; ms for all_to_all_single / all_reduce of the stacked gradients / reduce_scatter_tensor):
-
-====================  ===================  ===================  ====================
-elements per rank     torch 2.13, 2 ranks  torch 2.13, 3 ranks  torch 2.0.1, 3 ranks
-====================  ===================  ===================  ====================
-1                     0.39 / 0.35 / 0.41   0.57 / 2.1 / 2.3     0.52 / 0.84 / --
-1,000                 0.42 / 0.40 / 0.55   0.75 / 1.0 / 2.8     0.52 / 1.4 / --
-65,536                0.71 / 1.2 / 2.9     1.7 / 4.0 / 3.3      1.3 / 3.3 / --
-1,000,000             8.8 / 9.7 / 13.6     17.7 / 22.9 / 24.7   23.3 / 25.8 / --
-====================  ===================  ===================  ====================
-
-``all_to_all_single`` is the fastest or within noise of it everywhere and available on every supported torch,
-so the backward uses it: one collective per gather, whatever the shapes. Each rank's gradient for its own
-entry stays home (split size 0) and is added locally; on two ranks the single outgoing gradient is sent as
-is, without first being copied into a send buffer.
-
-Entries, in place, and double backward
---------------------------------------
-Like ``torch.distributed.nn.functional.all_gather``'s, the entries may be changed in place on every rank
-(``g[j].mul_(2)`` for any ``j``, equal or uneven shapes) and the gradients stay exact: every entry is an output of
-the node that owns its memory, never a view (autograd refuses in-place changes to a custom Function's views, which
-once made ``g[rank].mul_(2)`` fail on one rank only). The caller's own entry is therefore a copy of its tensor (not
-the tensor itself, as in local mode); trimmed entries of uneven shapes are their receive buffers shrunk in place
-when only the first dimension differs, else copies.
-
-The backward is differentiable: under ``create_graph=True`` it is a node of its own (:class:`_ScatterSum`) whose
-backward is a gather of the incoming gradients, so second-order gradients are exact (the same as torch's
-equal-shape ``all_gather``). That double backward is a collective too: every rank must run it, and every rank's
-tensor must require grad (a rank whose tensor has no graph takes part in the first backward only).
-
-Rules
------
-* Every rank of the group must gather in global mode: the forward issues other collectives than local mode
-  (and than the unpatched gather), so a rank in local mode and one in global mode mismatch their collectives
-  (gloo then fails or waits until its timeout, as with any mismatched collectives).
-* When the node is built, every rank must run ``backward()`` through the gathered values, as with any
-  collective: a rank that does not reach this node leaves the others waiting in the ``all_to_all_single``.
-  Call ``loss.backward()``, not ``torch.autograd.grad(loss, params)``: on a rank whose own tensor had no graph
-  the node is reached only through its leaf, which ``autograd.grad`` of other inputs skips. Several gathers
-  (several metric states) are safe: autograd runs their backward nodes in reverse creation order, the same on
-  every rank because the forward gathers were issued in the same order.
+* Every rank decides from data every rank sent in full: a fixed-size header (status, flags, dtype, ndim, the
+  shape or a scalar's bytes) gathered into zeroed buffers; the data step follows only once the headers agree.
+* What can stop one rank (a conjugate bit) is found before the first collective and sent in the header; a
+  disagreement on dtype, ndim or grad mode is read from the headers. Either way every rank raises the same
+  error, naming the ranks and the cause, after the same exchange: none is left waiting.
+* Forward: one collective for a scalar (its value rides in the header), two otherwise (one more above six
+  dimensions, or when a rank's scalar cannot be read as bytes). A non-member of ``group`` takes the local
+  gather's path, as the unpatched gather would.
+* Every rank of the group gathers in global mode and, when the node is built, runs ``backward()`` through it.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from torchmetrics_gradpatch._gather import gather_entries, size_and_rank
+from torchmetrics_gradpatch._gather import gather_entries, gather_local, size_and_rank
 from torchmetrics_gradpatch._modes import GradModeMismatchError  # defined where importing it needs no torch
 
 __all__ = ["GradModeMismatchError", "gather_global"]
 
-_REQUIRES_GRAD = 1  # flag bits each rank sends with its shape
+_REQUIRES_GRAD = 1  # flag bits each rank sends in its header
 _GRAD_MODE = 2
+_NOT_INLINE = 4  # this rank's scalar could not be read as bytes: every rank gathers the scalars as data instead
+
+# The header: int64 words, the same number on every rank whatever its tensor, so no exchange can mismatch.
+_STATUS, _FLAGS, _DTYPE, _NDIM, _BODY = range(5)
+_INLINE_DIMS = 6  # the body holds a shape of up to this many dims, or a scalar's bytes (up to 48)
+_HEADER_WORDS = _BODY + _INLINE_DIMS
+_OK, _CONJUGATE = 0, 1  # status codes
+_CAUSES = {_CONJUGATE: "the tensor has the conjugate bit set; call .resolve_conj() on it before gathering"}
+_END = "Every rank of the group raised this error after the same exchange; none is left waiting."
+
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A code for ``dtype`` that every rank computes alike (from its name, not from torch's enum order)."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
+    return code
+
+
+def _dtype_name(code: int) -> str:
+    """The dtype ``code`` stands for (error path only)."""
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype) and _dtype_code(value) == code:
+            return str(value)
+    return f"a dtype unknown to this rank's torch (code {code})"
 
 
 def _fresh(entry: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``entry`` as an output that autograd lets the caller modify in place (see "Entries" in the docstring).
+    """``entry`` as an output that autograd lets the caller modify in place (see docs/design.md, global mode).
 
     The caller's own tensor is copied. A trimmed entry that is the leading part of its receive buffer (the shapes
     differ in the first dimension only, the usual ``cat`` state) becomes that buffer, shrunk in place: no copy.
@@ -244,29 +196,64 @@ class _ScatterSum(torch.autograd.Function):
         return (None, *entries)
 
 
-def _exchange_scalar(
-    result: torch.Tensor, flags: int, group: Any, world_size: int
-) -> tuple[list[torch.Tensor], list[int]]:
-    """One ``all_gather`` of the scalar's bytes plus a flags byte: every rank's value (bit for bit) and flags."""
-    data = result.reshape(1).view(torch.uint8)
-    packed = torch.empty(data.numel() + 1, dtype=torch.uint8, device=result.device)
-    packed[:-1] = data
-    packed[-1] = flags
-    received = [torch.empty_like(packed) for _ in range(world_size)]
-    dist.all_gather(received, packed, group)
-    values = [buffer[:-1].view(result.dtype).view(()) for buffer in received]
-    return values, torch.stack(received)[:, -1].tolist()
+def _own_header(result: torch.Tensor, flags: int) -> torch.Tensor:
+    """This rank's header. Nothing here raises on a tensor: what stops this rank is sent as its status."""
+    shape = result.shape
+    words = [_OK, flags, _dtype_code(result.dtype), len(shape), *shape[:_INLINE_DIMS]]
+    words += [0] * (_HEADER_WORDS - len(words))
+    header = torch.tensor(words, dtype=torch.int64, device=result.device)
+    if result.is_conj():  # gloo's all_gather refuses it (view_as_real), and it has no bytes of its own to send
+        header[_STATUS] = _CONJUGATE
+    elif not shape:
+        try:  # a scalar travels in the header as its own bytes; the negative bit is applied first
+            data = (result.resolve_neg() if result.is_neg() else result).reshape(1).view(torch.uint8)
+            header.view(torch.uint8)[_BODY * 8 : _BODY * 8 + data.numel()].copy_(data)
+        except Exception:  # a tensor subclass, say: it travels as data, as in the unpatched gather
+            header[_FLAGS] |= _NOT_INLINE
+    return header
 
 
-def _exchange_shapes(
-    result: torch.Tensor, flags: int, group: Any, world_size: int
-) -> tuple[list[list[int]], list[int]]:
-    """One ``all_gather`` of ``[*shape, flags]``: every rank's shape and flags."""
-    header = torch.tensor([*result.shape, flags], dtype=torch.int64, device=result.device)
-    received = [torch.empty_like(header) for _ in range(world_size)]
-    dist.all_gather(received, header, group)
-    rows: list[list[int]] = torch.stack(received).tolist()
-    return [row[:-1] for row in rows], [row[-1] for row in rows]
+def _exchange(tensor: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
+    """One ``all_gather`` of ``tensor`` (the same size on every rank) into zeroed rows: row ``r`` is rank ``r``'s."""
+    received = torch.zeros((world_size, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather(list(received.unbind()), tensor, group)
+    return received
+
+
+def _refusal(rows: list[list[int]]) -> RuntimeError | None:
+    """The error every rank raises when the headers say the data step cannot run (``None``: it can)."""
+    first = rows[0]
+    if all(row[_STATUS] == _OK and row[_DTYPE] == first[_DTYPE] and row[_NDIM] == first[_NDIM] for row in rows):
+        return None
+    stopped = [r for r, row in enumerate(rows) if row[_STATUS] != _OK]
+    if stopped:
+        causes = "; ".join(
+            f"rank(s) {ranks}: {why}"
+            for status, why in _CAUSES.items()
+            if (ranks := [r for r in stopped if rows[r][_STATUS] == status])
+        )
+        return RuntimeError(
+            f"torchmetrics_gradpatch: global-mode gather: rank(s) {stopped} cannot take part ({causes}). {_END}"
+        )
+    dtypes = [row[_DTYPE] for row in rows]
+    if dtypes.count(dtypes[0]) != len(dtypes):
+        each = ", ".join(f"rank {r}: {_dtype_name(code)}" for r, code in enumerate(dtypes))
+        return RuntimeError(
+            f"torchmetrics_gradpatch: global-mode gather: the ranks disagree on the dtype of the gathered tensor "
+            f"({each}, ranks within the gather's group). Every rank must gather a tensor of the same dtype. {_END}"
+        )
+    ndims = [row[_NDIM] for row in rows]
+    if ndims.count(ndims[0]) != len(ndims):
+        each = ", ".join(
+            f"rank {r}: {n}" + (f" (shape {row[_BODY : _BODY + n]})" if n <= _INLINE_DIMS else "")
+            for r, (n, row) in enumerate(zip(ndims, rows, strict=True))
+        )
+        return RuntimeError(
+            f"torchmetrics_gradpatch: global-mode gather: the ranks disagree on the number of dimensions of the "
+            f"gathered tensor ({each}, ranks within the gather's group). Every rank must gather a tensor with the "
+            f"same number of dimensions; each dimension's size may differ. {_END}"
+        )
+    return None
 
 
 def _mismatch(flags: list[int]) -> GradModeMismatchError:
@@ -286,28 +273,41 @@ def _mismatch(flags: list[int]) -> GradModeMismatchError:
 def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
     """The global-mode gather: local-mode values, and a backward that sums every rank's gradient per entry.
 
-    See the module docstring for the exchange, the agreement rule and the rule that every rank must run backward.
+    Raises the same ``RuntimeError`` on every rank when a rank cannot take part or the ranks disagree on dtype or
+    number of dimensions, and :class:`GradModeMismatchError` on every rank when they disagree on grad mode while
+    some tensor requires grad; each right after the header exchange, before any data moves.
     """
     # Same first steps as the local gather, so errors (an uninitialised group, a non-tensor) are the same.
     result = result.contiguous()
     resolved = dist.group.WORLD if group is None else group
     world_size, rank = size_and_rank(resolved)
-    grad_mode = torch.is_grad_enabled()
-    flags = (_REQUIRES_GRAD if result.requires_grad else 0) | (_GRAD_MODE if grad_mode else 0)
+    if rank < 0:  # not a member of ``group``: no exchange takes place, so nothing global to build
+        return gather_local(result, group)
+    flags = (_REQUIRES_GRAD if result.requires_grad else 0) | (_GRAD_MODE if torch.is_grad_enabled() else 0)
     with torch.no_grad():
-        if result.ndim == 0:
-            entries, all_flags = _exchange_scalar(result, flags, resolved, world_size)
-            entries[rank] = result
-            shapes = None
-        else:
-            shapes, all_flags = _exchange_shapes(result, flags, resolved, world_size)
-    # Every rank decides from the same flags, so every rank takes the same branch (and raises, or not, together).
+        received = _exchange(_own_header(result, flags), resolved, world_size)
+    rows: list[list[int]] = received.tolist()
+    refusal = _refusal(rows)  # every rank reads the same rows, so every rank takes the same branch from here
+    if refusal is not None:
+        raise refusal
+    all_flags = [row[_FLAGS] for row in rows]
     any_requires_grad = any(f & _REQUIRES_GRAD for f in all_flags)
     grad_modes = {bool(f & _GRAD_MODE) for f in all_flags}
     if any_requires_grad and len(grad_modes) > 1:
         raise _mismatch(all_flags)
-    if shapes is not None:
-        # the local gather's data step (same padding and trimming), into uninitialised buffers
+    ndim = result.ndim
+    if ndim == 0 and not any(f & _NOT_INLINE for f in all_flags):
+        body = received.view(torch.uint8)[:, _BODY * 8 : _BODY * 8 + result.element_size()]
+        entries = list(body.view(result.dtype)[:, 0].unbind())  # each rank's value, 0-d
+        entries[rank] = result
+    else:
+        if ndim <= _INLINE_DIMS:  # a scalar's shape, [], included
+            shapes = [row[_BODY : _BODY + ndim] for row in rows]
+        else:  # every rank has this many dims (the headers agree), so every rank takes this exchange too
+            with torch.no_grad():
+                shape = torch.tensor(result.shape, dtype=torch.int64, device=result.device)
+                shapes = _exchange(shape, resolved, world_size).tolist()
+        # every rank knows every shape and the dtypes agree: the data all_gather writes every element of every buffer
         entries = gather_entries(result, shapes, resolved, rank, torch.empty_like)
     if not (any_requires_grad and grad_modes == {True}):
         return entries
