@@ -16,6 +16,9 @@ Invariants:
   ``with`` statement that no longer exists (an asynchronous exception interrupted its ``__enter__`` or
   ``__exit__``) is dropped at the next state change or reading of the state (docs/design.md);
 * one state per process, kept on :mod:`sys`, so reloaded or re-imported copies of this module share it.
+
+Longer than the package's other modules because every transition and the code swap share one lock and one set of
+helpers (``_refresh``, ``_sync``, ``_sweep``); split, the lock and those helpers would be reached across modules.
 """
 
 from __future__ import annotations
@@ -192,7 +195,7 @@ def _refresh() -> None:
     """
     records = _state.records
     _state.blocks = len(records)
-    _state.block_modes = [(token, mode) for token, (mode, _) in list(records.items()) if mode is not None]
+    _state.block_modes = [(token, mode) for token, (mode, _) in records.items() if mode is not None] if records else []
     if _state.block_modes:
         _state.mode = _state.block_modes[-1][1]
     elif _state.manual:
@@ -361,7 +364,9 @@ def close_all_blocks() -> int:
 
 def _sweep() -> None:
     """Drop the records whose ``with`` statement no longer exists. Under the lock, before any use of the records."""
-    dead = [token for token, (_, alive) in list(_state.records.items()) if alive is not None and alive() is None]
+    if not _state.records:
+        return
+    dead = [token for token, (_, alive) in _state.records.items() if alive is not None and alive() is None]
     if dead:
         for token in dead:
             _state.records.pop(token, None)

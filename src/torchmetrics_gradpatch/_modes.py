@@ -50,6 +50,9 @@ def check_mode(mode: object, what: str = "mode") -> str:
 
 def gather_for(mode: object) -> Callable[..., list[Any]]:
     """The gather function of ``mode`` (any spelling :func:`check_mode` accepts); imports it on first use."""
+    gather = GATHERS.get(mode) if type(mode) is str else None  # a non-string (a list, say) is checked, not hashed
+    if gather is not None:
+        return gather
     name = check_mode(mode)
     if name not in GATHERS:
         if name == "local":
@@ -84,9 +87,7 @@ def gather_all_tensors(result: torch.Tensor, group: Any | None = None, *, mode: 
         rank is an output of one autograd node whose backward issues one collective: every rank of ``group``
         must then run ``backward()`` through the gathered values (docs/gradient-modes.md).
     """
-    gather = GATHERS.get(mode) if type(mode) is str else None  # a non-string (a list, say) is checked, not hashed
-    if gather is None:
-        gather = gather_for(mode)
+    gather = gather_for(mode)
     if _compile.is_compiling():  # under torch.compile: a graph break, the gather runs eagerly
         return _compile.run_eagerly(gather, result, group)  # type: ignore[no-any-return]
     return gather(result, group)
