@@ -90,6 +90,7 @@ class _State:
     manual_mode: str = "local"  # the mode patch() was given
     compile_native: bool = False  # compile_support(): install local mode on native torchmetrics too
     # Derived from the above by _refresh(), under the lock:
+    in_force: bool = False  # manual or any record
     blocks: int = 0  # len(records)
     block_modes: list[tuple[int, str]] = field(default_factory=list)  # open blocks with a mode, oldest first
     mode: str = "local"  # the effective mode
@@ -183,9 +184,7 @@ def _on_import(module: types.ModuleType) -> None:
 
 def _wanted() -> bool:
     """Whether torchmetrics' function should be running our trampoline right now."""
-    return (_state.manual or bool(_state.records)) and (
-        not _state.native or _state.mode == "global" or _state.compile_native
-    )
+    return _state.in_force and (not _state.native or _state.mode == "global" or _state.compile_native)
 
 
 def _refresh() -> None:
@@ -202,8 +201,9 @@ def _refresh() -> None:
         _state.mode = _state.manual_mode
     else:
         _state.mode = _state.default_mode
-    in_force = _state.manual or bool(records)
-    _state.gather = _modes.gather_for(_state.mode) if in_force and _state.function is not None else None
+    # "in force" is computed here only; everything else reads this field
+    _state.in_force = _state.manual or bool(records)
+    _state.gather = _modes.gather_for(_state.mode) if _state.in_force and _state.function is not None else None
     if _state.gather is not None:
         _state.is_compiling = _compile.check()
 
@@ -379,7 +379,7 @@ def in_force() -> bool:
     if _state.records:
         with _lock:
             _sweep()
-    return _state.manual or bool(_state.records)
+    return _state.in_force
 
 
 def snapshot() -> _State:

@@ -51,7 +51,7 @@ def derive(state: Any, *, installed: bool, imported: bool, function: Any, held: 
     ``function`` is torchmetrics' own gather (``None`` if torchmetrics is not imported), ``held`` what each
     path into it holds (:func:`torchmetrics_gradpatch._target.held_functions`).
     """
-    in_force = bool(state.manual or state.records)
+    in_force = bool(state.in_force)
     if in_force and installed and state.gather is not None:
         where = "patched"
     elif not in_force:
