@@ -227,3 +227,27 @@ def test_status_on_native_torchmetrics_says_nothing_is_needed_in_local_mode() ->
         with _engine._lock:
             _engine._state.native = was_native
             _engine._sync()
+
+
+# --- the reset a test harness calls between pooled tests -----------------------------------------------------------
+
+
+def test_reset_for_tests_puts_back_what_a_fresh_import_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchmetrics_gradpatch._api import reset_for_tests
+
+    tg.patch("global")
+    tg.patched(MODE).__enter__()  # left open, as a careless test would
+    tg.compile_support(True)
+    assert reset_for_tests() == "the test left a torchmetrics_gradpatch.patched() block open"
+    s = tg.status()
+    assert (s.blocks, s.manual, s.manual_from, s.mode, s.mode_from) == (0, True, "import", "local", "import"), s
+    assert not _engine._state.compile_native
+    assert reset_for_tests() is None
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_MODE", "global")
+    assert reset_for_tests() is None
+    s = tg.status()
+    monkeypatch.undo()
+    assert reset_for_tests() is None  # this process's own environment again: the default mode back to local
+    assert (s.in_force, s.default_mode, s.state) == (False, "global", "off"), s
+    assert tg.status().default_mode == "local"
