@@ -116,8 +116,8 @@ import json
 original = tm_dist.gather_all_tensors
 messages = {{}}
 for name, (source, _) in {dict((k, v) for k, v in MUTATIONS.items())!r}.items():
-    scope = {{}}
-    exec(source, scope)
+    scope = dict(vars(tm_dist))  # defined as a changed torchmetrics would define it: in its own module's globals
+    exec(source, vars(tm_dist), scope)
     if scope["gather_all_tensors"] is None:
         del tm_dist.gather_all_tensors
     else:

@@ -18,7 +18,8 @@ Public names:
 * :class:`UnsupportedVersionError`, :class:`GradModeMismatchError` -- the two errors the package raises.
 
 Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"global"``), in the API and in
-``TORCHMETRICS_GRADPATCH_MODE`` alike. ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching.
+``TORCHMETRICS_GRADPATCH_MODE`` alike. ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching; a value
+of either variable that is not understood makes the import raise a ``ValueError`` naming it.
 
 Documentation: the README (install, gradient modes, examples) and docs/ in the source distribution and repository:
 docs/gradient-modes.md, docs/testing-your-metrics.md, docs/design.md, docs/performance.md.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import sys
 
-from torchmetrics_gradpatch._version import UnsupportedVersionError
+from torchmetrics_gradpatch._errors import GradModeMismatchError, UnsupportedVersionError
 
 __version__ = "0.1.0"
 
@@ -61,36 +62,28 @@ def _forget_this_package() -> None:
         delattr(sys, "_torchmetrics_gradpatch_engine")
 
 
+# The version gate runs before any module that touches torchmetrics is imported; any failure below (a refused
+# version, a bad environment variable) leaves sys.modules and torchmetrics as they were.
 try:
     from torchmetrics_gradpatch import _version
 
     _version.check_torch(_version.installed_version("torch"))
     _tm_version = _version.check_torchmetrics(_version.installed_version("torchmetrics"))
 
-    from torchmetrics_gradpatch import _engine
-    from torchmetrics_gradpatch._api import (
-        Status,
-        autopatch_requested,
-        is_patched,
-        patch,
-        patched,
-        status,
-        unpatch,
-    )
-    from torchmetrics_gradpatch._compile import compile_support
-    from torchmetrics_gradpatch._modes import GradModeMismatchError, gather_all_tensors
+    from torchmetrics_gradpatch import _api, _engine
+    from torchmetrics_gradpatch._api import compile_support, is_patched, patch, unpatch
+    from torchmetrics_gradpatch._blocks import patched
+    from torchmetrics_gradpatch._modes import gather_all_tensors
+    from torchmetrics_gradpatch._status import Status, status
 
-    _autopatch = autopatch_requested()
     _engine.configure(native=_version.is_native(_tm_version), torchmetrics_version=str(_tm_version))
-    # Once per process: a reload of this package, or a second copy imported after clearing sys.modules, finds the
-    # engine's state (kept on sys) and leaves it as the program set it, mode included.
-    if _autopatch and not _had_engine_state:
-        patch()
+    _api.apply_environment(first_import=not _had_engine_state)
 except BaseException as _error:
     try:
         if isinstance(_error, UnsupportedVersionError):
             # `python -m torchmetrics_gradpatch` and the console script import this package before any CLI code
-            # runs; there (only there) the refusal is one message and exit status 3, not a traceback.
+            # runs; there (only there) the refusal is one message and exit status 3, not a traceback. Imported
+            # here, not at the top: the CLI module is needed only on this path.
             from torchmetrics_gradpatch._cli import exit_if_cli
 
             exit_if_cli(_error)

@@ -1,17 +1,16 @@
-"""The one place that chooses between the gradient modes, and the one rule for their names.
+"""The gradient modes: their names, the one rule for spelling them, and the one place that maps a mode to its gather.
 
-``"local"`` is :func:`torchmetrics_gradpatch._gather.gather_local` (upstream 1.6 semantics, the unpatched
-gather's collectives); ``"global"`` is :func:`torchmetrics_gradpatch._global.gather_global` (every entry carries
-a graph, one backward collective). Both modules import nothing of each other; only this one knows both, and the
-engine's dispatch and the public :func:`gather_all_tensors` both take their function from :data:`GATHERS`.
+Role: ``"local"`` is :func:`torchmetrics_gradpatch._gather.gather_local` (torchmetrics 1.6 semantics);
+``"global"`` is :func:`torchmetrics_gradpatch._global.gather_global` (every entry carries a graph). Only this
+module knows both; the engine's dispatch and the public :func:`gather_all_tensors` take their function from
+:data:`GATHERS` (docs/gradient-modes.md).
 
-Names: a mode is matched case-insensitively, surrounding blanks ignored (``"Global"``, ``" LOCAL "``), in
-``patch()``, ``patched()``, :func:`gather_all_tensors`, the ``TORCHMETRICS_GRADPATCH_MODE`` variable and the
-command line alike; :func:`check_mode` is that rule.
+Invariants:
 
-This module imports neither torch nor the two gathers at import time: ``import torchmetrics_gradpatch`` must stay
-cheap (``--version``, ``--help``), and by the time a gather runs torch is imported anyway. Each gather is imported
-on its first use and kept in :data:`GATHERS`.
+* :func:`check_mode` is the spelling rule everywhere a mode is given (API, environment variable, command line):
+  case-insensitive, surrounding blanks ignored; anything else, of any type, is a ``ValueError`` naming the argument;
+* importing this module imports neither torch nor the gathers: each gather is imported on first use and kept in
+  :data:`GATHERS`, so ``import torchmetrics_gradpatch`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -19,30 +18,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from torchmetrics_gradpatch import _compile
+
+# re-exported: code (and the global gather of older copies) imported the error from here
+from torchmetrics_gradpatch._errors import GradModeMismatchError as GradModeMismatchError
+
 if TYPE_CHECKING:
     import torch
-
-from torchmetrics_gradpatch import _compile
 
 __all__ = ["GATHERS", "MODES", "GradModeMismatchError", "check_mode", "gather_all_tensors", "gather_for"]
 
 #: The gradient modes, see docs/gradient-modes.md.
 MODES = ("local", "global")
 
-
-class GradModeMismatchError(RuntimeError):
-    """Ranks gathered in global mode with different grad modes while a tensor requires grad (raised on every rank)."""
-
-
 #: mode -> its gather ``(result, group) -> list``, filled on first use by :func:`gather_for`.
 GATHERS: dict[str, Callable[..., list[Any]]] = {}
 
 
 def check_mode(mode: object, what: str = "mode") -> str:
-    """Return the mode ``mode`` names (lower case), else raise a ``ValueError`` naming ``what``.
-
-    Case-insensitive and blank-tolerant, the same rule everywhere a mode is given (see the module docstring).
-    """
+    """Return the mode ``mode`` names (lower case), else raise a ``ValueError`` naming ``what``."""
     if isinstance(mode, str):
         name = mode.strip().lower()
         if name in MODES:
@@ -54,19 +48,19 @@ def check_mode(mode: object, what: str = "mode") -> str:
     raise ValueError(f"torchmetrics_gradpatch: {what}={mode!r} is not a gradient mode; use one of {allowed}{hint}.")
 
 
-def gather_for(mode: str) -> Callable[..., list[Any]]:
+def gather_for(mode: object) -> Callable[..., list[Any]]:
     """The gather function of ``mode`` (any spelling :func:`check_mode` accepts); imports it on first use."""
-    gather = GATHERS.get(mode)
+    gather = GATHERS.get(mode) if type(mode) is str else None  # a non-string (a list, say) is checked, not hashed
     if gather is not None:
         return gather
     name = check_mode(mode)
     if name not in GATHERS:
         if name == "local":
-            from torchmetrics_gradpatch._gather import gather_local
+            from torchmetrics_gradpatch._gather import gather_local  # imports torch: only once a gather is wanted
 
             GATHERS[name] = gather_local
         else:
-            from torchmetrics_gradpatch._global import gather_global
+            from torchmetrics_gradpatch._global import gather_global  # imports torch: as above
 
             GATHERS[name] = gather_global
     return GATHERS[name]
@@ -91,9 +85,9 @@ def gather_all_tensors(result: torch.Tensor, group: Any | None = None, *, mode: 
         flow back to ``result`` through it, and every other entry is a tensor without a graph. In ``"global"``
         mode, when any rank's tensor requires grad and every rank gathers with grad mode on, every entry on every
         rank is an output of one autograd node whose backward issues one collective: every rank of ``group``
-        must then run ``backward()`` through the gathered values (see :mod:`torchmetrics_gradpatch._global`).
+        must then run ``backward()`` through the gathered values (docs/gradient-modes.md).
     """
-    if _compile.is_compiling():  # under torch.compile: a graph break, the gather runs eagerly (_compile.py)
-        return _compile.gather_when_compiling(result, group, check_mode(mode))
-    gather = GATHERS.get(mode) or gather_for(mode)
+    gather = gather_for(mode)
+    if _compile.is_compiling():  # under torch.compile: a graph break, the gather runs eagerly
+        return _compile.run_eagerly(gather, result, group)  # type: ignore[no-any-return]
     return gather(result, group)

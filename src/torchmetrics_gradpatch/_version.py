@@ -17,20 +17,15 @@ import sys
 
 from packaging.version import InvalidVersion, Version
 
+# the error lives with the package's others; re-exported here for code that imported it from this module
+from torchmetrics_gradpatch._errors import UnsupportedVersionError as UnsupportedVersionError
+
 #: Upstream documents the graph-preserving gather for PyTorch 2.0 and newer only.
 MIN_TORCH = Version("2.0")
 #: The oldest torchmetrics the project's test matrix runs; older ones are refused rather than patched untested.
 MIN_TORCHMETRICS = Version("0.11")
 #: torchmetrics keeps the local rank's graph natively from this release on (upstream PR #2754).
 NATIVE_TORCHMETRICS = Version("1.6.0")
-
-
-class UnsupportedVersionError(ImportError):
-    """The installed torch or torchmetrics cannot be patched safely; nothing was changed.
-
-    A subclass of :class:`ImportError` because it is raised by ``import torchmetrics_gradpatch``; deliberately
-    not a :class:`ModuleNotFoundError`, so code that treats "not installed" as optional does not swallow it.
-    """
 
 
 def installed_version(distribution: str, module: str | None = None) -> str | None:

@@ -1,0 +1,188 @@
+"""``patched()`` blocks under asynchronous exceptions and misuse: a Ctrl-C storm, interrupted exits, stray exits.
+
+The storm runs in a fresh interpreter (SIGINT sent to the pytest process itself would stop the run); the rest in
+this process, each test starting from ``unpatch()`` with the fixture restoring the import-time state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torchmetrics.utilities.distributed as tm_dist
+
+import torchmetrics_gradpatch as tg
+from tests._subprocess import ok
+from torchmetrics_gradpatch import _engine
+
+NATIVE = tg.status().native
+MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
+
+
+@pytest.fixture(autouse=True)
+def from_unpatched() -> Iterator[None]:
+    tg.unpatch()
+    assert not tg.is_patched()
+    yield
+    while _engine._state.blocks:
+        _engine.exit_block()
+    tg.patch()
+
+
+# Ctrl-C as a storm: a thread sends SIGINT to the main thread every 0-200 us while it enters and exits blocks (a
+# fresh block, a block object entered nested and repeatedly, a global-mode block, a block without a mode). The
+# handler raises KeyboardInterrupt -- as Ctrl-C does -- wherever the main thread is, except in the driving loop's own
+# instructions, so that the loop itself always stays inside its ``try`` (an interrupt landing there is counted).
+STORM = """
+import os, random, signal, sys, threading, time
+os.environ["TORCHMETRICS_GRADPATCH_AUTOPATCH"] = "0"
+import torchmetrics_gradpatch as tg
+import torchmetrics.utilities.distributed as tm_dist
+
+FUNCTION = tm_dist.gather_all_tensors
+ORIGINAL = FUNCTION.__code__
+MODE = "global" if tg.status().native else "local"
+ACTIVE = [False]
+
+def drive(seconds):
+    shared, moded = tg.patched(), tg.patched(mode="global")
+    counts = {"rounds": 0, "interrupts": 0}
+    deadline = time.monotonic() + seconds
+    ACTIVE[0] = True
+    while True:
+        try:
+            if time.monotonic() > deadline:
+                ACTIVE[0] = False
+                return counts
+            with tg.patched(MODE):
+                with shared:
+                    with moded:
+                        pass
+            with shared, tg.patched():
+                pass
+            counts["rounds"] += 1
+        except KeyboardInterrupt:
+            counts["interrupts"] += 1
+
+DRIVER = drive.__code__
+
+def on_sigint(signum, frame):
+    if ACTIVE[0] and not (frame is not None and frame.f_code is DRIVER):
+        raise KeyboardInterrupt
+
+stop = threading.Event()
+main = threading.main_thread().ident
+
+def storm():
+    rng = random.Random(0)
+    while not stop.is_set():
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(rng.uniform(0, 0.0002))
+
+sys.setswitchinterval(1e-5)  # let the storm thread run often
+signal.signal(signal.SIGINT, on_sigint)
+thread = threading.Thread(target=storm, daemon=True)
+thread.start()
+counts = drive(3.0)
+stop.set()
+thread.join()
+signal.signal(signal.SIGINT, signal.default_int_handler)
+after = tg.status()
+print("interrupts", counts["interrupts"], "rounds", counts["rounds"])
+print("after", after.blocks, after.in_force, after.state, after.mode)
+tg.patch(MODE)
+tg.unpatch()
+print("unpatched", tg.is_patched(), tg.status().state, tg.status().mode, FUNCTION.__code__ is ORIGINAL)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="signal.pthread_kill is POSIX-only")
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_storm_leaves_no_block_open_and_unpatch_means_unpatched() -> None:
+    out = ok(STORM, timeout=100).split("\n")
+    interrupts = int(out[0].split()[1])
+    assert interrupts > 100, f"the storm interrupted the blocks too rarely to test anything: {out}"
+    assert out[1].split() == ["after", "0", "False", "off", "off"], out
+    assert out[2].split() == ["unpatched", "False", "off", "off", "True"], out
+
+
+def test_an_exit_that_never_ran_closes_the_block_once_the_with_statement_is_gone() -> None:
+    """What an interrupt at the first line of ``__exit__`` leaves, replayed step by step as ``with`` does it: the
+    exit looked up before ``__enter__``, then dropped without having run."""
+    block = tg.patched(MODE)
+    exit_ = block.__exit__  # what `with` looks up first and holds for the block's duration
+    block.__enter__()
+    assert tg.is_patched() and _engine.installed() is not (NATIVE and MODE == "local")
+    del exit_  # the with statement is gone: its __exit__ was interrupted before it ran a line
+    assert not tg.is_patched() and tg.status().blocks == 0 and not _engine.installed()
+
+
+def test_an_enter_interrupted_after_the_record_leaves_no_block() -> None:
+    """An interrupt landing in ``__enter__`` after the engine recorded the block: ``with`` never runs the exit."""
+    block = tg.patched(MODE)
+    exit_ = block.__exit__
+    real_enter_block = _engine.enter_block
+
+    def enter_then_interrupt(*args: object) -> int:
+        real_enter_block(*args)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    _engine.enter_block = enter_then_interrupt  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            block.__enter__()
+    finally:
+        _engine.enter_block = real_enter_block
+    assert tg.status().blocks == 1, "the record was made (the case under test)"
+    del exit_  # `with` drops its exit when __enter__ raises
+    assert not tg.is_patched() and tg.status().blocks == 0
+
+
+def test_a_stray_exit_raises_and_closes_no_other_block() -> None:
+    with tg.patched(MODE):
+        with pytest.raises(RuntimeError, match=r"patched\(\).__exit__\(\) called on a block with no entry open"):
+            tg.patched().__exit__(None, None, None)
+        assert tg.is_patched() and tg.status().blocks == 1, "another block was closed by the stray exit"
+    block = tg.patched()
+    block.__enter__()
+    block.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="no entry open"):
+        block.__exit__(None, None, None)  # exited already
+    assert not tg.is_patched()
+
+
+def test_one_block_object_entered_many_times_exits_each_entry_exactly() -> None:
+    block = tg.patched(mode="global")
+    with block:
+        with block:
+            assert tg.status().blocks == 2
+        assert tg.status().blocks == 1 and tg.status().mode == "global"
+    assert not tg.is_patched()
+    entered = threading.Barrier(4)
+    seen: list[int] = []
+
+    def worker() -> None:
+        with block:
+            entered.wait(10)
+            seen.append(tg.status().blocks)
+            entered.wait(10)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    entered.wait(10)
+    entered.wait(10)
+    for thread in threads:
+        thread.join(10)
+    assert seen == [3, 3, 3] and not tg.is_patched()
+
+
+def test_exit_stack_enters_and_exits_a_block() -> None:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tg.patched(MODE))
+        assert tg.is_patched()
+    assert not tg.is_patched()
+    assert tm_dist.gather_all_tensors.__code__ is _engine._state.original_code

@@ -1,0 +1,257 @@
+"""Faults and bad input at the engine and API: a replaced module attribute, a status read during toggling, our
+trampoline put back by another tool, misuse of the API, a bad environment variable, reloads and who patched.
+
+In this process where a test can restore what it changed; in a fresh interpreter where the case is an import.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchmetrics.utilities.distributed as tm_dist
+
+import torchmetrics_gradpatch as tg
+from tests._subprocess import WORLD_OF_ONE, ok, run_python
+from torchmetrics_gradpatch import _engine
+
+NATIVE = tg.status().native
+MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
+FUNCTION = tm_dist.gather_all_tensors
+
+
+@pytest.fixture(autouse=True)
+def from_unpatched() -> Iterator[None]:
+    tg.unpatch()
+    yield
+    while _engine._state.blocks:
+        _engine.exit_block()
+    tg.compile_support(False)
+    tg.patch()
+
+
+# --- a replaced module attribute ----------------------------------------------------------------------------------
+
+REPLACED = (
+    """
+import torchmetrics, torchmetrics.metric as tm_metric, torchmetrics.utilities.distributed as tm_dist
+OWN = tm_dist.gather_all_tensors
+
+def foreign(result, group=None):  # another tool's function of the same signature, put in before the import
+    return ["foreign"]
+
+FOREIGN_CODE = foreign.__code__
+tm_dist.gather_all_tensors = foreign
+import torchmetrics_gradpatch as tg
+MODE = "global" if tg.status().native else "local"
+tg.patch(MODE)
+"""
+    + WORLD_OF_ONE
+    + """
+assert foreign.__code__ is FOREIGN_CODE and tm_dist.gather_all_tensors(torch.ones(1)) == ["foreign"]
+assert tm_metric.gather_all_tensors is OWN and OWN.__code__ is not OWN.__dict__["__torchmetrics_gradpatch_original__"]
+NATIVE = tg.status().native
+x = torch.arange(3.0, requires_grad=True)
+entry = OWN(x)[0]  # through our gather: x itself in local mode, a new output with a graph in global mode
+assert (entry is x) if MODE == "local" else (entry is not x and entry.grad_fn is not None), entry
+s = tg.status()
+assert s.state == "patched" and s.attribute == "__main__.foreign", s
+assert s.references["torchmetrics.utilities.distributed.gather_all_tensors"] is False, s.references
+assert s.references["torchmetrics.metric.gather_all_tensors"] is True, s.references
+assert "module attribute: torchmetrics.utilities.distributed.gather_all_tensors holds __main__.foreign" in str(s)
+tg.unpatch()
+assert "__torchmetrics_gradpatch_original__" not in OWN.__dict__
+assert (OWN(x)[0] is x) is NATIVE, "torchmetrics' own gather again (native torchmetrics returns x itself)"
+print("OK")
+"""
+)
+
+
+def test_a_replaced_module_attribute_is_not_hijacked() -> None:
+    assert ok(REPLACED, timeout=120).strip().endswith("OK")
+
+
+# --- status(): one snapshot, and graph preservation from what is installed ------------------------------------------
+
+
+def test_status_read_while_others_toggle_never_contradicts_itself() -> None:
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def toggle() -> None:
+        try:
+            while not stop.is_set():
+                tg.patch(MODE)
+                with tg.patched(mode="global"):
+                    tg.unpatch()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=toggle) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: inside a status() if it can be torn
+    for thread in threads:
+        thread.start()
+    bad = []
+    try:
+        for _ in range(100_000):
+            s = tg.status()
+            facts = (
+                s.in_force == (s.state != "off"),
+                s.in_force == (s.manual or s.blocks > 0),
+                bool(s.applied_to) == (s.state == "patched"),
+                (s.mode == "off") == (not s.in_force),
+                (s.mode_from == "patched(mode=...)") == (s.in_force and s.blocks > 0),
+            )
+            if not all(facts):
+                bad.append((facts, s))
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        for thread in threads:
+            thread.join(30)
+    assert errors == [] and bad == [], bad[:3]
+
+
+def test_our_trampoline_put_back_after_unpatch_is_not_reported_as_preserving() -> None:
+    tg.patch(MODE)
+    trampoline = FUNCTION.__code__
+    tg.unpatch()
+    original = FUNCTION.__code__
+    assert trampoline is not original
+    FUNCTION.__code__ = trampoline  # another tool restores what it saw there
+    try:
+        s = tg.status()
+        assert s.state == "off" and s.applied_to == () and not s.in_force, s
+        assert s.graph_preserving is NATIVE and ("graph preserved:  NO" in str(s)) is not NATIVE
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            x = torch.arange(3.0, requires_grad=True)
+            # the original: a copy before 1.6, x itself on native torchmetrics (where our global mode would not be)
+            assert (FUNCTION(x)[0] is x) is NATIVE, "the trampoline runs the original while the patch is off"
+        finally:
+            gc.collect()
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        FUNCTION.__code__ = original
+
+
+# --- misuse of the API ---------------------------------------------------------------------------------------------
+
+
+def test_an_unhashable_mode_is_a_value_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"mode=\['global'\] is not a gradient mode; use one of 'local', 'global'"):
+        tg.gather_all_tensors(torch.ones(1), mode=["global"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["no", 0, None, "False"])
+def test_compile_support_takes_only_a_bool(value: object) -> None:
+    with pytest.raises(TypeError, match=rf"compile_support\(enabled={value!r}\): enabled must be True or False"):
+        tg.compile_support(value)  # type: ignore[arg-type]
+    assert tg.status().state == "off" and not _engine._state.compile_native
+
+
+def test_the_error_classes_survive_a_reload_of_every_module() -> None:
+    out = ok(
+        """
+import importlib, sys
+import torchmetrics_gradpatch as tg
+errors = tg.GradModeMismatchError, tg.UnsupportedVersionError
+for name in sorted(n for n in sys.modules if n.startswith("torchmetrics_gradpatch")):
+    importlib.reload(sys.modules[name])
+from torchmetrics_gradpatch import _global, _modes, _version
+assert (tg.GradModeMismatchError, tg.UnsupportedVersionError) == errors
+assert _global.GradModeMismatchError is _modes.GradModeMismatchError is errors[0]
+assert _version.UnsupportedVersionError is errors[1]
+try:
+    raise _global.GradModeMismatchError("x")
+except tg.GradModeMismatchError:
+    print("caught")
+"""
+    )
+    assert out.strip() == "caught"
+
+
+# --- the environment at import, and who patched ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "allowed"),
+    [
+        ("TORCHMETRICS_GRADPATCH_MODE", "foo", "use one of: local, global"),
+        ("TORCHMETRICS_GRADPATCH_AUTOPATCH", "maybe", "0, false, no, off / 1, true, yes, on"),
+    ],
+)
+def test_a_bad_environment_variable_is_a_value_error_naming_it_and_its_values(
+    variable: str, value: str, allowed: str
+) -> None:
+    proc = run_python("import torchmetrics_gradpatch", env={variable: value})
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ValueError: {variable}={value!r} is not") and allowed in last, proc.stderr
+
+
+def test_status_credits_the_import_not_patch() -> None:
+    out = ok(
+        """
+import torchmetrics, torchmetrics_gradpatch as tg
+s = tg.status()
+print(s.manual_from, s.mode_from, "|", str(s).splitlines()[2])
+tg.unpatch(); tg.patch()
+s = tg.status()
+print(s.manual_from, s.mode_from, "|", str(s).splitlines()[2])
+"""
+    )
+    first, second = out.strip().splitlines()
+    if NATIVE:
+        assert first.startswith("import import | in force:         nothing is needed in local mode"), first
+        assert "switched on: the import patched" in first, first
+    else:
+        assert first == "import import | in force:         yes: the import patched", first
+    assert second.split("|")[0].split() == ["patch()", "patch()"] and "patch() is on" in second, second
+
+
+def test_status_on_native_torchmetrics_says_nothing_is_needed_in_local_mode() -> None:
+    """torchmetrics >= 1.6 (faked where it is not): in local mode the status says nothing is needed."""
+    was_native = _engine._state.native
+    tg.patch("local")
+    with _engine._lock:
+        _engine._state.native = True
+        _engine._sync()
+    try:
+        text = str(tg.status())
+        assert "in force:         nothing is needed in local mode" in text and "yes: patch() is on" not in text
+    finally:
+        with _engine._lock:
+            _engine._state.native = was_native
+            _engine._sync()
+
+
+# --- the reset a test harness calls between pooled tests -----------------------------------------------------------
+
+
+def test_reset_for_tests_puts_back_what_a_fresh_import_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchmetrics_gradpatch._api import reset_for_tests
+
+    tg.patch("global")
+    tg.patched(MODE).__enter__()  # left open, as a careless test would
+    tg.compile_support(True)
+    assert reset_for_tests() == "the test left a torchmetrics_gradpatch.patched() block open"
+    s = tg.status()
+    assert (s.blocks, s.manual, s.manual_from, s.mode, s.mode_from) == (0, True, "import", "local", "import"), s
+    assert not _engine._state.compile_native
+    assert reset_for_tests() is None
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
+    monkeypatch.setenv("TORCHMETRICS_GRADPATCH_MODE", "global")
+    assert reset_for_tests() is None
+    s = tg.status()
+    monkeypatch.undo()
+    assert reset_for_tests() is None  # this process's own environment again: the default mode back to local
+    assert (s.in_force, s.default_mode, s.state) == (False, "global", "off"), s
+    assert tg.status().default_mode == "local"
