@@ -80,9 +80,10 @@ try:
     _api.apply_environment(first_import=not _had_engine_state)
 except BaseException as _error:
     try:
-        if isinstance(_error, UnsupportedVersionError):
+        if isinstance(_error, (UnsupportedVersionError, ValueError)):
             # `python -m torchmetrics_gradpatch` and the console script import this package before any CLI code
-            # runs; there (only there) the refusal is one message and exit status 3, not a traceback. Imported
+            # runs; there (only there) a refusal (exit 3) or a bad environment variable (exit 2) is one message,
+            # not a traceback. Imported
             # here, not at the top: the CLI module is needed only on this path.
             from torchmetrics_gradpatch._cli import exit_if_cli
 

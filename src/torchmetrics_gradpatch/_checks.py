@@ -192,7 +192,9 @@ def rank_main(
 
     import torch.distributed as dist
 
-    from torchmetrics_gradpatch import compile_support, patched, status
+    from torchmetrics_gradpatch._api import compile_support
+    from torchmetrics_gradpatch._blocks import patched
+    from torchmetrics_gradpatch._status import status
 
     if with_compile_support:
         compile_support()

@@ -14,6 +14,7 @@ Nothing here imports torch or torchmetrics at the top, so ``--version`` and ``--
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import sys
 from collections.abc import Sequence
@@ -43,7 +44,7 @@ def _status(args: argparse.Namespace) -> int:
     if torchmetrics_refused():  # imported so the status shows where the patch is applied, not "when imported"
         return EXIT_CANNOT_RUN
 
-    from torchmetrics_gradpatch import status
+    from torchmetrics_gradpatch._status import status  # after the gate above: this import loads the engine
 
     print(_status_text(status(), as_json=args.json))
     return EXIT_OK
@@ -74,15 +75,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _package_version() -> str:
+    # The installed metadata's version (the package's __init__ imports this module, so it is not imported back)
+    try:
+        return importlib.metadata.version("torchmetrics-gradpatch")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Check and report torchmetrics_gradpatch on the installed torch and torchmetrics.",
         epilog=EPILOG,
     )
-    from torchmetrics_gradpatch import __version__  # the package is imported already (see the module docstring)
-
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check = commands.add_parser(
         "check",

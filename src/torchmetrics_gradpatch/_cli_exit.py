@@ -20,7 +20,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from torchmetrics_gradpatch._version import UnsupportedVersionError, installed_version
+from torchmetrics_gradpatch._errors import UnsupportedVersionError
+from torchmetrics_gradpatch._version import installed_version
 
 PROG = "torchmetrics-gradpatch"
 PACKAGE = "torchmetrics_gradpatch"

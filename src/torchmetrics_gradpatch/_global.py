@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from torchmetrics_gradpatch._gather import gather_entries, gather_local, size_and_rank
-from torchmetrics_gradpatch._modes import GradModeMismatchError  # defined where importing it needs no torch
+from torchmetrics_gradpatch._errors import GradModeMismatchError
 
 __all__ = ["GradModeMismatchError", "gather_global"]
 

@@ -42,29 +42,16 @@ READY = "ready"
 #: its state back to what a fresh import under the current ``os.environ`` gives, and returns ``None``, or changes
 #: nothing and returns a sentence naming what it cannot undo. Called before each test (once the pytest
 #: process's environment is in place) and after each passing test (a sentence retires the pool).
-RESETS: tuple[str, ...] = ("torchmetrics_gradpatch._api:reset_between_tests",)
+RESETS: tuple[str, ...] = ("torchmetrics_gradpatch._api:reset_for_tests",)
 
 
 def _resolve(name: str) -> Callable[[], str | None]:
     module_name, _, function = name.partition(":")
     module = importlib.import_module(module_name)
     found = getattr(module, function, None)
-    if found is None and name == RESETS[0]:
-        return _interim_patch_reset
     if not callable(found):
         raise LookupError(f"registered reset {name!r}: {module_name} has no function {function!r}")
     return found  # type: ignore[no-any-return]
-
-
-def _interim_patch_reset() -> str | None:
-    """Until the core provides ``_api.reset_between_tests``: the same contract, from the engine's current API."""
-    engine = importlib.import_module("torchmetrics_gradpatch._engine")
-    api = importlib.import_module("torchmetrics_gradpatch._api")
-    if engine.snapshot().blocks:
-        return "the test left a torchmetrics_gradpatch.patched() block open"
-    engine.set_default_mode(api.mode_requested())
-    engine.set_manual(api.autopatch_requested())
-    return None
 
 
 def _installed_roots() -> tuple[str, ...]:
