@@ -134,11 +134,22 @@ def test_a_run_that_times_out_while_the_ranks_start_says_so_and_how_to_give_more
     assert "cannot run here" not in proc.stderr and "could not" not in proc.stderr, show(proc)
 
 
-def test_a_run_that_times_out_in_the_checks_says_the_ranks_had_started() -> None:
-    """inductor compiles for minutes on these cores: 30 s lets the ranks start (a few seconds) but not finish."""
-    proc = cli("check", "--compile", "inductor", "--timeout", "30")
-    assert_one_message(proc, 1, "did not finish within --timeout 30 s", "had started", "--timeout SECONDS")
-    assert "--compile eager" in proc.stderr and "rank 0 was at File" in proc.stderr, show(proc)
+# Imported by every rank (``sitecustomize`` on PYTHONPATH): the first check's collective never returns, so the ranks
+# start and then stay inside the checks, however fast this machine compiles or gathers.
+STALL_IN_THE_CHECKS = """
+import os
+if os.environ.get("TMGP_TEST_STALL") == "1":
+    import time
+    import torch.distributed as dist
+    dist.all_gather = lambda *args, **kwargs: time.sleep(3600)
+"""
+
+
+def test_a_run_that_times_out_in_the_checks_says_the_ranks_had_started(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(STALL_IN_THE_CHECKS)
+    proc = cli("check", "--timeout", "20", env={"TMGP_TEST_STALL": "1"}, pythonpath=[str(tmp_path)])
+    assert_one_message(proc, 1, "did not finish within --timeout 20 s", "had started", "--timeout SECONDS")
+    assert "rank 0 was at File" in proc.stderr and "rank 1 was at File" in proc.stderr, show(proc)
     assert "cannot run here" not in proc.stderr and "could not start" not in proc.stderr, show(proc)
 
 

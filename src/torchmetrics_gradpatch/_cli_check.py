@@ -103,7 +103,7 @@ def _where_ranks_were(details: str) -> list[str]:
         rank = "rank " + part.split(",")[0]
         for thread in part.split(" (most recent call first):")[1:]:
             frames = [line.strip() for line in thread.splitlines() if line.strip().startswith("File ")]
-            if frames and any("in _rank_main" in frame for frame in frames):  # the rank's main thread
+            if frames and any("rank_main" in frame for frame in frames):  # the rank's main thread
                 found.append(f"  {rank} was at {frames[0]}")
                 break
     return found
