@@ -82,23 +82,23 @@ def test_status_after_a_plain_import_credits_the_import_not_patch() -> None:
 # --- arguments ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-1", "1e12", "86401", "abc", ""])
-def test_timeout_refuses_what_is_not_a_positive_finite_number_up_to_a_day(value: str) -> None:
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-1", "abc", ""])
+def test_timeout_refuses_what_is_not_a_positive_finite_number(value: str) -> None:
     proc = cli("check", f"--timeout={value}")  # "=": argparse would read a bare "-inf" as an option
-    assert_one_message(proc, 2, "argument --timeout", "greater than 0 and at most 86400", repr(value))
+    assert_one_message(proc, 2, "argument --timeout", "positive, finite number of seconds", repr(value))
     assert "starting" not in proc.stderr, show(proc)
 
 
-def test_timeout_parses_every_positive_number_up_to_the_maximum() -> None:
+def test_timeout_parses_every_positive_finite_number() -> None:
     from torchmetrics_gradpatch._cli import build_parser
 
-    for text, seconds in [("86400", 86400.0), ("1e-3", 0.001), ("120", 120.0), ("2.5", 2.5)]:
+    for text, seconds in [("1e12", 1e12), ("86401", 86401.0), ("1e-3", 0.001), ("120", 120.0), ("2.5", 2.5)]:
         assert build_parser().parse_args(["check", "--timeout", text]).timeout == seconds
 
 
-def test_the_maximum_timeout_runs_the_checks() -> None:
-    """The harness can wait that long (1e12 s overflowed it): a real run with the maximum passes."""
-    proc = cli("check", "--timeout", "86400")
+def test_a_huge_timeout_runs_the_checks() -> None:
+    """The harness waits in slices, so a far deadline cannot overflow its poll (1e12 s raised OverflowError)."""
+    proc = cli("check", "--timeout", "1e12")
     assert proc.returncode == 0 and "all 4 checks passed" in proc.stdout, show(proc)
 
 

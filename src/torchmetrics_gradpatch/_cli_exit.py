@@ -35,9 +35,6 @@ EPILOG = (
     "TORCHMETRICS_GRADPATCH_* variable), 3 cannot run here (unsupported or unrecognised versions, no free loopback "
     "port, or a rank could not start)."
 )
-#: The longest --timeout: a day is far more than any check needs, and far below where the harness's waits
-#: overflow (1e12 s raised OverflowError in its selector; infinity in its store's timedelta).
-MAX_TIMEOUT = 86400.0
 #: Environment variables the package reads at import; a ValueError naming one of them is a usage error.
 _ENV_PREFIX = "TORCHMETRICS_GRADPATCH_"
 

@@ -99,6 +99,10 @@ def _receive(rank: int, conn: multiprocessing.connection.Connection) -> tuple[st
         return "error", text, sent
 
 
+#: The longest single wait; the loop re-checks the deadline after each.
+_WAIT_SLICE = 3600.0
+
+
 def collect(
     procs: list[multiprocessing.process.BaseProcess],
     conns: list[multiprocessing.connection.Connection],
@@ -124,7 +128,8 @@ def collect(
         if remaining <= 0:
             break
         sentinels = {procs[rank].sentinel: rank for rank in waiting}
-        ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=remaining)
+        # in slices: a far deadline (any finite timeout is accepted) would overflow the poll's own limit
+        ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=min(remaining, _WAIT_SLICE))
         for item in ready:
             rank = sentinels[item] if isinstance(item, int) else conns.index(item)  # type: ignore[arg-type]
             if rank not in waiting:

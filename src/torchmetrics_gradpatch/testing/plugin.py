@@ -22,6 +22,7 @@ import contextlib
 import pickle
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -108,6 +109,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         current = item.get_closest_marker("timeout")
         if current is not None and current.args and isinstance(current.args[0], (int, float)):
             backstop = max(backstop, float(current.args[0]))
+        backstop = min(backstop, threading.TIMEOUT_MAX)  # any finite marker timeout: pytest-timeout's timer caps here
         item.add_marker(pytest.mark.timeout(backstop), append=False)
 
 
