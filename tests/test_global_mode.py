@@ -27,7 +27,7 @@ import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._global_inputs import assert_rel, global_collectives
 from tests._rank_tools import every_rank, record_collectives, synced_state_loss
-from tests._subprocess import WORLD_OF_ONE, ok, run_python
+from tests._subprocess import ok, run_python
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine, gather_all_tensors, patched
 
@@ -261,15 +261,10 @@ def test_contrastive_global_exact_local_not(world_size: int, rows_key: str) -> N
 
 
 @pytest.fixture
-def clean_state() -> Any:
-    """The state these tests start from and must restore: patch() on in local mode, no blocks."""
+def clean_state(restore_patch_state: None) -> None:
+    """The state these tests start from: patch() on in local mode, no blocks (conftest restores what was)."""
     assert _engine._state.blocks == 0 and _engine._state.manual
     tg.patch(mode="local")
-    yield
-    while _engine._state.blocks:
-        _engine.exit_block()
-    tg.patch()
-    assert tg.status().mode == "local"
 
 
 def test_mode_is_validated_everywhere() -> None:
@@ -342,44 +337,26 @@ def test_same_instance_reentered_and_decorator(clean_state: None) -> None:
     assert inside() == "global" and tg.status().mode == "local"
 
 
-def test_global_mode_installs_even_on_native_torchmetrics(clean_state: None) -> None:
-    """Local mode on torchmetrics >= 1.6 installs nothing; global mode must install (faked native where it is not).
-
-    The engine's ``native`` flag is restored to what it was, not forced to ``False`` (on torchmetrics 1.9 forcing
-    it would leak a wrongly installed trampoline into every later test).
-    """
-    was_native = _engine._state.native
+def test_global_mode_installs_even_on_native_torchmetrics(clean_state: None, pretend_native: Any) -> None:
+    """Local mode on torchmetrics >= 1.6 installs nothing; global mode must install (faked native where it is not)."""
     was_installed = _engine.installed()
-    assert was_installed == (not was_native)  # patch() is on in local mode here: installed unless native
-    with _engine._lock:
-        _engine._state.native = True
-        _engine._sync()
-    try:
+    with pretend_native() as was_native:
+        assert was_installed == (not was_native)  # patch() is on in local mode here: installed unless native
         assert not _engine.installed() and tg.status().applied_to == ()
         with tg.patched(mode="global"):
             assert _engine.installed() and tg.status().applied_to
             assert "patched" in str(tg.status()) and "gradient mode:    global" in str(tg.status())
         assert not _engine.installed()
-    finally:
-        with _engine._lock:
-            _engine._state.native = was_native
-            _engine._sync()
     assert _engine._state.native == was_native and _engine.installed() == was_installed
 
 
+@pytest.mark.usefixtures("world_of_one")
 def test_direct_gather_global_in_a_world_of_one() -> None:
-    out = ok(
-        WORLD_OF_ONE
-        + """
-from torchmetrics_gradpatch import gather_all_tensors
-x = torch.arange(3.0, requires_grad=True)
-(y,) = gather_all_tensors(x, mode="global")
-(3 * y).sum().backward()
-print(x.grad.tolist(), y is x, y.requires_grad)
-"""
-    )
-    # the last line: gloo on torch 2.8 and newer prints its own "[Gloo] Rank 0 is connected ..." lines first
-    assert out.strip().splitlines()[-1].split() == ["[3.0,", "3.0,", "3.0]", "False", "True"]
+    x = torch.arange(3.0, requires_grad=True)
+    (y,) = gather_all_tensors(x, mode="global")
+    (3 * y).sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [3.0, 3.0, 3.0]
+    assert y is not x and y.requires_grad
 
 
 def test_environment_variable_sets_the_import_time_mode() -> None:
