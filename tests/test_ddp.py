@@ -163,18 +163,19 @@ def test_gather_matches_unpatched_and_keeps_local_graph(world_size: int, case: s
 
 
 @pytest.mark.ranks(3, reuse=True)
-@pytest.mark.parametrize("case", ("equal", "uneven_rows", "scalar"))
-def test_subgroup_uses_the_rank_within_the_group(case: str) -> None:
-    """Ranks 0 and 2 of 3 gather in their own group: the local entry sits at the rank within the group."""
+def test_subgroup_uses_the_rank_within_the_group() -> None:
+    """Ranks 0 and 2 of 3 gather in their own group: the local entry sits at the rank within the group.
+
+    One test for the three shapes: creating a group retires the warm ranks (a pool cannot undo it), so one
+    group serves every case.
+    """
     group = dist.new_group(SUBGROUP)  # every rank takes part in creating it
     rank = dist.get_rank()
     if rank in SUBGROUP:
         assert dist.get_rank(group) == SUBGROUP.index(rank)
-        check_gather_case(case, group)
+        for case in ("equal", "uneven_rows", "scalar"):
+            check_gather_case(case, group)
     dist.barrier()
-
-
-# --------------------------------------------------------------------------------------------------- metrics
 
 
 def rows_for(case: str) -> tuple[int, ...]:
