@@ -36,14 +36,13 @@ from torchmetrics_gradpatch import gather_all_tensors, patched
 BACKENDS = ("eager", "aot_eager", "inductor")
 RTOL = 1e-12
 TIMEOUT = 600  # inductor compiles C++ for seconds per graph, per process, on a shared 2-core machine
-#: "full" (the default): every backend, 2 and 3 ranks, the CLI. "ci": every backend on 2 ranks, the eager one on 3,
-#: the CLI (one cell of `tox -m ci`: inductor compiles C++ in every rank, minutes on 2 cores). "quick": the eager
-#: backend on 2 ranks, for the compatibility matrix's run of every torch minor and the CI cells that repeat a
-#: full cell's torch (tox.ini).
-PROFILE = os.environ.get("TMGP_COMPILE_PROFILE", "full")
+#: "quick" (the default): the eager backend on 2 ranks, what every torch environment of tox.ini and a plain
+#: `pytest` run. "ci": every backend on 2 ranks, the eager one on 3, the CLI (tox's compile-torch2.15: inductor
+#: compiles C++ in every rank, minutes on 2 cores). "full": every backend on 2 and 3 ranks, the CLI.
+PROFILE = os.environ.get("TMGP_COMPILE_PROFILE", "quick")
 if PROFILE not in ("full", "ci", "quick"):
     raise ValueError(f"TMGP_COMPILE_PROFILE={PROFILE!r}: use full, ci or quick")
-QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks here (tox.ini says where the full run is)"
+QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks (set it to ci or full for more)"
 CI_REASON = "TMGP_COMPILE_PROFILE=ci: aot_eager and inductor on 2 ranks only (TMGP_COMPILE_PROFILE=full adds 3 ranks)"
 
 #: torch 2.15's dynamo fails building a guard on torchmetrics' ``apply_to_collection`` (``type(data)`` of a dict
