@@ -25,6 +25,7 @@ import torchmetrics_gradpatch
 from tests._rank_tools import every_rank, record_collectives, synced_state_loss
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch.testing import spawn_ranks
 
 # Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
 CAT_ROWS = (3, 5, 4)
@@ -57,6 +58,23 @@ def test_each_process_runs_the_rank_it_joined_as(world_size: int) -> None:
     gathered = [tuple(int(v) for v in p) for p in pids]
     assert gathered == every_rank((os.getpid(), rank))
     assert [r for _, r in gathered] == list(range(world_size)) and gathered[rank][0] == os.getpid()
+
+
+def uneven_gather_and_grad() -> tuple[list[list[float]], list[float]]:
+    """Rank r gathers ``r + 1`` rows through torchmetrics' own (patched) gather, then backpropagates a weighted sum."""
+    rank = dist.get_rank()
+    x = torch.arange(rank + 1, dtype=torch.float64).add(10 * rank).requires_grad_()
+    entries = tm_dist.gather_all_tensors(x)
+    sum((j + 1) * e.sum() for j, e in enumerate(entries)).backward()  # type: ignore[union-attr]
+    assert x.grad is not None
+    return [e.detach().tolist() for e in entries], x.grad.tolist()
+
+
+def test_the_gather_through_spawn_ranks_directly() -> None:
+    """The smoke test without the marker: spawn_ranks returns each rank's result in rank order."""
+    results = spawn_ranks(uneven_gather_and_grad, 2, timeout=120)
+    assert [values for values, _ in results] == [[[0.0], [10.0, 11.0]]] * 2
+    assert [grad for _, grad in results] == [[1.0], [2.0, 2.0]]  # only the local entry carries the graph
 
 
 # --------------------------------------------------------------------------------------------------- gather
