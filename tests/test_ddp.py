@@ -193,6 +193,8 @@ def test_subgroup_uses_the_rank_within_the_group() -> None:
         assert dist.get_rank(group) == SUBGROUP.index(rank)
         for case in ("equal", "uneven_rows", "scalar"):
             check_gather_case(case, group)
+    else:
+        assert dist.get_rank(group) == -1  # rank 1 is outside the group and gathers nothing
     dist.barrier()
 
 

@@ -86,6 +86,7 @@ def check_gather_case(case: str, global_ranks: list[int], group: Any = None, thr
     assert len(glob["values"]) == len(inputs)
     for got, same, expected in zip(glob["values"], local["values"], inputs, strict=True):
         assert torch.equal(got, same) and torch.equal(got, expected) and got.dtype == same.dtype
+    assert [t.dtype for t in glob["values"]] == [t.dtype for t in local["values"]]
     # collectives: local = unpatched (barrier, shapes, data); global drops the barrier, flags ride along
     assert local["forward"][0] == "barrier"
     assert glob["forward"] == global_collectives(local["forward"])
@@ -117,6 +118,8 @@ def test_gather_global_subgroup_uses_rank_within_group() -> None:
     if dist.get_rank() in SUBGROUP:
         for case in ("equal", "uneven_rows", "scalar"):
             check_gather_case(case, SUBGROUP, group)
+    else:
+        assert dist.get_rank(group) == -1  # rank 1 is outside the group and gathers nothing
     dist.barrier()
 
 
