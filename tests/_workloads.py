@@ -7,6 +7,9 @@ Shared by ``tests/`` and ``benchmarks/`` and importing neither (only torch and t
 
 from __future__ import annotations
 
+import gc
+import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -100,3 +103,29 @@ def run_phase(
         if (i + 1) % every == 0 or i + 1 == count:
             out.append(sample(i + 1))
     return out
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def settled_sample(done: int) -> dict[str, int]:
+    """RSS once it has stopped changing, then the live ``torch.Tensor`` objects, after ``done`` calls.
+
+    The wait matters for the count too: gloo's worker thread drops the tensors of the last finished collective
+    a moment after the caller wakes up (benchmarks/_memory.py says why), so a count taken at once can be a few
+    tensors high. RSS is polled every 10 ms until 8 readings agree (3 s at most), with no collective issued.
+    """
+    gc.collect()
+    start, last, same = time.monotonic(), _rss_kib(), 0
+    while same < 8 and time.monotonic() - start < 3.0:
+        time.sleep(0.01)
+        now = _rss_kib()
+        same = same + 1 if now == last else 0
+        last = now
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+    return {"done": done, "rss_kib": last, "tensors": tensors}

@@ -1,6 +1,6 @@
 """Nothing accumulates across gathers and Metric-loss steps, in either gradient mode, on two real gloo ranks.
 
-A short version of ``benchmarks/bench_soak.py`` (the same workload, from ``tests/_workloads.py``): after a
+A short version of ``benchmarks/bench_soak.py`` (its workload and settled sampling, from ``tests/_workloads.py``): after a
 warm-up, the number of ``torch.Tensor`` objects the garbage collector tracks must not grow at all, and RSS must
 stay within a generous bound. Holding on to anything a gather returns, or to a step's graph, adds tensors at
 every call, so the count catches a leak of any size; the RSS bound only guards against growth outside Python objects.
@@ -8,31 +8,17 @@ every call, so the count catches a leak of any size; the RSS bound only guards a
 
 from __future__ import annotations
 
-import gc
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import torchmetrics_gradpatch as tg
-from tests._workloads import LossSteps, run_phase, soak_gather_input
+from tests._workloads import LossSteps, run_phase, settled_sample, soak_gather_input
 
 GATHERS = 240  # samples after 0, 60 (the warm-up), ..., 240 calls
 STEPS = 90  # samples after 0, 30 (the warm-up), 60, 90 steps
 RSS_BOUND_MIB = 32.0
-
-
-def sample(done: int) -> dict[str, int]:
-    """Live ``torch.Tensor`` objects after a collection, and RSS (``/proc/self/status``), after ``done`` calls."""
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
-    with open("/proc/self/status") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return {"done": done, "rss_kib": rss, "tensors": tensors}
 
 
 def assert_flat(samples: list[dict[str, int]], what: str) -> None:
@@ -52,12 +38,12 @@ def test_no_growth_over_gathers_and_loss_steps() -> None:
             probe = gather_all_tensors(soak_gather_input(rank, 2))  # the mode is in force: other entries' graphs
             assert probe[1 - rank].requires_grad == (mode == "global"), mode
             del probe
-            gathers = run_phase(lambda i: gather_all_tensors(soak_gather_input(rank, i)), GATHERS, 4, sample)
+            gathers = run_phase(lambda i: gather_all_tensors(soak_gather_input(rank, i)), GATHERS, 4, settled_sample)
             assert_flat(gathers, f"{mode} mode, gathers")
 
             losses = LossSteps(rank)
             first = [p.detach().clone() for p in losses.model.parameters()]
-            steps = run_phase(losses.step, STEPS, 3, sample)
+            steps = run_phase(losses.step, STEPS, 3, settled_sample)
             assert_flat(steps, f"{mode} mode, Metric-loss steps")
             # the steps trained the model: the synced loss's backward reached its parameters
             assert all(not torch.equal(a, p) for a, p in zip(first, losses.model.parameters(), strict=True)), mode
