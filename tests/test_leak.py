@@ -1,9 +1,10 @@
 """Nothing accumulates across gathers and Metric-loss steps, in either gradient mode, on two real gloo ranks.
 
-A short version of ``benchmarks/bench_soak.py`` (its workload and settled sampling, from ``tests/_workloads.py``): after a
-warm-up, the number of ``torch.Tensor`` objects the garbage collector tracks must not grow at all, and RSS must
-stay within a generous bound. Holding on to anything a gather returns, or to a step's graph, adds tensors at
-every call, so the count catches a leak of any size; the RSS bound only guards against growth outside Python objects.
+A short version of ``benchmarks/bench_soak.py`` (its workload and settled sampling, from
+``tests/_workloads.py``): after a warm-up, the number of ``torch.Tensor`` objects the garbage collector tracks
+must not grow at all, and RSS must stay within a generous bound. Holding on to anything a gather returns, or to a
+step's graph, adds tensors at every call, so the count catches a leak of any size; the RSS bound only guards
+against growth outside Python objects.
 """
 
 from __future__ import annotations
