@@ -45,68 +45,21 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this checkout's src/ (the code 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torchmetrics import MeanSquaredError  # noqa: E402
 
 from benchmarks._memory import live_tensors, settled_rss_kib  # noqa: E402
 from benchmarks._pages import artifact_name, replace_region  # noqa: E402
 from benchmarks._provenance import commit, load  # noqa: E402
-from tests._rank_tools import CatSquaredError  # noqa: E402 - the tests' cat-state MSE
+from tests._workloads import LossSteps, run_phase  # noqa: E402 - the workload tests/test_leak.py checks
+from tests._workloads import soak_gather_input as gather_input  # noqa: E402
 
 MODES = ("local", "global", "unpatched")
 WARMUP = 0.1  # the fraction of each phase before the baseline sample
-
-
-def gather_input(rank: int, call: int) -> torch.Tensor:
-    """The tensor of gather ``call`` on ``rank``: a scalar, an even or an uneven shape, in turn."""
-    kind = call % 3
-    if kind == 0:
-        shape: tuple[int, ...] = ()
-    elif kind == 1:
-        shape = (64, 64)
-    else:
-        shape = (200 + 37 * rank + 11 * (call % 5), 64)
-    return torch.randn(shape, requires_grad=True)
-
-
-class LossSteps:
-    """A linear model trained with two synced metrics as its loss (see the module docstring)."""
-
-    def __init__(self, rank: int) -> None:
-        torch.manual_seed(1234 + rank)
-        self.rank = rank
-        self.model = torch.nn.Linear(16, 1)
-        self.mse = MeanSquaredError(dist_sync_on_step=True)
-        self.cat = CatSquaredError(dist_sync_on_step=True)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-
-    def step(self, step: int) -> float:
-        features = torch.randn(8 + 3 * self.rank + step % 4, 16)
-        target = torch.randn(features.shape[0])
-        preds = self.model(features).squeeze(-1)
-        loss = self.mse(preds, target) + self.cat(preds, target)
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        self.mse.reset()
-        self.cat.reset()
-        return float(loss)
 
 
 def sample(done: int) -> dict[str, int]:
     gc.collect()
     rss, _ = settled_rss_kib()
     return {"done": done, "rss_kib": rss, "tensors": live_tensors()}
-
-
-def run_phase(operation: Any, count: int, samples: int) -> list[dict[str, int]]:
-    """Call ``operation(i)`` for i in range(count), sampling before the first call and every count // samples."""
-    every = max(1, count // samples)
-    out = [sample(0)]
-    for i in range(count):
-        operation(i)
-        if (i + 1) % every == 0 or i + 1 == count:
-            out.append(sample(i + 1))
-    return out
 
 
 def soak_rank(mode: str, gathers: int, steps: int, samples: int) -> dict[str, Any]:
@@ -123,7 +76,7 @@ def soak_rank(mode: str, gathers: int, steps: int, samples: int) -> dict[str, An
     rank = dist.get_rank()
     torch.manual_seed(rank)
     started = time.monotonic()
-    gather_samples = run_phase(lambda i: gather_all_tensors(gather_input(rank, i)), gathers, samples)
+    gather_samples = run_phase(lambda i: gather_all_tensors(gather_input(rank, i)), gathers, samples, sample)
     gather_seconds = time.monotonic() - started
     out: dict[str, Any] = {
         "rank": rank,
@@ -133,7 +86,7 @@ def soak_rank(mode: str, gathers: int, steps: int, samples: int) -> dict[str, An
         losses = LossSteps(rank)
         started = time.monotonic()
         out["steps"] = {
-            "samples": run_phase(losses.step, steps, samples),
+            "samples": run_phase(losses.step, steps, samples, sample),
             "seconds": time.monotonic() - started,
         }
     dist.barrier()

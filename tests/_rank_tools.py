@@ -1,5 +1,8 @@
-"""What several test modules share: two small MSE metrics (the cat-state one is ``check``'s own, imported from the
-package), a collective recorder, and the error a call raises with the patch off and on."""
+"""What several test modules share: a collective recorder, a Metric's synced-state loss, every rank's value,
+the warnings of an uneven gather by every path, and the error a call raises with the patch off and on.
+
+The metrics live in ``tests/_workloads.py`` (the benchmarks use them too); they are re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +15,23 @@ import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_gradpatch._checks import CatMeanSquaredError as CatSquaredError  # check's cat-state MSE
+from tests._workloads import CatSquaredError, SumSquaredError
+
+__all__ = [
+    "COLLECTIVES",
+    "CatSquaredError",
+    "SumSquaredError",
+    "error_of",
+    "errors_off_and_on",
+    "every_rank",
+    "installing_modes",
+    "record_collectives",
+    "synced_state_loss",
+    "uneven_gather_warnings",
+]
 
 #: The collectives :func:`record_collectives` watches (those missing from a torch version are skipped).
 COLLECTIVES = ("barrier", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "reduce_scatter", "broadcast")
-
-
-class SumSquaredError(Metric):
-    """MSE with sum states (``dist_reduce_fx="sum"``)."""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("sse", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("n", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.sse = self.sse + ((preds - target) ** 2).sum()
-        self.n = self.n + preds.numel()
-
-    def compute(self) -> torch.Tensor:
-        return self.sse / self.n
 
 
 @contextmanager
@@ -121,3 +119,56 @@ def errors_off_and_on(call: Callable[[], object]) -> list[tuple[type[BaseExcepti
     finally:
         tmgp.patch(before.manual_mode) if before.manual else tmgp.unpatch()
     return found
+
+
+def every_rank(value: object) -> list[object]:
+    """Every rank's ``value``, in rank order (a collective: every rank of the default group calls it)."""
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def uneven_gather_warnings() -> dict[str, Any]:
+    """The warnings of one uneven gather (rows differ per rank) by every path; every rank runs every path alike.
+
+    torchmetrics before 1.6 slices uneven results with a list, which torch >= 2.8 deprecates with a warning at
+    every call; the package's gather must not warn. The unpatched call is the control that this path is the one
+    that warns. Global-mode calls use a tensor without grad, so no backward collective is left pending.
+    """
+    import warnings
+
+    import torchmetrics.utilities.distributed as tm_dist
+
+    import torchmetrics_gradpatch
+
+    rank = dist.get_rank()
+    x = torch.ones(2 + rank, 3, dtype=torch.float64, requires_grad=True)
+
+    def unpatched() -> list[torch.Tensor]:
+        torchmetrics_gradpatch.unpatch()
+        try:
+            return list(tm_dist.gather_all_tensors(x))
+        finally:
+            torchmetrics_gradpatch.patch()
+
+    def through(mode: str) -> Callable[[], list[torch.Tensor]]:
+        def call() -> list[torch.Tensor]:
+            with torchmetrics_gradpatch.patched(mode=mode):
+                return list(tm_dist.gather_all_tensors(x if mode == "local" else x.detach()))
+
+        return call
+
+    paths: dict[str, Callable[[], list[torch.Tensor]]] = {
+        "direct, local": lambda: torchmetrics_gradpatch.gather_all_tensors(x),
+        "direct, global": lambda: torchmetrics_gradpatch.gather_all_tensors(x.detach(), mode="global"),
+        "torchmetrics' function, local": through("local"),
+        "torchmetrics' function, global": through("global"),
+        "unpatched": unpatched,
+    }
+    out: dict[str, Any] = {}
+    for name, call in paths.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = call()
+        out[name] = {"warnings": [str(w.message) for w in caught], "shapes": [tuple(t.shape) for t in result]}
+    return out

@@ -11,6 +11,8 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,70 @@ def _ranks_plugin() -> list[str]:
 
 
 pytest_plugins = _ranks_plugin()
+
+# --- fixtures several modules share ------------------------------------------------------------------------------
+# Each imports the package inside the fixture (see the module docstring: torch1.13 loads this file too).
+
+
+@pytest.fixture
+def restore_patch_state() -> Iterator[None]:
+    """Whatever the test does to the patch state, put it back as found: open blocks closed, then ``patch()``'s
+    switch and mode as before (``patch(mode)`` if it was on, ``unpatch()`` if not)."""
+    import torchmetrics_gradpatch as tg
+    from torchmetrics_gradpatch import _engine
+
+    before = _engine.snapshot()
+    assert before.blocks == 0, "a patched() block was left open before this test"
+    yield
+    while _engine.snapshot().blocks:
+        _engine.exit_block()
+    tg.patch(before.manual_mode) if before.manual else tg.unpatch()
+
+
+@pytest.fixture
+def pretend_native() -> Callable[[], AbstractContextManager[bool]]:
+    """``with pretend_native() as really_native:`` makes the engine treat torchmetrics as native (>= 1.6, whose
+    gather keeps the graph) inside the block, and restores the real flag, re-syncing, when it ends, even on
+    torchmetrics 1.9 (forcing the flag to False there would leak a wrongly installed trampoline)."""
+    from torchmetrics_gradpatch import _engine
+
+    @contextmanager
+    def native() -> Iterator[bool]:
+        was_native = _engine._state.native
+        with _engine._lock:
+            _engine._state.native = True
+            _engine._sync()
+        try:
+            yield was_native
+        finally:
+            with _engine._lock:
+                _engine._state.native = was_native
+                _engine._sync()
+
+    return native
+
+
+@pytest.fixture(scope="module")
+def world_of_one() -> Iterator[None]:
+    """A one-process gloo group in the pytest process, for the module, so the gather runs without spawning.
+
+    At the end gloo's worker is left holding only a barrier's internal tensors, none owned by Python: on torch 2.0
+    a worker that frees a Python-owned tensor while destroy_process_group joins it (holding the GIL) deadlocks
+    now and then; it also gets 0.2 s to finish there.
+    """
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    gc.collect()
+    dist.barrier()
+    if torch.__version__.startswith("2.0."):
+        time.sleep(0.2)
+    dist.destroy_process_group()
+
 
 # --- machine-readable result of a tox environment (issue 3) ------------------------------------------------------
 # tox.ini sets TMGP_RESULT_JSON=results/raw/<env>.json; scripts/compat_table.py turns those files into the README's

@@ -21,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-#: what marks a test file as starting real ranks: our runner, the pytest plugin's marker, the Core DDP ranks, torchrun.
+#: what marks a test file as starting real ranks: our runner, the pytest plugin's marker, torchrun.
 #: (tests/test_lightning.py, Lightning's ddp_spawn, needs Lightning and has its own environment, `tox -e lightning`;
 #: it takes a minute a run.)
-SPAWN_MARKERS = ("spawn_ranks", "pytest.mark.ranks", "_ddp_ranks", "torchrun")
+SPAWN_MARKERS = ("spawn_ranks", "pytest.mark.ranks", "torchrun")
 
 
 def spawned_suite() -> list[str]:

@@ -1,10 +1,12 @@
-"""torch.compile (issue 17): a compiled step gives eager's values and gradients, on every rank, in both modes.
+"""torch.compile: a compiled step gives eager's values and gradients, on every rank, in both modes.
 
-One spawn per world size (2 and 3) runs every case of ``tests/_compile_ranks.py`` eagerly and compiled with the
-``eager``, ``aot_eager`` and ``inductor`` backends (``fullgraph=False``); the tests below compare, rank by rank, the
-compiled losses and weight gradients with the eager ones (float64, to 1e-12 relative) and check that the backend was
-really given graphs. The eager runs are themselves checked against single-process references by
-tests/test_global_mode.py and the CLI's checks; here a rank's eager run is the reference for its compiled run.
+Every case (a Metric loss with a sum state, one with an uneven ``cat`` state, and this package's
+``gather_all_tensors`` called directly) is a test on warm pooled ranks (2 and 3): each rank runs the same two
+training steps eagerly and compiled with the ``eager``, ``aot_eager`` or ``inductor`` backend (``fullgraph=False``)
+and compares its compiled losses and weight gradients with its eager ones (float64, to 1e-12 relative). Each
+compiled run goes through a backend wrapper that counts the graphs it was given, so a run that silently never
+compiled anything is caught. The eager runs are themselves checked against single-process references by
+tests/test_global_mode.py and the CLI's checks.
 
 Where dynamo cannot run at all (torch 2.0 on Python 3.11 refuses it) every test skips with dynamo's own message;
 where no C++ compiler is found, the inductor cases skip saying so.
@@ -16,29 +18,32 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torchmetrics import MeanSquaredError, Metric
 
-from tests import _compile_ranks as ranks
+import torchmetrics_gradpatch
 from tests._subprocess import ROOT
-from torchmetrics_gradpatch.testing import spawn_ranks
+from tests._workloads import CatSquaredError
+from torchmetrics_gradpatch import gather_all_tensors, patched
 
-WORLD_SIZES = (2, 3)
 BACKENDS = ("eager", "aot_eager", "inductor")
 RTOL = 1e-12
-SPAWN_TIMEOUT = 1200  # inductor compiles for seconds per graph, per process, on a shared 2-core machine
-#: "full" (the default): every backend, 2 and 3 ranks, the CLI. "ci": every backend on 2 ranks, the eager one on 3,
-#: the CLI (`tox -m ci`'s torch2.15-tm1.5: inductor compiles C++ in every rank, minutes on 2 cores). "quick": the
-#: eager backend on 2 ranks, for the compatibility matrix's run of every torch minor and the CI cells that repeat a
-#: full cell's torch (tox.ini).
-PROFILE = os.environ.get("TMGP_COMPILE_PROFILE", "full")
+TIMEOUT = 600  # inductor compiles C++ for seconds per graph, per process, on a shared 2-core machine
+#: "quick" (the default): the eager backend on 2 ranks, what every torch environment of tox.ini and a plain
+#: `pytest` run. "ci": every backend on 2 ranks, the eager one on 3, the CLI (tox's compile-torch2.15: inductor
+#: compiles C++ in every rank, minutes on 2 cores). "full": every backend on 2 and 3 ranks, the CLI.
+PROFILE = os.environ.get("TMGP_COMPILE_PROFILE", "quick")
 if PROFILE not in ("full", "ci", "quick"):
     raise ValueError(f"TMGP_COMPILE_PROFILE={PROFILE!r}: use full, ci or quick")
-QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks here (tox.ini says where the full run is)"
+QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks (set it to ci or full for more)"
 CI_REASON = "TMGP_COMPILE_PROFILE=ci: aot_eager and inductor on 2 ranks only (TMGP_COMPILE_PROFILE=full adds 3 ranks)"
-
 
 #: torch 2.15's dynamo fails building a guard on torchmetrics' ``apply_to_collection`` (``type(data)`` of a dict
 #: argument) in a frame that syncs a list (``cat``) state, before any gather runs: unpatched torchmetrics fails so too
@@ -73,6 +78,7 @@ def _cxx_compiler() -> str | None:
 
 @pytest.fixture(scope="module")
 def backends() -> list[str]:
+    """The backends that can run here (in the pytest process: a test that cannot run skips before any rank)."""
     refusal = _dynamo_refusal()
     if refusal is not None:
         pytest.skip(refusal)
@@ -80,13 +86,107 @@ def backends() -> list[str]:
     return usable if PROFILE != "quick" else ["eager"]
 
 
-@pytest.fixture(scope="module")
-def results(backends: list[str]) -> dict[int, list[dict[str, Any]]]:
-    return {
-        n: spawn_ranks(ranks.run_all, n, args=([b for b in backends if in_profile(n, b)],), timeout=SPAWN_TIMEOUT)
-        for n in WORLD_SIZES
-        if in_profile(n)
-    }
+@pytest.fixture
+def backend_here(backends: list[str], world_size: int, backend: str) -> str:
+    """``backend``, or a skip saying why it does not run in this profile or on this machine."""
+    if not in_profile(world_size, backend):
+        pytest.skip(CI_REASON if PROFILE == "ci" else QUICK_REASON)
+    if backend not in backends:
+        pytest.skip("inductor needs a C++ compiler (none of $CXX, g++, c++, clang++ found on PATH)")
+    return backend
+
+
+def worlds(*sizes: int) -> list[Any]:
+    """``world_size`` parameters, each run on that many pooled ranks."""
+    return [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True, timeout=TIMEOUT), id=f"{n}ranks") for n in sizes]
+
+
+# --- the steps, eager and compiled -------------------------------------------------------------------------------
+
+F64 = torch.float64
+FEATURES = 3
+CASES = ("metric_sum", "metric_cat", "gather")
+MODES = ("local", "global")
+STEPS = 2
+
+
+def rows(case: str, rank: int, step: int) -> int:
+    """Uneven batches on every case (the cat state and the direct gather then take the padded path)."""
+    return 3 + rank + step if case != "gather" else 2 * rank + 1
+
+
+def inputs(case: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * rank + CASES.index(case))
+    n = rows(case, rank, step)
+    return (
+        torch.randn(n, FEATURES, generator=generator, dtype=F64),
+        torch.randn(n, generator=generator, dtype=F64),
+    )
+
+
+def weight() -> torch.Tensor:
+    return torch.linspace(-0.7, 0.9, FEATURES, dtype=F64)
+
+
+def make_metric(case: str) -> Metric:
+    metric: Metric = (
+        MeanSquaredError(dist_sync_on_step=True) if case == "metric_sum" else CatSquaredError(dist_sync_on_step=True)
+    )
+    return metric.set_dtype(F64)
+
+
+def make_step(case: str, mode: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A fresh step function (its own code object per case, so dynamo's caches never mix the cases)."""
+    if case == "gather":
+
+        def gather_step(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            entries = gather_all_tensors(torch.tanh(x @ w) * y, mode=mode)
+            rank = dist.get_rank()
+            weighted = sum((index + 1) * (entry**2).sum() for index, entry in enumerate(entries))
+            return weighted + (rank + 1) * torch.cat(entries).sum() ** 2  # type: ignore[no-any-return]
+
+        return gather_step
+    metric = make_metric(case)
+
+    def metric_step(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return metric(torch.tanh(x @ w), y)  # type: ignore[no-any-return]
+
+    return metric_step
+
+
+def run_steps(case: str, mode: str, backend: str | None, graphs: list[int]) -> dict[str, Any]:
+    """``STEPS`` steps of one case, eager (``backend=None``) or compiled: each step's loss and weight gradient."""
+    rank = dist.get_rank()
+    step_fn = make_step(case, mode)
+    if backend is not None:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        from torch._dynamo.backends.registry import lookup_backend
+
+        real = lookup_backend(backend)
+
+        def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            graphs.append(len(gm.graph.nodes))
+            return real(gm, example_inputs)
+
+        step_fn = torch.compile(step_fn, backend=counting, fullgraph=False)
+    out: dict[str, Any] = {"losses": [], "grads": [], "error": None}
+    start = time.perf_counter()
+    try:
+        with patched(mode=mode):
+            for step in range(STEPS):
+                w = weight().requires_grad_(True)
+                x, y = inputs(case, rank, step)
+                loss = step_fn(w, x, y)
+                loss.backward()
+                assert w.grad is not None
+                out["losses"].append(loss.detach().clone())
+                out["grads"].append(w.grad.detach().clone())
+    except Exception as err:  # reported per case; the parent shows it
+        out["error"] = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-3000:]
+    out["seconds"] = time.perf_counter() - start
+    return out
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -94,59 +194,83 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     return actual.shape == expected.shape and (actual - expected).abs().max().item() <= RTOL * scale
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT)  # the first test waits for both spawns
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def _compile_support_where_native() -> bool:
+    """On native torchmetrics the trampoline is installed in local mode too (``compile_support()``), as the docs
+    tell users to do for ``torch.compile``; the caller undoes it (warm ranks keep it otherwise)."""
+    native = torchmetrics_gradpatch.status().native
+    if native:
+        torchmetrics_gradpatch.compile_support()
+    return native
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ranks.MODES)
-@pytest.mark.parametrize("case", ranks.CASES)
-def test_compiled_step_matches_eager(
-    results: dict[int, list[dict[str, Any]]],
-    backends: list[str],
-    world_size: int,
-    backend: str,
-    mode: str,
-    case: str,
-) -> None:
-    if not in_profile(world_size, backend):
-        pytest.skip(CI_REASON if PROFILE == "ci" else QUICK_REASON)
-    if backend not in backends:
-        pytest.skip("inductor needs a C++ compiler (none of $CXX, g++, c++, clang++ found on PATH)")
-    for out in results[world_size]:
-        rank = out["rank"]
-        eager, compiled = out["runs"][(case, mode, "eager-reference")], out["runs"][(case, mode, backend)]
-        assert eager["error"] is None, f"rank {rank}, eager:\n{eager['error']}"
-        if case == "metric_cat" and DYNAMO_DICT_GUARD_BUG in (compiled["error"] or ""):
-            pytest.xfail(
-                f"torch {torch.__version__}'s dynamo raises InternalTorchDynamoError ({DYNAMO_DICT_GUARD_BUG}) "
-                "building a guard on torchmetrics' apply_to_collection for a cat state, before the gather is "
-                "reached; unpatched torchmetrics fails the same way"
-            )
-        assert compiled["error"] is None, f"rank {rank}, {backend}:\n{compiled['error']}"
-        assert compiled["graphs"] and sum(compiled["graphs"]) > 0, f"rank {rank}: {backend} was given no graph"
-        assert len(compiled["losses"]) == len(eager["losses"]) == ranks.STEPS
-        for step in range(ranks.STEPS):
-            assert _close(compiled["losses"][step], eager["losses"][step]), (rank, step, "loss")
-            assert _close(compiled["grads"][step], eager["grads"][step]), (rank, step, "grad")
-            assert eager["grads"][step].abs().max() > 0, (rank, step, "a zero gradient proves nothing")
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_compiled_step_matches_eager(world_size: int, backend: str, mode: str, case: str, backend_here: str) -> None:
+    rank = dist.get_rank()
+    native = _compile_support_where_native()
+    try:
+        eager = run_steps(case, mode, None, [])
+        graphs: list[int] = []
+        compiled = run_steps(case, mode, backend_here, graphs)
+    finally:
+        if native:
+            torchmetrics_gradpatch.compile_support(False)
+    assert eager["error"] is None, f"rank {rank}, eager:\n{eager['error']}"
+    if case == "metric_cat" and DYNAMO_DICT_GUARD_BUG in (compiled["error"] or ""):
+        pytest.xfail(
+            f"torch {torch.__version__}'s dynamo raises InternalTorchDynamoError ({DYNAMO_DICT_GUARD_BUG}) "
+            "building a guard on torchmetrics' apply_to_collection for a cat state, before the gather is "
+            "reached; unpatched torchmetrics fails the same way"
+        )
+    assert compiled["error"] is None, f"rank {rank}, {backend}:\n{compiled['error']}"
+    assert graphs and sum(graphs) > 0, f"rank {rank}: {backend} was given no graph"
+    assert len(compiled["losses"]) == len(eager["losses"]) == STEPS
+    for step in range(STEPS):
+        assert _close(compiled["losses"][step], eager["losses"][step]), (rank, step, "loss")
+        assert _close(compiled["grads"][step], eager["grads"][step]), (rank, step, "grad")
+        assert eager["grads"][step].abs().max() > 0, (rank, step, "a zero gradient proves nothing")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_modes_really_differ_under_compile(results: dict[int, list[dict[str, Any]]], world_size: int) -> None:
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_modes_really_differ_under_compile(world_size: int, backend: str, backend_here: str) -> None:
     """The mode reaches the compiled gather: global mode's Metric-loss gradient is world_size x local mode's."""
-    if not in_profile(world_size):
-        pytest.skip(CI_REASON if PROFILE == "ci" else QUICK_REASON)
-    for out in results[world_size]:
-        for backend in [b for b in ("eager", "aot_eager") if in_profile(world_size, b)]:
-            local = out["runs"][("metric_sum", "local", backend)]["grads"][0]
-            glob = out["runs"][("metric_sum", "global", backend)]["grads"][0]
-            assert _close(glob, world_size * local), out["rank"]
+    native = _compile_support_where_native()
+    try:
+        local = run_steps("metric_sum", "local", backend_here, [])
+        glob = run_steps("metric_sum", "global", backend_here, [])
+    finally:
+        if native:
+            torchmetrics_gradpatch.compile_support(False)
+    assert local["error"] is None and glob["error"] is None, (local["error"], glob["error"])
+    assert _close(glob["grads"][0], world_size * local["grads"][0]), dist.get_rank()
+
+
+@pytest.mark.ranks(2, reuse=True, timeout=TIMEOUT)
+def test_native_torchmetrics_without_compile_support(backends: list[str]) -> None:
+    """docs/design.md's table: on native torchmetrics, without compile_support(), a local-mode Metric loss fails
+    under torch.compile on gloo (torchmetrics' own gather is traced); global mode works."""
+    if not torchmetrics_gradpatch.status().native:
+        pytest.skip("torchmetrics < 1.6: the trampoline is installed in local mode anyway")
+    torchmetrics_gradpatch.compile_support(False)  # warm ranks: whatever an earlier test left
+    found = {}
+    for mode in ("local", "global"):
+        with torch.enable_grad():  # torchmetrics' own failing forward can leave grad mode off: restored on exit
+            found[mode] = run_steps("metric_sum", mode, "eager", [])
+    error = found["local"]["error"]
+    assert error is not None and "allgather" in error, f"rank {dist.get_rank()}: {error}"
+    assert found["global"]["error"] is None, found["global"]["error"]
 
 
 # --- check --compile --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT)
-@pytest.mark.parametrize("mode", ranks.MODES)
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("mode", MODES)
 def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) -> None:
     """``check --compile eager``: every check's step inside torch.compile, gradients against the references."""
     if PROFILE == "quick":
@@ -156,7 +280,7 @@ def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) 
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
-        timeout=SPAWN_TIMEOUT,
+        timeout=TIMEOUT,
         check=False,
     )
     shown = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-3000:]}"
@@ -168,16 +292,3 @@ def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) 
     assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, shown
     assert f"gradient mode {mode} (" in proc.stdout, shown
     assert proc.stdout.count(" pass ") == 4 and "all 4 checks passed" in proc.stdout, shown
-
-
-def test_native_torchmetrics_without_compile_support(results: dict[int, list[dict[str, Any]]]) -> None:
-    """docs/design.md's table: on native torchmetrics, without compile_support(), a local-mode Metric loss fails
-    under torch.compile on gloo (torchmetrics' own gather is traced); global mode works."""
-    outs = results[2]
-    if not outs[0]["native"]:
-        pytest.skip("torchmetrics < 1.6: the trampoline is installed in local mode anyway")
-    for out in outs:
-        found = out["without_compile_support"]
-        error = found[("metric_sum", "local")]["error"]
-        assert error is not None and "allgather" in error, f"rank {out['rank']}: {error}"
-        assert found[("metric_sum", "global")]["error"] is None, found[("metric_sum", "global")]["error"]

@@ -1,4 +1,4 @@
-"""``examples/contrastive_uneven.py`` runs through torchrun on 2 and 3 ranks, as its docstring says (issue 12).
+"""``examples/contrastive_uneven.py`` runs through torchrun on 2 and 3 ranks, as its docstring says.
 
 The example checks at every step that the DDP gradient of a CLIP-style loss over uneven per-rank batches,
 gathered with ``gather_all_tensors(x, mode="global")``, equals the single-process gradient of the global-batch
@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from tests.test_example import pytestmark, show, torchrun
+from tests._torchrun import NEEDS_TORCH_2, show, torchrun
 
-__all__ = ["pytestmark"]
+pytestmark = NEEDS_TORCH_2
 
 EXAMPLE = "examples/contrastive_uneven.py"
 

@@ -299,7 +299,7 @@ def test_the_direct_gather_never_warns() -> None:
 @pytest.mark.ranks(2, timeout=120)
 def test_the_uneven_gather_never_warns() -> None:
     """The uneven path (2 ranks, different rows) is the one torchmetrics < 1.6 warns on with torch >= 2.8."""
-    from tests._ddp_ranks import uneven_gather_warnings
+    from tests._rank_tools import uneven_gather_warnings
 
     paths = uneven_gather_warnings()
     for name, seen in paths.items():

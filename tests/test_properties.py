@@ -2,24 +2,368 @@
 
 Hypothesis runs *inside* every rank (derandomized, no example database), so all ranks draw the same examples
 in the same order and issue the same collectives; each example ends with a consensus step, so a failure on one
-rank makes every rank fail (and shrink) together. Spawning costs seconds, so one spawn runs many examples: each
-test runs on its ranks through ``@pytest.mark.ranks`` (the package's pytest plugin, enabled in conftest.py).
-See ``tests/_reliability_ranks.py`` for what is drawn and checked.
+rank makes every rank fail (and shrink) together. Spawning costs seconds, so one test runs many examples on its
+ranks (``@pytest.mark.ranks``; each creates a subgroup, which a warm pool cannot undo, so they spawn fresh).
 """
 
 from __future__ import annotations
 
+import warnings
+import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torchmetrics.utilities.distributed as tm_dist
 from packaging.version import Version
 
 import torchmetrics_gradpatch as tmgp
-from tests import _reliability_ranks as ranks
 from tests._profile import sized
+from tests._rank_tools import errors_off_and_on, every_rank
 from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+
+# --- what is drawn and checked ---------------------------------------------------------------------------------
+
+#: dtypes gloo can all-gather (int16, uint16/32/64 and float8 raise "Invalid scalar type" on gloo).
+DTYPES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int8",
+    "uint8",
+    "int32",
+    "int64",
+    "bool",
+    "complex64",
+    "complex128",
+)
+GRAD_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "complex64", "complex128"})
+
+
+def all_empty_gathers() -> int:
+    """Probe, with torchmetrics' own (unpatched) gather: gathers in which every rank's tensor is empty.
+
+    Older gloo cannot do them, patched or not: torch 2.0.1 dies of SIGFPE, 2.1.2-2.4.1 desync the ranks
+    ("Connection closed by peer"); 2.13.0 and 2.15.0 handle them. The test runs this in a throwaway spawn
+    first and, where it fails, the property test does not draw such gathers.
+    """
+    tmgp.unpatch()
+    rank = dist.get_rank()
+    done = 0
+    for shape in [(0, 3), (0, 2 + 4 * rank, 0), (0,)]:
+        for _ in range(2):
+            tm_dist.gather_all_tensors(torch.zeros(shape))
+            done += 1
+    return done
+
+
+def gloo_dtypes() -> tuple[str, ...]:
+    """The :data:`DTYPES` this torch's gloo can all-gather, probed with one tiny all_gather each.
+
+    gloo refuses a dtype it lacks ("Invalid scalar type") on every rank alike, before any data moves: bfloat16
+    on torch 2.0 and 2.1, bool on 2.0. Any other error is real and propagates.
+    """
+    usable = []
+    for name in DTYPES:
+        probe = torch.zeros(1, dtype=getattr(torch, name))
+        try:
+            dist.all_gather([torch.zeros_like(probe) for _ in range(dist.get_world_size())], probe)
+        except RuntimeError as err:
+            if "Invalid scalar type" not in str(err):
+                raise
+            continue
+        usable.append(name)
+    return tuple(usable)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def torchmetrics_gather() -> Any:
+    """torchmetrics' own function object (runs the patched code while the patch is in force)."""
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    return gather_all_tensors
+
+
+def unpatched_gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """torchmetrics' gather with the patch off (its original code runs). Leaves the patch off."""
+    tmgp.unpatch()
+    assert not tmgp.is_patched()
+    with warnings.catch_warnings():  # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather
+        warnings.simplefilter("ignore")
+        return list(torchmetrics_gather()(tensor, group))
+
+
+def patched_gather(tensor: torch.Tensor, group: Any = None, mode: str = "local") -> list[torch.Tensor]:
+    """torchmetrics' gather inside a ``patched(mode=mode)`` block (every rank must use the same mode)."""
+    from torchmetrics_gradpatch import _engine
+
+    with tmgp.patched(mode=mode), warnings.catch_warnings():
+        if not _engine.installed():
+            raise AssertionError(f"patched(mode={mode!r}) installed nothing: patched and unpatched would be the same")
+        warnings.simplefilter("error")  # the patched gather must not warn
+        return list(torchmetrics_gather()(tensor, group))
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's elements as raw bytes, for bit-for-bit comparison (NaN payloads and -0.0 included)."""
+    if tensor.numel() == 0:
+        return b""
+    flat = tensor.detach().reshape(-1)
+    flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)  # stride 1 even for a size-1 strided view
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and as_bytes(a) == as_bytes(b)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Property tests: hypothesis runs inside every rank, derandomized, so all ranks draw the same examples
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Example:
+    """One drawn case. Every rank draws the same one and picks its own shape by rank."""
+
+    shapes: tuple[tuple[int, ...], ...]  # one per global rank (ranks outside the group ignore theirs)
+    dtype: str
+    requires_grad: bool
+    contiguous: bool
+    no_grad: bool
+    subgroup: bool  # gather over the group of ranks 1..world-1 instead of the world
+    seed: int
+
+    def digest(self) -> int:
+        return zlib.crc32(repr(self).encode()) & 0x7FFFFFFF
+
+
+def make_tensor(shape: tuple[int, ...], dtype_name: str, seed: int, contiguous: bool) -> torch.Tensor:
+    """A deterministic tensor (any rank can rebuild any other rank's), with NaN/inf/-0.0 among floats.
+
+    The values depend on ``shape``, ``dtype_name`` and ``seed`` only; ``contiguous=False`` lays the same values
+    out as a transposed (ndim >= 2) or every-other-element (ndim 1) view.
+    """
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_complex:
+        values = torch.randn(shape, generator=gen, dtype=dtype) * 100
+    elif dtype.is_floating_point:
+        values = (torch.randn(shape, generator=gen, dtype=torch.float64) * 1000).to(dtype)
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
+        flat = values.reshape(-1)
+        if flat.numel():
+            where = torch.randint(0, flat.numel(), (min(4, flat.numel()),), generator=gen)
+            flat[where] = specials[: len(where)]
+    elif dtype == torch.bool:
+        values = torch.randint(0, 2, shape, generator=gen).bool()
+    else:
+        info = torch.iinfo(dtype)
+        values = torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=gen).to(dtype)
+    if contiguous or len(shape) == 0:
+        return values
+    if len(shape) == 1:
+        storage = torch.zeros(shape[0] * 2, dtype=dtype)
+        view = storage[::2]
+    else:
+        view = torch.zeros((*shape[:-2], shape[-1], shape[-2]), dtype=dtype).transpose(-1, -2)
+    view.copy_(values)
+    return view
+
+
+def check_example(example: Example, subgroup: Any, mode: str = "local") -> list[str]:
+    """Run one example on this rank; return the problems found (empty when all is well).
+
+    ``mode="local"``: upstream 1.6 semantics, only the local entry carries a graph and it is the caller's tensor.
+    ``mode="global"`` (every rank alike): the same values, every entry an output of the global node when the
+    tensors require grad, and the gradient of rank ``j``'s tensor summed over the group's ranks.
+    """
+    glob = mode == "global"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    members = list(range(1, world)) if example.subgroup else list(range(world))
+    if rank not in members:
+        return []
+    group = subgroup if example.subgroup else None
+    index = members.index(rank)  # the rank within the group: where the local entry must be
+    problems: list[str] = []
+    expected = [make_tensor(example.shapes[r], example.dtype, example.seed + r, True) for r in members]
+
+    x = make_tensor(example.shapes[rank], example.dtype, example.seed + rank, example.contiguous)
+    if example.requires_grad:
+        x.requires_grad_(True)
+
+    reference = unpatched_gather(x.detach(), group)
+    if example.no_grad:
+        with torch.no_grad():
+            out = patched_gather(x, group, mode)
+    else:
+        out = patched_gather(x, group, mode)
+    graph = example.requires_grad and not example.no_grad
+
+    if len(out) != len(members):
+        return [f"{len(out)} entries for a group of {len(members)}"]
+    for i, (got, ref, want) in enumerate(zip(out, reference, expected, strict=True)):
+        if i == index:
+            continue
+        if not same_bits(got, ref):
+            problems.append(f"entry {i} differs from the unpatched gather: {got!r} vs {ref!r}")
+        if not same_bits(got, want):
+            problems.append(f"entry {i} differs from rank {members[i]}'s tensor")
+        if got.requires_grad != (glob and graph):
+            problems.append(f"entry {i} (not local) requires_grad is {got.requires_grad} in {mode} mode")
+    local = out[index]
+    if x.is_contiguous() and not glob:
+        if local is not x:
+            problems.append(f"local entry {index} is not the caller's tensor")
+    elif not same_bits(local, x):
+        problems.append(f"local entry {index} does not equal the caller's (non-contiguous) tensor")
+    if not same_bits(reference[index], x.detach()):
+        problems.append("the unpatched gather's own local entry differs from the caller's tensor")
+
+    if example.requires_grad and not example.no_grad:
+        # loss = sum_i (i + 1) * out[i].sum(). Local mode: only the local entry carries a graph, so d loss / d x is
+        # index + 1. Global mode: every member's loss sends its (index + 1) back, so the group size times that.
+        loss = sum(
+            ((i + 1) * entry.real.sum() if entry.is_complex() else (i + 1) * entry.sum()) for i, entry in enumerate(out)
+        )
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            problems.append("the loss has no graph")
+        else:
+            loss.backward()
+            want = (len(members) if glob else 1) * (index + 1)
+            want_grad = torch.full_like(x, want)
+            if x.grad is None or not same_bits(x.grad, want_grad):
+                problems.append(f"grad {x.grad!r}, expected {want} everywhere")
+    return problems
+
+
+def _consensus(example: Example, problems: list[str]) -> None:
+    """Make every rank agree on the example and on its verdict, so all ranks raise (and shrink) together."""
+    mine = torch.tensor([example.digest(), int(bool(problems))], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    digests = {int(t[0]) for t in every}
+    if len(digests) != 1:
+        raise RuntimeError(f"ranks drew different examples ({sorted(digests)}): the collectives would diverge")
+    failed = [r for r, t in enumerate(every) if int(t[1])]
+    if failed:
+        raise AssertionError(f"ranks {failed} failed {example}; this rank: {problems or 'ok'}")
+
+
+def run_properties(max_examples: int, empty_gathers_work: bool = True, mode: str = "local") -> dict[str, Any]:
+    """Hypothesis inside the rank: derandomized, no database, so every rank runs the same examples in order.
+
+    ``mode`` is the gradient mode of the patched side (the same on every rank).
+    """
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import strategies as st
+
+    world = dist.get_world_size()
+    subgroup = dist.new_group(list(range(1, world))) if world > 1 else None  # collective: every rank calls it
+    seen: dict[str, int] = {"examples": 0, "uneven": 0, "zero_size": 0, "grad": 0, "subgroup": 0}
+    dtypes = gloo_dtypes()
+
+    @st.composite
+    def examples(draw: Any) -> Example:
+        ndim = draw(st.integers(0, 3))
+        if ndim == 0:
+            shapes: tuple[tuple[int, ...], ...] = ((),) * world
+        elif draw(st.booleans()):
+            shape = tuple(draw(st.integers(0, 6)) for _ in range(ndim))
+            shapes = (shape,) * world
+        else:
+            shapes = tuple(tuple(draw(st.integers(0, 6)) for _ in range(ndim)) for _ in range(world))
+        if not empty_gathers_work:
+            # The data all_gather moves the elementwise-largest shape of the group's members (the world, or the
+            # subgroup of ranks 1..n-1); with a zero in it every member sends nothing.
+            for members in (shapes, shapes[1:]):
+                assume(not members or 0 not in [max(sizes) for sizes in zip(*members, strict=True)])
+        dtype = draw(st.sampled_from(dtypes))
+        return Example(
+            shapes=shapes,
+            dtype=dtype,
+            requires_grad=dtype in GRAD_DTYPES and draw(st.booleans()),
+            contiguous=draw(st.booleans()),
+            no_grad=draw(st.booleans()),
+            subgroup=world > 1 and draw(st.booleans()),
+            seed=draw(st.integers(0, 2**20)),
+        )
+
+    @settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(examples())
+    def property_holds(example: Example) -> None:
+        try:
+            problems = check_example(example, subgroup, mode)
+        except Exception as err:  # a local failure must still reach the consensus step
+            problems = [f"raised {err!r}"]
+        _consensus(example, problems)
+        seen["examples"] += 1
+        seen["uneven"] += len(set(example.shapes)) > 1
+        seen["zero_size"] += any(0 in shape for shape in example.shapes)
+        seen["grad"] += example.requires_grad and not example.no_grad
+        seen["subgroup"] += example.subgroup
+
+    property_holds()
+    # While the group is up anyway: a non-tensor must give the unpatched gather's error (no collective runs).
+    seen["non_tensor_problems"] = non_tensor_errors_match()  # type: ignore[assignment]
+    seen["dtypes"] = list(dtypes)  # type: ignore[assignment]
+    return seen
+
+
+def non_tensor_errors_match() -> list[str]:
+    """In an initialised group: a non-tensor gives the unpatched gather's error, on every rank."""
+    problems = []
+    for bad in (1.5, [1, 2], None, "x"):
+        # every rank runs the same modes in the same order, so the ranks never disagree on the mode
+        unpatched, *patched = errors_off_and_on(lambda: torchmetrics_gather()(bad))  # noqa: B023 (called at once)
+        if not patched or any(error != unpatched for error in patched):
+            problems.append(f"{bad!r}: unpatched {unpatched} vs patched {patched}")
+    return problems
+
+
+def properties_catch_a_broken_gather(max_examples: int, mode: str = "local") -> str:
+    """Run the property test against a gather that puts the local entry at the *global* rank (wrong in a
+    subgroup, upstream's own pitfall); return the failure hypothesis reports, or ``"not caught"``."""
+    from torchmetrics_gradpatch import _engine, _modes
+
+    # what the trampoline dispatches to: the mode's gather in _modes.GATHERS, chosen at every state change
+    correct = _modes.gather_for(mode)
+
+    def broken(result: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = correct(result, group)
+        index = dist.get_rank()  # the bug: not dist.get_rank(group)
+        if index < len(out):
+            out[index] = result.contiguous()
+        return out
+
+    _modes.GATHERS[mode] = broken
+    _engine.refresh()
+    try:
+        run_properties(max_examples, mode=mode)
+    except AssertionError as err:
+        return str(err)
+    return "not caught"
+
+
+# --- the tests -------------------------------------------------------------------------------------------------
 
 # On native torchmetrics (>= 1.6) local mode installs nothing: "patched vs unpatched" would compare torchmetrics'
 # gather with itself. The global mode installs the trampoline there, so the patched side uses it (every rank
@@ -31,7 +375,7 @@ MODE = "global" if tmgp.status().native else "local"
 def empty_gathers_work() -> bool:
     """Whether this torch's gloo survives gathers of all-empty tensors (torchmetrics' own gather, unpatched)."""
     try:
-        spawn_ranks(ranks.all_empty_gathers, 2, timeout=60)
+        spawn_ranks(all_empty_gathers, 2, timeout=60)
     except RankError:
         return False
     return True
@@ -44,20 +388,13 @@ def test_newer_torch_gathers_empty_tensors(empty_gathers_work: bool) -> None:
 
 
 def worlds(timeout: float) -> list[Any]:
-    """World sizes 2 and 3, each case run on that many spawned ranks."""
+    """World sizes 2 and 3, each case run on that many spawned"""
     return [pytest.param(n, marks=pytest.mark.ranks(n, timeout=timeout)) for n in (2, 3)]
-
-
-def every_rank(value: object) -> list[object]:
-    """Every rank's ``value``, in rank order (a collective: every rank calls it)."""
-    every: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return every
 
 
 @pytest.mark.parametrize("world_size", worlds(150))
 def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) -> None:
-    seen = ranks.run_properties(50, empty_gathers_work, MODE)
+    seen = run_properties(50, empty_gathers_work, MODE)
     assert seen["examples"] >= 50
     # the draws must actually cover the interesting cases, on every rank alike
     assert every_rank(seen) == [seen] * world_size
@@ -65,7 +402,7 @@ def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) ->
     # the same spawn also checks that a non-tensor gives the unpatched error inside an initialised group
     assert seen["non_tensor_problems"] == []
     # Only bfloat16 and bool may be missing (older gloo); everything else must have been drawn from.
-    assert set(ranks.DTYPES) - set(seen["dtypes"]) <= {"bfloat16", "bool"}
+    assert set(DTYPES) - set(seen["dtypes"]) <= {"bfloat16", "bool"}
 
 
 @pytest.mark.slow
@@ -73,7 +410,7 @@ def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) ->
 @pytest.mark.parametrize("world_size", worlds(800))
 def test_patched_gather_properties_many(world_size: int, empty_gathers_work: bool) -> None:
     examples = sized(full=600, ci=120)
-    seen = ranks.run_properties(examples, empty_gathers_work, MODE)
+    seen = run_properties(examples, empty_gathers_work, MODE)
     assert seen["examples"] >= examples
     assert every_rank(seen) == [seen] * world_size
 
@@ -83,6 +420,6 @@ def test_patched_gather_properties_many(world_size: int, empty_gathers_work: boo
 @pytest.mark.ranks(3, timeout=300)
 def test_the_property_test_catches_a_wrong_local_index() -> None:
     """The check can fail: a gather that uses the global rank instead of the group rank is caught (world 3)."""
-    caught = ranks.properties_catch_a_broken_gather(100, MODE)
+    caught = properties_catch_a_broken_gather(100, MODE)
     assert caught != "not caught"
     assert "subgroup=True" in caught

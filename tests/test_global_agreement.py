@@ -1,0 +1,376 @@
+"""The global mode when the ranks do not all do the same thing: a rank with nothing to sync, a rank under
+``no_grad``, ranks in different modes or one that skips backward, and entries changed in place or
+differentiated twice.
+
+Every case is a test on warm pooled gloo ranks (2 and 3) checking its own rank against a single-process float64
+reference it builds from every rank's deterministic inputs (``tests/_global_inputs.py``). The two cases where the
+ranks must hang until the runner's timeout run through ``spawn_ranks`` itself: the runner is under test there.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchmetrics
+from packaging.version import Version
+from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat
+
+import torchmetrics_gradpatch as tg
+from tests import _global_inputs as inp
+from tests._global_inputs import F64, FEATURES, assert_rel
+from tests._rank_tools import every_rank, record_collectives
+from torchmetrics_gradpatch import gather_all_tensors, patched
+from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+
+
+def worlds(*sizes: int) -> list[Any]:
+    """``world_size`` parameters, each run on that many pooled ranks."""
+    return [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True), id=f"{n}ranks") for n in sizes]
+
+
+# ------------------------------------------------------------------------------- a rank with nothing to sync
+
+
+class MaskedSquaredError(Metric):
+    """A ``cat``-state metric whose ``update`` appends only the masked samples: nothing at all when none is.
+
+    A rank whose mask is all False then syncs torchmetrics' grad-less empty ``torch.tensor([])``.
+    """
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("errors", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
+        if bool(mask.any()):
+            self.errors.append((preds[mask] - target[mask]) ** 2)
+
+    def compute(self) -> torch.Tensor:
+        return dim_zero_cat(self.errors).mean()
+
+
+class MaskedModel(torch.nn.Module):
+    """A backbone on every sample and a head on the selected samples only (as a detection head on positives).
+
+    On a rank with nothing selected the head does not run: its parameters are unused there, which is what
+    DDP's ``find_unused_parameters=True`` is for. Returns the predictions (zero where not selected) and the
+    backbone features.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)  # the same initial weights on every rank and in the reference
+        self.backbone = torch.nn.Linear(FEATURES, 4, dtype=F64)
+        self.head = torch.nn.Linear(4, 1, dtype=F64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = torch.tanh(self.backbone(x))
+        preds = x.new_zeros(x.shape[0])
+        if bool(mask.any()):
+            preds = preds.masked_scatter(mask, self.head(features[mask]).squeeze(-1))
+        return preds, features
+
+
+AUX_WEIGHT = 0.01  # the per-rank activity penalty that reaches the backbone on every rank under DDP
+#: torchmetrics syncs an empty list state as ``torch.tensor([])`` from 1.4.0 on. Before, a rank whose ``cat`` state
+#: is empty skips the gather of that state altogether (``apply_to_collection`` finds no tensor in ``[]``), so its
+#: collectives no longer match its peers', with or without this package: the masked cases cannot run there.
+EMPTY_STATE_SYNCED = Version(torchmetrics.__version__) >= Version("1.4.0")
+#: (world size, the rank whose mask is all False): first and last of 2; first, middle and last of 3
+EMPTY_RANKS = [
+    pytest.param(n, e, marks=pytest.mark.ranks(n, reuse=True)) for n, e in ((2, 0), (2, 1), (3, 0), (3, 1), (3, 2))
+]
+EMPTY_IDS = ["2-first", "2-last", "3-first", "3-middle", "3-last"]
+
+
+def masked_inputs(rank: int, empty_rank: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s features, targets and mask: ``3 + rank`` samples, none selected on ``empty_rank``."""
+    gen = torch.Generator().manual_seed(5000 + 100 * step + rank)
+    rows = 3 + rank
+    x = torch.randn(rows, FEATURES, generator=gen, dtype=F64)
+    target = torch.randn(rows, generator=gen, dtype=F64)
+    mask = torch.arange(rows) % 2 == 0  # at least one sample selected...
+    if rank == empty_rank:
+        mask = torch.zeros(rows, dtype=torch.bool)  # ...except on the empty rank
+    return x, target, mask
+
+
+def masked_reference(world_size: int, empty_rank: int, step: int, aux: bool) -> list[torch.Tensor]:
+    """Single-process gradient of the synced masked loss over every rank's samples (+ the mean per-rank penalty)."""
+    model = MaskedModel()
+    data = [masked_inputs(r, empty_rank, step) for r in range(world_size)]
+    x, target, mask = (torch.cat([d[i] for d in data]) for i in range(3))
+    preds, _ = model(x, mask)
+    loss = ((preds[mask] - target[mask]) ** 2).mean()
+    if aux:
+        features = [model(d[0], d[2])[1] for d in data]
+        loss = loss + AUX_WEIGHT * sum((f**2).mean() for f in features) / world_size
+    return list(torch.autograd.grad(loss, list(model.parameters())))
+
+
+def unpatched_empty_rank_forward() -> float:
+    """The masked metric's forward with rank 0's mask all False, with the patch off (a probe run by spawn_ranks)."""
+    tg.unpatch()
+    rank = dist.get_rank()
+    metric = MaskedSquaredError(dist_sync_on_step=True).set_dtype(F64)
+    preds, target = torch.arange(3.0, dtype=F64), torch.zeros(3, dtype=F64)
+    return float(metric(preds, target, torch.full((3,), rank != 0)))
+
+
+@pytest.fixture(scope="module")
+def empty_rank_works() -> str | None:
+    """Why the masked cases cannot run here (None where they can): they need what unpatched torchmetrics does.
+
+    torchmetrics 1.4.3 on torch 2.0.1 cannot (rank 0 raises "No samples to concatenate" in the batch compute of
+    ``forward``, and its peers lose their connection); on torch 2.13 and 2.15 it can. A fresh spawn, since the
+    probe may break its group.
+    """
+    if not EMPTY_STATE_SYNCED:
+        return (
+            "torchmetrics < 1.4 does not sync an empty list state (the rank skips that gather, so the ranks' "
+            "collectives mismatch with or without this package)"
+        )
+    try:
+        spawn_ranks(unpatched_empty_rank_forward, 2, timeout=120)
+    except RankError:
+        return (
+            f"unpatched torchmetrics {torchmetrics.__version__} fails a rank with no samples itself on torch "
+            f"{torch.__version__} (its forward raises there)"
+        )
+    return None
+
+
+def masked_step(model: torch.nn.Module, net: torch.nn.Module, empty: int, step: int, ddp: bool) -> dict[str, Any]:
+    """One ``loss = metric(p, t, mask); loss.backward()`` on this rank, its mask all False on rank ``empty``."""
+    x, target, mask = masked_inputs(dist.get_rank(), empty, step)
+    model.zero_grad(set_to_none=True)
+    metric = MaskedSquaredError(dist_sync_on_step=True).set_dtype(F64)
+    with patched(mode="global"), record_collectives() as forward_calls:
+        preds, features = net(x, mask)
+        loss = metric(preds, target, mask)
+    if ddp:
+        loss = loss + AUX_WEIGHT * (features**2).mean()
+    with record_collectives() as backward_calls:
+        loss.backward()  # on every rank, the empty one included
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    return {
+        "loss": loss.detach(),
+        "graph": loss.grad_fn is not None,
+        "grads": grads,
+        "fwd": forward_calls,
+        "bwd": backward_calls,
+    }
+
+
+@pytest.mark.parametrize(("world_size", "empty"), EMPTY_RANKS, ids=EMPTY_IDS)
+def test_rank_with_nothing_to_sync_still_joins_the_backward(
+    world_size: int, empty: int, empty_rank_works: str | None
+) -> None:
+    """One rank's mask is all False; every rank's ``loss.backward()`` completes, gradients exact."""
+    if empty_rank_works is not None:
+        pytest.skip(empty_rank_works)
+    rank = dist.get_rank()
+    model = MaskedModel()
+    out = masked_step(model, model, empty, 0, ddp=False)
+    assert out["graph"], f"rank {rank}"
+    losses = every_rank(out["loss"])
+    assert all(torch.equal(v, losses[0]) for v in losses)  # type: ignore[arg-type]
+    # one cat state: the header, then the data; no barrier. One backward collective on every rank.
+    assert len(out["fwd"]) == 2 and out["fwd"][0].startswith("all_gather[(10,)"), out["fwd"]
+    assert out["bwd"] == ["all_to_all_single"], f"rank {rank}"
+    if rank == empty:  # the empty rank's loss reaches no parameter of its own (really exercised)
+        assert all(g is None for g in out["grads"])
+    reference = masked_reference(world_size, empty, 0, aux=False)
+    per_rank = every_rank(out["grads"])
+    for i, ref in enumerate(reference):  # the ranks' gradients add up to world_size x the single-process one
+        total = sum(torch.zeros_like(ref) if grads[i] is None else grads[i] for grads in per_rank)  # type: ignore[index]
+        assert_rel(total, world_size * ref)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("world_size", "empty"), EMPTY_RANKS, ids=EMPTY_IDS)
+def test_rank_with_nothing_to_sync_under_ddp(world_size: int, empty: int, empty_rank_works: str | None) -> None:
+    """Under DDP (``find_unused_parameters=True``: the empty rank's head does not run) every rank, every step,
+    holds exactly the single-process gradient."""
+    if empty_rank_works is not None:
+        pytest.skip(empty_rank_works)
+    model = MaskedModel()
+    net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    for step in range(2):
+        out = masked_step(model, net, empty, step, ddp=True)
+        assert out["graph"]
+        for got, ref in zip(out["grads"], masked_reference(world_size, empty, step, aux=True), strict=True):
+            assert got is not None, f"rank {dist.get_rank()} step {step}"
+            assert_rel(got, ref)
+    del net
+
+
+# ------------------------------------------------------------------------------- ranks that disagree
+
+
+@pytest.mark.parametrize("case", ["direct", "scalar", "metric"])
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_grad_mode_disagreement_raises_on_every_rank(world_size: int, case: str) -> None:
+    """One rank gathers under ``torch.no_grad()`` while the others gather a tensor that requires grad: every rank
+    raises, from the gather itself, after the first exchange; the group is still in step afterwards."""
+    rank = dist.get_rank()
+    for culprit in range(world_size):
+        # the metric gets samples on every rank: before torchmetrics 1.4 a rank with none cannot sync at all
+        x = inp.gather_input({"direct": "uneven_rows", "scalar": "scalar", "metric": "uneven_all_dims"}[case], rank)
+        context = torch.no_grad() if rank == culprit else torch.enable_grad()
+        with pytest.raises(tg.GradModeMismatchError) as caught, context, record_collectives() as calls:
+            if case == "metric":
+                metric = MaskedSquaredError(dist_sync_on_step=True).set_dtype(F64)
+                with patched(mode="global"):
+                    metric(x.reshape(-1), torch.zeros(x.numel(), dtype=F64), torch.ones(x.numel(), dtype=bool))
+            else:
+                gather_all_tensors(x, mode="global")
+        message = str(caught.value)
+        others = [r for r in range(world_size) if r != culprit]
+        assert isinstance(caught.value, RuntimeError)
+        assert f"Rank(s) [{culprit}] gathered with grad mode off" in message, message
+        assert f"rank(s) {others} with it on" in message, message
+        assert "same grad mode on every rank" in message and "none is left waiting" in message
+        # raised right after the first exchange, before the data: every rank issued the same one collective
+        assert len(calls) == 1 and calls[0].startswith("all_gather"), calls
+    # the group is still in step: a gather after the errors gives every rank's input
+    entries = gather_all_tensors(inp.gather_input("uneven_rows", rank), mode="global")
+    inp.gather_loss(entries, rank).backward()
+    inputs = [inp.gather_input("uneven_rows", r).detach() for r in range(world_size)]
+    assert all(torch.equal(a, b) for a, b in zip(entries, inputs, strict=True))
+
+
+@pytest.mark.parametrize("how", ["no_requires_grad", "all_no_grad"])
+@pytest.mark.parametrize("case", ["uneven_rows", "scalar"])
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_no_node_when_nothing_requires_grad_or_grad_is_off_everywhere(world_size: int, case: str, how: str) -> None:
+    rank = dist.get_rank()
+    x = inp.gather_input(case, rank)
+    with record_collectives() as calls:
+        if how == "no_requires_grad":
+            entries = gather_all_tensors(x.detach(), mode="global")
+        else:
+            with torch.no_grad():
+                entries = gather_all_tensors(x, mode="global")
+    inputs = [inp.gather_input(case, r).detach() for r in range(world_size)]
+    assert [t.grad_fn is not None for t in entries] == [False] * world_size  # no node (own entry: the input)
+    assert [t.requires_grad for j, t in enumerate(entries) if j != rank] == [False] * (world_size - 1)
+    assert all(torch.equal(a, b) for a, b in zip(entries, inputs, strict=True))
+    assert len(calls) == (1 if case == "scalar" else 2)
+    assert "barrier" not in calls
+
+
+def mixed_modes() -> list[tuple[int, ...]]:
+    """Rank 0 gathers in local mode, the others in global mode: their collectives do not match."""
+    rank = dist.get_rank()
+    x = inp.gather_input("uneven_rows", rank)
+    return [tuple(t.shape) for t in gather_all_tensors(x, mode="local" if rank == 0 else "global")]
+
+
+def skip_backward(hang_seconds: float) -> str:
+    """Rank 1 gathers in global mode but never runs backward; rank 0 does, and waits for rank 1 forever."""
+    rank = dist.get_rank()
+    entries = gather_all_tensors(inp.gather_input("uneven_rows", rank), mode="global")
+    if rank == 1:
+        time.sleep(hang_seconds)  # "moves on" without backward, like a rank that skipped the step
+        return "skipped"
+    inp.gather_loss(entries, rank).backward()
+    return "finished"
+
+
+def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        # 20 s: on a loaded 2-core machine two ranks can take over 10 s just to import torch and connect
+        spawn_ranks(skip_backward, 2, args=(120.0,), timeout=20)
+    assert time.monotonic() - start < 40
+    err = caught.value
+    assert err.rank == 0 and err.reason == "timed out", err
+    # rank 0 got as far as the backward and was stuck there (not still starting up)
+    assert "skip_backward" in err.details and "backward" in err.details
+
+
+def test_ranks_in_different_modes_wait_until_the_timeout() -> None:
+    """What the README says of mixing modes: the forward collectives differ, nothing detects it, the ranks wait.
+
+    (Local mode must keep the unpatched gather's collectives, so it cannot carry a mode check.)
+    """
+    with pytest.raises(RankError) as caught:
+        spawn_ranks(mixed_modes, 2, timeout=20)
+    assert caught.value.reason == "timed out", caught.value
+    assert "gather_local" in caught.value.details or "gather_global" in caught.value.details, caught.value
+
+
+# ------------------------------------------------------------------------------- entries like torch's gather
+
+#: the entry each rank modifies in place: its own, the next rank's, and entry 0 everywhere
+INPLACE_TARGETS = ("own", "next", "zero")
+
+
+def inplace_index(target: str, rank: int, world_size: int) -> int:
+    return {"own": rank, "next": (rank + 1) % world_size, "zero": 0}[target]
+
+
+def modified_loss(entries: list[torch.Tensor], rank: int, index: int) -> torch.Tensor:
+    """``entries[index].mul_(2)`` then ``add_(1)``, then the gather loss: what every rank computes."""
+    entries[index].mul_(2).add_(1)
+    return inp.gather_loss(entries, rank)
+
+
+@pytest.mark.parametrize("target", INPLACE_TARGETS)
+@pytest.mark.parametrize("case", ["equal", "uneven_rows", "scalar"])
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_inplace_change_to_any_entry_is_allowed_on_every_rank(world_size: int, case: str, target: str) -> None:
+    """Like torch's all_gather: ``g[j].mul_(2)`` works on every rank for every ``j``, with exact gradients."""
+    rank = dist.get_rank()
+    x = inp.gather_input(case, rank)
+    modified_loss(gather_all_tensors(x, mode="global"), rank, inplace_index(target, rank, world_size)).backward()
+    # single-process: every rank modifies its copy of the gathered entries, then sums its loss's gradient
+    xs = [inp.gather_input(case, r) for r in range(world_size)]
+    total = sum(
+        modified_loss([x.clone() for x in xs], r, inplace_index(target, r, world_size)) for r in range(world_size)
+    )
+    (reference,) = torch.autograd.grad(total, xs[rank])
+    assert x.grad is not None
+    assert_rel(x.grad, reference)
+
+
+def double_backward(x: torch.Tensor, entries: list[torch.Tensor]) -> torch.Tensor:
+    (first,) = torch.autograd.grad(inp.gather_loss(entries, dist.get_rank()), x, create_graph=True)
+    (first**2).sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+@pytest.mark.parametrize("case", ["equal", "uneven_rows", "scalar"])
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_double_backward_gives_exact_second_order_gradients(world_size: int, case: str) -> None:
+    rank = dist.get_rank()
+    # single-process: rank r's first-order gradient is sum_q dL_q/dx_r; the second loss sums its squares
+    xs = [inp.gather_input(case, r) for r in range(world_size)]
+    total = sum(inp.gather_loss([x.contiguous() for x in xs], r) for r in range(world_size))
+    firsts = torch.autograd.grad(total, xs, create_graph=True)  # type: ignore[arg-type]
+    (reference,) = torch.autograd.grad(sum((first**2).sum() for first in firsts), xs[rank])  # type: ignore[arg-type]
+    x = inp.gather_input(case, rank)
+    grad = double_backward(x, gather_all_tensors(x, mode="global"))
+    assert_rel(grad, reference)
+    if case == "equal":  # the same as torch's own differentiable all_gather, where it runs
+        import torch.distributed.nn.functional as dist_nn
+
+        try:
+            y = inp.gather_input(case, rank)
+            with warnings.catch_warnings():  # torch 2.13 deprecates it (a FutureWarning at every call)
+                warnings.simplefilter("ignore", FutureWarning)
+                theirs: torch.Tensor | None = double_backward(y, list(dist_nn.all_gather(y)))
+        except Exception:
+            theirs = None
+        ran = every_rank(theirs is not None)
+        if all(ran):
+            assert_rel(grad, theirs)  # type: ignore[arg-type]

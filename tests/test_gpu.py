@@ -1,0 +1,123 @@
+"""The gpu profile (``tox -e gpu``, or ``pytest tests/test_gpu.py``): the gather, both gradient modes, a Metric loss and
+torch.compile (inductor) on CUDA tensors.
+
+Two worlds: NCCL with one rank per device, for as many devices as the machine has (``ranks(n, backend="nccl")``
+puts rank r on cuda:r), and gloo with CUDA tensors for 2 and 3 ranks sharing device 0. Every body checks its own
+rank against a single-process float64 reference it computes on the CPU from every rank's deterministic inputs.
+Without CUDA every test skips at collection, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchmetrics_gradpatch as tg
+from tests import _global_inputs as inp
+from tests._rank_tools import every_rank
+from tests._workloads import CatSquaredError, SumSquaredError
+
+CUDA = torch.cuda.is_available()
+DEVICES = torch.cuda.device_count() if CUDA else 0
+NO_CUDA = f"no CUDA device here (torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'})"
+pytestmark = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
+TIMEOUT = 300  # NCCL's start-up and inductor's first compile take tens of seconds per process
+
+
+def worlds() -> list[Any]:
+    """NCCL on every device (one rank each; at least 1), and gloo with CUDA tensors for 2 and 3 ranks on cuda:0."""
+    n = max(DEVICES, 1)
+    # NCCL replaces the runner's gloo group, which a warm pool cannot take back: a fresh spawn each
+    nccl = pytest.param("nccl", marks=pytest.mark.ranks(n, backend="nccl", timeout=TIMEOUT), id=f"nccl-{n}ranks")
+    gloo = [
+        pytest.param("gloo", marks=pytest.mark.ranks(n, reuse=True, timeout=TIMEOUT), id=f"gloo-{n}ranks-cuda0")
+        for n in (2, 3)
+    ]
+    return [nccl, *gloo]
+
+
+def device() -> torch.device:
+    """This rank's device: cuda:rank under NCCL (set by the marker), cuda:0 for the gloo ranks."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("case", ["equal", "uneven_rows", "scalar"])
+@pytest.mark.parametrize("world", worlds())
+def test_gather_on_cuda_in_both_modes(world: str, case: str) -> None:
+    """Values equal every rank's input; local mode keeps the own entry's graph, global mode's gradient is exact."""
+    rank, world_size, dev = dist.get_rank(), dist.get_world_size(), device()
+    xs = [inp.gather_input(case, r) for r in range(world_size)]
+    total = sum(inp.gather_loss([x.contiguous() for x in xs], r) for r in range(world_size))
+    (global_ref,) = torch.autograd.grad(total, xs[rank])
+    (local_ref,) = torch.autograd.grad(inp.gather_loss([x.contiguous() for x in xs], rank), xs[rank])
+    for mode, reference in (("local", local_ref), ("global", global_ref)):
+        x = inp.gather_input(case, rank).detach().to(dev).requires_grad_()
+        entries = tg.gather_all_tensors(x, mode=mode)
+        assert [e.device for e in entries] == [dev] * world_size, mode
+        for j, entry in enumerate(entries):
+            assert torch.equal(entry.detach().cpu(), xs[j].detach().contiguous()), (mode, j)
+        assert entries[rank] is x or mode == "global"
+        inp.gather_loss([e.double() for e in entries], rank).backward()
+        assert x.grad is not None and x.grad.device == dev
+        inp.assert_rel(x.grad.cpu(), reference)
+
+
+@pytest.mark.parametrize("metric", ["sum", "cat"])
+@pytest.mark.parametrize("world", worlds())
+def test_metric_loss_on_cuda_backpropagates_like_single_process(world: str, metric: str) -> None:
+    """A Metric with ``dist_sync_on_step=True`` as the loss through torchmetrics' own gather (patched)."""
+    rank, world_size, dev = dist.get_rank(), dist.get_world_size(), device()
+    rows = inp.ROWS["equal" if metric == "sum" else "uneven"]
+    data = [inp.model_inputs(r, rows[r % 3]) for r in range(world_size)]
+    w = inp.weight().requires_grad_()
+    preds, target = torch.cat([d[0] for d in data]) @ w, torch.cat([d[1] for d in data])
+    (reference,) = torch.autograd.grad(((preds - target) ** 2).mean(), w)
+    for mode, scale in (("local", 1 / world_size), ("global", 1.0)):
+        features, target = (t.to(dev) for t in data[rank])
+        w_dev = inp.weight().to(dev).requires_grad_()
+        loss_metric = (SumSquaredError if metric == "sum" else CatSquaredError)(dist_sync_on_step=True).to(dev)
+        with tg.patched(mode=mode):
+            loss = loss_metric(features @ w_dev, target)
+        assert loss.device == dev and loss.requires_grad, mode
+        loss.backward()
+        assert w_dev.grad is not None
+        ddp = torch.stack(every_rank(w_dev.grad.cpu())).mean(dim=0)  # type: ignore[arg-type]
+        inp.assert_rel(ddp, scale * reference)  # DDP's average: global exact, local 1 / world size of it
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("mode", ["local", "global"])
+@pytest.mark.parametrize("world", worlds())
+def test_compiled_metric_loss_on_cuda_matches_eager(world: str, mode: str) -> None:
+    """torch.compile(backend="inductor") around a cat-state Metric loss on CUDA: eager's loss and gradient."""
+    rank, dev = dist.get_rank(), device()
+    if tg.status().native:
+        tg.compile_support()  # what the docs tell users of native torchmetrics to do for torch.compile
+    features, target = (t.to(dev) for t in inp.model_inputs(rank, 3 + rank))
+
+    results = []
+    for compiled in (False, True):
+        metric = CatSquaredError(dist_sync_on_step=True).to(dev)
+
+        def step(w: torch.Tensor, metric: CatSquaredError = metric) -> torch.Tensor:
+            return metric(torch.tanh(features @ w), target)  # type: ignore[no-any-return]
+
+        fn = torch.compile(step, backend="inductor") if compiled else step
+        w = inp.weight().to(dev).requires_grad_()
+        with tg.patched(mode=mode):
+            loss = fn(w)
+        loss.backward()
+        results.append((loss.detach().cpu(), w.grad.detach().cpu()))  # type: ignore[union-attr]
+    tg.compile_support(False)
+    (eager_loss, eager_grad), (compiled_loss, compiled_grad) = results
+    inp.assert_rel(compiled_loss, eager_loss)
+    inp.assert_rel(compiled_grad, eager_grad)
+    assert eager_grad.abs().max() > 0
