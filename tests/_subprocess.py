@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -73,3 +74,40 @@ def fake_torchmetrics(directory: Path, version: str, signature: str = "result, g
         f"def gather_all_tensors({signature}):\n    return [result]\n"
     )
     return str(directory)
+
+
+def cli(
+    *args: str,
+    env: dict[str, str] | None = None,
+    pythonpath: list[str] | None = None,
+    command: list[str] | None = None,
+    timeout: float = 180,
+) -> subprocess.CompletedProcess[str]:
+    """Run the CLI (``python -m torchmetrics_gradpatch`` unless ``command`` says otherwise) in a fresh process."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([*(pythonpath or []), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [*(command or [sys.executable, "-m", "torchmetrics_gradpatch"]), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def show(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+
+
+def console_script(tmp_path: Path) -> list[str]:
+    """The installed ``torchmetrics-gradpatch`` script, or one written the way pip and uv write it."""
+    installed = shutil.which("torchmetrics-gradpatch", path=str(Path(sys.executable).parent))
+    if installed:
+        return [sys.executable, installed]
+    script = tmp_path / "bin" / "torchmetrics-gradpatch"
+    script.parent.mkdir()
+    script.write_text(
+        "import sys\nfrom torchmetrics_gradpatch._cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    return [sys.executable, str(script)]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from tests._subprocess import ROOT, fake_torchmetrics
+from tests._subprocess import cli, console_script, fake_torchmetrics, show
 
 TORCH = Version(importlib.metadata.version("torch"))
 TORCHMETRICS = Version(importlib.metadata.version("torchmetrics"))
@@ -30,30 +30,6 @@ BELOW_MINIMUM = Version(TORCH.base_version) < Version("2.0")
 NATIVE = Version("1.6.0") <= TORCHMETRICS
 
 needs_supported_torch = pytest.mark.skipif(BELOW_MINIMUM, reason=f"torch {TORCH} is below 2.0: the CLI refuses")
-
-
-def cli(
-    *args: str,
-    env: dict[str, str] | None = None,
-    pythonpath: list[str] | None = None,
-    command: list[str] | None = None,
-    timeout: float = 180,
-) -> subprocess.CompletedProcess[str]:
-    """Run the CLI (``python -m torchmetrics_gradpatch`` unless ``command`` says otherwise) in a fresh process."""
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join([*(pythonpath or []), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [*(command or [sys.executable, "-m", "torchmetrics_gradpatch"]), *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def show(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
 
 
 # --- the refusal on torch < 2.0 --------------------------------------------------------------------------------------
@@ -77,19 +53,6 @@ def old_torch(tmp_path: Path) -> list[str]:
 
 def old_version() -> str:
     return str(TORCH) if BELOW_MINIMUM else "1.13.1"
-
-
-def console_script(tmp_path: Path) -> list[str]:
-    """The installed ``torchmetrics-gradpatch`` script, or one written the way pip and uv write it."""
-    installed = shutil.which("torchmetrics-gradpatch", path=str(Path(sys.executable).parent))
-    if installed:
-        return [sys.executable, installed]
-    script = tmp_path / "bin" / "torchmetrics-gradpatch"
-    script.parent.mkdir()
-    script.write_text(
-        "import sys\nfrom torchmetrics_gradpatch._cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
-    )
-    return [sys.executable, str(script)]
 
 
 def assert_clean_refusal(proc: subprocess.CompletedProcess[str]) -> None:

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests._subprocess import fake_torchmetrics
-from tests.test_cli import cli, console_script, show
+from tests._subprocess import cli, console_script, fake_torchmetrics, show
 
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
 TORCH = importlib.metadata.version("torch")
