@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_gradpatch as tg
-from tests._reliability_ranks import GRAD_DTYPES, gloo_dtypes, make_tensor, same_bits, unpatched_gather
+from tests._tensors import GRAD_DTYPES, gloo_dtypes, make_tensor, same_bits, unpatched_gather
 
 WORLDS = [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True, timeout=90)) for n in (2, 3)]
 MODES = ("local", "global")

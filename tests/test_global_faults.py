@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_gradpatch as tg
-from tests._reliability_ranks import same_bits, unpatched_gather
+from tests._tensors import same_bits, unpatched_gather
 
 #: seconds per test, the start of a pool included (slow on a loaded 2-core machine): a rank left waiting in a
 #: collective fails the test long before the pool's group timeout
