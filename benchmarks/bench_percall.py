@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -262,6 +263,14 @@ def _verdict(stats: dict[str, float], target: float) -> str:
     return f"MISSED (> {target:g})"
 
 
+def _two_rank_cell(two: dict[str, Any], case: str, row: str) -> str:
+    """A two-rank table cell: wall / CPU median, or their differences' intervals for a difference row."""
+    wall, cpu = two[case]["wall"], two[case]["cpu"]
+    if row in wall["us"]:
+        return f"{wall['us'][row]['median']:.1f} / {cpu['us'][row]['median']:.1f}"
+    return _interval(wall["difference_us"][row], 1) + " / " + _interval(cpu["difference_us"][row], 1)
+
+
 def _table(title: str, cases: list[str], rows: list[str], cell: Callable[[str, str], str]) -> list[str]:
     """A markdown table under ``title``: one row per name in ``rows``, one column per case, ``cell(case, row)``."""
     lines = [title, "", "| µs per call | " + " | ".join(cases) + " |", "| --- |" + " --- |" * len(cases)]
@@ -308,11 +317,7 @@ def markdown(results: dict[str, Any]) -> str:
     if two:
         first = next(iter(two.values()))
 
-        def two_cell(case: str, row: str) -> str:
-            wall, cpu = two[case]["wall"], two[case]["cpu"]
-            if row in wall["us"]:
-                return f"{wall['us'][row]['median']:.1f} / {cpu['us'][row]['median']:.1f}"
-            return _interval(wall["difference_us"][row], 1) + " / " + _interval(cpu["difference_us"][row], 1)
+        two_cell = functools.partial(_two_rank_cell, two)
 
         lines += _table(
             f"Two ranks (spawned, gloo on loopback, rank 0, {results['two_rank_rounds']} rounds of "
@@ -404,11 +409,7 @@ def page_blocks(results: dict[str, Any], where: str) -> dict[str, str]:
     if two:
         first = next(iter(two.values()))
 
-        def two_cell(case: str, row: str) -> str:
-            wall, cpu = two[case]["wall"], two[case]["cpu"]
-            if row in wall["us"]:
-                return f"{wall['us'][row]['median']:.1f} / {cpu['us'][row]['median']:.1f}"
-            return _interval(wall["difference_us"][row], 1) + " / " + _interval(cpu["difference_us"][row], 1)
+        two_cell = functools.partial(_two_rank_cell, two)
 
         rows = [row for row in PAGE_ROWS if row in first["wall"]["us"] or row in first["wall"]["difference_us"]]
         title = (
