@@ -1,0 +1,38 @@
+"""The suite tests the installed package, never the checkout: the src layout keeps the source tree off
+``sys.path``, so the pytest process and every rank import the wheel tox built and installed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Outside tox the package may well be an editable install of this checkout (the quick path); inside, tox installs
+# the wheel it built into the environment it names.
+in_tox = pytest.mark.skipif("TOX_ENV_DIR" not in os.environ, reason="not a tox environment: may be an editable install")
+
+
+def imported_from() -> Path:
+    import torchmetrics_gradpatch
+
+    return Path(torchmetrics_gradpatch.__file__).resolve()
+
+
+def assert_installed(where: Path) -> None:
+    env = Path(os.environ["TOX_ENV_DIR"]).resolve()
+    assert ROOT / "src" not in where.parents, f"imported from the checkout: {where}"
+    assert env in where.parents and "site-packages" in where.parts, f"not the environment's wheel: {where}"
+
+
+@in_tox
+def test_the_pytest_process_imports_the_installed_wheel() -> None:
+    assert_installed(imported_from())
+
+
+@in_tox
+@pytest.mark.ranks(2, reuse=True)
+def test_every_rank_imports_the_installed_wheel() -> None:
+    assert_installed(imported_from())
