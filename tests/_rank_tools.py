@@ -21,6 +21,7 @@ __all__ = [
     "COLLECTIVES",
     "CatSquaredError",
     "SumSquaredError",
+    "dynamo_refusal",
     "error_of",
     "errors_off_and_on",
     "every_rank",
@@ -172,3 +173,14 @@ def uneven_gather_warnings() -> dict[str, Any]:
             result = call()
         out[name] = {"warnings": [str(w.message) for w in caught], "shapes": [tuple(t.shape) for t in result]}
     return out
+
+
+def dynamo_refusal() -> str | None:
+    """Why torch.compile cannot run here (its own error), or None when a trivial compiled call works."""
+    try:
+        compiled = torch.compile(lambda x: x * 2, backend="eager")
+        if not torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)):
+            return "torch.compile(backend='eager') computed a wrong value for x * 2"
+    except Exception as err:
+        return f"torch.compile cannot run with torch {torch.__version__} here: {type(err).__name__}: {err}"
+    return None

@@ -46,7 +46,7 @@ def all_empty_gathers() -> int:
     return done
 
 
-def gloo_dtypes() -> tuple[str, ...]:
+def gloo_dtypes(group: Any = None) -> tuple[str, ...]:
     """The :data:`DTYPES` this torch's gloo can all-gather, probed with one tiny all_gather each.
 
     gloo refuses a dtype it lacks ("Invalid scalar type") on every rank alike, before any data moves: bfloat16
@@ -56,7 +56,7 @@ def gloo_dtypes() -> tuple[str, ...]:
     for name in DTYPES:
         probe = torch.zeros(1, dtype=getattr(torch, name))
         try:
-            dist.all_gather([torch.zeros_like(probe) for _ in range(dist.get_world_size())], probe)
+            dist.all_gather([torch.zeros_like(probe) for _ in range(dist.get_world_size(group))], probe, group=group)
         except RuntimeError as err:
             if "Invalid scalar type" not in str(err):
                 raise

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from tests._rank_tools import dynamo_refusal
 from tests._subprocess import cli, console_script, fake_torchmetrics, show
 
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
@@ -203,7 +204,8 @@ def test_occupied_ports_are_cannot_run_here(tmp_path: Path) -> None:
         f"exec {shlex.quote(sys.executable)} {shlex.quote(str(script))}"
     )
     proc = cli(command=[unshare, "--net", "sh", "-c", shell])
-    assert_one_message(proc, 3, "cannot run here", "loopback port", "address already in use")
+    # torch's own words differ by version ("address already in use", "failed to listen on any local network address")
+    assert_one_message(proc, 3, "cannot run here", "loopback port", "Free some local ports")
 
 
 def test_torchmetrics_below_0_11_is_cannot_run_here(tmp_path: Path) -> None:
@@ -217,6 +219,9 @@ def test_torchmetrics_below_0_11_is_cannot_run_here(tmp_path: Path) -> None:
 
 
 def test_check_compile_says_whether_a_compiled_metric_loss_needs_compile_support() -> None:
+    refusal = dynamo_refusal()
+    if refusal:
+        pytest.skip(refusal)
     proc = cli("check", "--compile", timeout=900)
     assert proc.returncode == 0, show(proc)
     assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, show(proc)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch
+from tests._rank_tools import dynamo_refusal
 from tests._subprocess import ROOT
 from tests._workloads import CatSquaredError
 from torchmetrics_gradpatch import gather_all_tensors, patched
@@ -58,17 +59,6 @@ def in_profile(world_size: int, backend: str = "eager") -> bool:
     return world_size == 2 and backend == "eager"
 
 
-def _dynamo_refusal() -> str | None:
-    """Why torch.compile cannot run here (its own error), or None when a trivial compiled call works."""
-    try:
-        compiled = torch.compile(lambda x: x * 2, backend="eager")
-        if not torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)):
-            return "torch.compile(backend='eager') computed a wrong value for x * 2"
-    except Exception as err:
-        return f"torch.compile cannot run with torch {torch.__version__} here: {type(err).__name__}: {err}"
-    return None
-
-
 def _cxx_compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
@@ -79,7 +69,7 @@ def _cxx_compiler() -> str | None:
 @pytest.fixture(scope="module")
 def backends() -> list[str]:
     """The backends that can run here (in the pytest process: a test that cannot run skips before any rank)."""
-    refusal = _dynamo_refusal()
+    refusal = dynamo_refusal()
     if refusal is not None:
         pytest.skip(refusal)
     usable = [b for b in BACKENDS if b != "inductor" or _cxx_compiler() is not None]

@@ -6,6 +6,7 @@ the runner's bookkeeping. Functions the ranks run are module-level here, as spaw
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from packaging.version import Version
 
 import torchmetrics_gradpatch
 from tests._procs import alive
@@ -152,6 +154,11 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.skipif(
+    Version(importlib.metadata.version("torch")).release < (2, 1),
+    reason="torch 2.0's TCPStore aborts the whole process (a C++ SocketError, no Python exception) when its accept "
+    "thread hits EMFILE, so there is no cause to surface",
+)
 def test_a_pool_start_that_fails_raises_its_own_cause_and_leaves_nothing(tmp_path: Path) -> None:
     env = {
         **os.environ,
