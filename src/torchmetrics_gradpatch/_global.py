@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from torchmetrics_gradpatch._gather import gather_entries, gather_local, size_and_rank
 from torchmetrics_gradpatch._errors import GradModeMismatchError
+from torchmetrics_gradpatch._gather import gather_entries, gather_local, size_and_rank
 
 __all__ = ["GradModeMismatchError", "gather_global"]
 
