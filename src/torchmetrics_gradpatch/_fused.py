@@ -45,7 +45,9 @@ def check_sync(sync: object, what: str = "sync") -> str:
     if isinstance(sync, str) and sync.strip().lower() in SYNCS:
         return sync.strip().lower()
     allowed = ", ".join(repr(s) for s in SYNCS)
-    raise ValueError(f"torchmetrics_gradpatch: {what}={sync!r} is not a sync strategy; use one of {allowed}.")
+    raise ValueError(
+        f"torchmetrics_gradpatch: {what}={sync!r} is not a sync strategy; use one of {allowed} (in any case)."
+    )
 
 
 def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
