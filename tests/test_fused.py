@@ -406,20 +406,25 @@ def test_global_mode_graph_keeps_no_receive_buffer(world_size: int) -> None:
 
 
 def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
+    """The API wiring seen from this module (tests/test_sync_api.py has the rest): the engine installs and restores."""
     import torchmetrics_gradpatch as tg
+    from torchmetrics_gradpatch import _api
 
     was_patched = tg.is_patched()
     try:
         tg.patch(sync="fused")
-        assert _fused.installed()
-        tg.patch()  # TORCHMETRICS_GRADPATCH_SYNC unset: torchmetrics' own sync
+        assert _fused.installed() and tg.status().sync == "fused"
+        tg.patch(sync="torchmetrics")
         assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        tg.patch()  # no sync named: the default (TORCHMETRICS_GRADPATCH_SYNC, else torchmetrics' own)
+        assert _fused.installed() == (_api.sync_requested() == "fused")
         tg.patch(sync="fused")
         tg.unpatch()
-        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.installed()
         with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
             tg.patch(sync="fast")
     finally:
-        _fused.uninstall()
         if was_patched:
-            tg.patch()
+            tg.patch(sync="torchmetrics")
+        else:
+            tg.unpatch()

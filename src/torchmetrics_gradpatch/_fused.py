@@ -91,12 +91,20 @@ def _replacement(original: Any) -> Callable[..., None]:
 
 
 def _metric_class() -> Any:
-    return sys.modules[_MODULE].Metric
+    """``torchmetrics.Metric``, or ``None`` while ``torchmetrics.metric`` is not imported or still being imported."""
+    return getattr(sys.modules.get(_MODULE), "Metric", None)
 
 
 def _apply(module: Any = None) -> None:
-    """Bring ``Metric._sync_dist`` in line with :data:`_wanted` (torchmetrics.metric is imported)."""
+    """Bring ``Metric._sync_dist`` in line with :data:`_wanted`.
+
+    While ``torchmetrics.metric`` is still being imported (a hook of the gather's module, which it imports, changed
+    the strategy) there is no class yet: the post-import hook registered by :func:`install` applies it once the
+    import is done.
+    """
     metric = _metric_class()
+    if metric is None:
+        return
     current = metric.__dict__["_sync_dist"]
     ours = getattr(current, _MARK, False)
     if _wanted["on"] and not ours:
@@ -118,7 +126,7 @@ def install(sync: str = "fused", *, mode: str | Callable[[], str] = "local") -> 
         uninstall()
         return
     _wanted["on"], _wanted["mode"] = True, mode
-    if _MODULE in sys.modules:
+    if _MODULE in sys.modules:  # being imported: the hook registered earlier applies it at the end
         _apply()
     elif not _wanted["hook"]:
         _wanted["hook"] = True
@@ -128,13 +136,13 @@ def install(sync: str = "fused", *, mode: str | Callable[[], str] = "local") -> 
 def uninstall() -> None:
     """Put torchmetrics' original ``Metric._sync_dist`` back (the same object); idempotent."""
     _wanted["on"] = False
-    module = sys.modules.get(_MODULE)
-    if module is None:
+    metric = _metric_class()
+    if metric is None:
         return
-    current = module.Metric.__dict__["_sync_dist"]
+    current = metric.__dict__["_sync_dist"]
     ours, _wanted["ours"] = _wanted["ours"], None
     if getattr(current, _MARK, False):
-        module.Metric._sync_dist = current.__wrapped__
+        metric._sync_dist = current.__wrapped__
     elif ours is not None:
         warnings.warn(
             "torchmetrics_gradpatch: another tool has replaced Metric._sync_dist on top of the fused sync; "
@@ -146,5 +154,5 @@ def uninstall() -> None:
 
 def installed() -> bool:
     """Whether ``torchmetrics.Metric._sync_dist`` currently is the fused sync's replacement."""
-    module = sys.modules.get(_MODULE)
-    return module is not None and bool(getattr(module.Metric.__dict__["_sync_dist"], _MARK, False))
+    metric = _metric_class()
+    return metric is not None and bool(getattr(metric.__dict__["_sync_dist"], _MARK, False))
