@@ -21,7 +21,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from torchmetrics_gradpatch import _fused
 
-ORIGINAL_SYNC_DIST = Metric.__dict__["_sync_dist"]
+ORIGINAL_SYNC_DIST = _fused.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 
 
 def calls(group: Any = None) -> int:
@@ -156,6 +156,10 @@ def test_values_bit_identical_and_two_collectives(world_size: int, case: str) ->
 
 
 def test_install_restores_the_identical_original() -> None:
+    import torchmetrics_gradpatch as tg
+    from torchmetrics_gradpatch import _api
+
+    tg.unpatch()  # the patch in force replaces _sync_dist too (a graph break under torch.compile)
     assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
     _fused.install("fused")
     try:
@@ -171,6 +175,7 @@ def test_install_restores_the_identical_original() -> None:
     assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
     with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
         _fused.install("fast")
+    _api.reset_for_tests()
 
 
 def real_metrics(rank: int) -> dict[str, tuple[Callable[[], Metric], tuple[torch.Tensor, ...]]]:
@@ -410,12 +415,11 @@ def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
     import torchmetrics_gradpatch as tg
     from torchmetrics_gradpatch import _api
 
-    was_patched = tg.is_patched()
     try:
         tg.patch(sync="fused")
         assert _fused.installed() and tg.status().sync == "fused"
         tg.patch(sync="torchmetrics")
-        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        assert not _fused.installed() and Metric._sync_dist.__wrapped__ is ORIGINAL_SYNC_DIST
         tg.patch()  # no sync named: the default (TORCHMETRICS_GRADPATCH_SYNC, else torchmetrics' own)
         assert _fused.installed() == (_api.sync_requested() == "fused")
         tg.patch(sync="fused")
@@ -424,7 +428,4 @@ def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
         with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
             tg.patch(sync="fast")
     finally:
-        if was_patched:
-            tg.patch(sync="torchmetrics")
-        else:
-            tg.unpatch()
+        _api.reset_for_tests()

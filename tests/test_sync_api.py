@@ -23,10 +23,10 @@ from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch as tg
 from tests._subprocess import ok, run_python
-from torchmetrics_gradpatch import _api, _fused
+from torchmetrics_gradpatch import _api, _engine, _fused
 from torchmetrics_gradpatch._cli import build_parser
 
-ORIGINAL_SYNC_DIST = Metric.__dict__["_sync_dist"]
+ORIGINAL_SYNC_DIST = _fused.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 F64 = torch.float64
 
 
@@ -64,7 +64,7 @@ def test_fused_loss_through_the_api_matches_torchmetrics_and_one_process(mode: s
     rank, world_size = dist.get_rank(), dist.get_world_size()
     expected_loss, expected_grad, torchmetrics_calls, _ = one_step("torchmetrics", mode)
     loss, grad, forward, backward = one_step("fused", mode)
-    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST  # the block's exit put torchmetrics' own back
+    assert installed_sync() == "torchmetrics"  # the block's exit put the sync back
     assert forward == 2, f"the fused sync issued {forward} collectives (torchmetrics' own: {torchmetrics_calls})"
     assert torchmetrics_calls > 2  # torchmetrics syncs each state on its own (5 collectives on 1.5.2)
     assert backward == (1 if mode == "global" else 0)  # global mode: one backward collective for the whole sync
@@ -91,11 +91,17 @@ def restored() -> Iterator[None]:
 
 
 def installed_sync() -> str:
+    """What ``Metric._sync_dist`` runs now: "fused", or "torchmetrics" (its own method, or the replacement that runs
+    it behind a graph break under torch.compile, installed with the trampoline)."""
     current = Metric.__dict__["_sync_dist"]
     if current is ORIGINAL_SYNC_DIST:
         return "torchmetrics"
-    assert _fused.installed() and current.__wrapped__ is ORIGINAL_SYNC_DIST, current
-    return "fused"
+    assert current.__wrapped__ is ORIGINAL_SYNC_DIST and _fused.guarded(), current
+    return "fused" if _fused.installed() else "torchmetrics"
+
+
+def restored_identically() -> bool:
+    return Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.guarded()
 
 
 def test_patch_and_blocks_choose_the_sync_and_restore_the_identical_method(
@@ -114,10 +120,12 @@ def test_patch_and_blocks_choose_the_sync_and_restore_the_identical_method(
     assert installed_sync() == "fused" and tg.status().sync_from == "patch()"
     tg.patch()  # no sync named: the default, torchmetrics' own
     assert installed_sync() == "torchmetrics"
+    # torchmetrics' own sync is behind the replacement (a graph break under torch.compile) with the trampoline
+    assert _fused.guarded() == _engine.installed()
     tg.unpatch()
     with tg.patched(sync="fused"):  # a block alone puts the patch, and the fused sync, in force
         assert installed_sync() == "fused"
-    assert installed_sync() == "torchmetrics" and not tg.is_patched()
+    assert installed_sync() == "torchmetrics" and not tg.is_patched() and restored_identically()
     tg.patch(sync="fused")
     _api.reset_for_tests()  # resets the sync too
     assert installed_sync() == "torchmetrics"
@@ -129,7 +137,7 @@ def test_a_decorated_function_runs_with_its_sync(restored: None) -> None:
         return installed_sync()
 
     tg.unpatch()
-    assert inside() == "fused" and installed_sync() == "torchmetrics"
+    assert inside() == "fused" and restored_identically()
 
 
 def test_sync_names_are_case_insensitive_everywhere(restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +182,7 @@ def test_status_when_off_and_unchosen(restored: None, monkeypatch: pytest.Monkey
     tg.unpatch()
     status = tg.status()
     assert (status.sync, status.sync_from, status.fused_installed) == ("torchmetrics", "", False)
+    assert restored_identically()
     assert "sync:             torchmetrics: its own collectives per state" in str(status), str(status)
 
 

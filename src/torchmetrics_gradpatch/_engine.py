@@ -10,8 +10,9 @@ Invariants:
 
 * all state changes happen under one lock; :func:`dispatch`, the hot path, reads without it what the last change
   decided (``_State.gather``), so a gather never sees half a change;
-* the fused ``Metric._sync_dist`` (:mod:`torchmetrics_gradpatch._fused`) is installed exactly while the patch is in
-  force and the effective sync is ``"fused"``, and torchmetrics' own function object comes back otherwise;
+* ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch._fused`: the effective sync, behind one graph
+  break under ``torch.compile``) exactly while the patch is in force and the effective sync is ``"fused"`` or the
+  trampoline is wanted, and torchmetrics' own function object comes back otherwise;
 * only ``__code__`` of torchmetrics' own function (the one its ``torchmetrics.metric`` namespace and
   ``Metric._sync_dist``'s default hold, whatever the module attribute now holds) is ever changed, by one
   assignment, and the original code object itself is what comes back;
@@ -96,7 +97,7 @@ class _State:
     compile_native: bool = False  # compile_support(): install local mode on native torchmetrics too
     default_sync: str = "torchmetrics"  # TORCHMETRICS_GRADPATCH_SYNC, set at import
     manual_sync: str = "torchmetrics"  # the sync patch() was given
-    fused_on: bool = False  # the engine has asked _fused for the fused Metric._sync_dist
+    sync_replaced: bool = False  # the engine has asked _fused to replace Metric._sync_dist
     # Derived from the above by _refresh(), under the lock:
     in_force: bool = False  # manual or any record
     blocks: int = 0  # len(records)
@@ -247,18 +248,18 @@ def _sync() -> None:
 
 
 def _sync_metric() -> None:
-    """Install the fused ``Metric._sync_dist`` while in force with sync "fused"; else put back what we replaced.
+    """Replace ``Metric._sync_dist`` while in force with sync "fused" or the trampoline wanted; else put it back.
 
-    On native torchmetrics too: the fused sync replaces torchmetrics' method, not its gather. Only a fused sync the
-    engine asked for is taken out, so :mod:`torchmetrics_gradpatch._fused` used directly is left alone.
+    The replacement runs the effective sync, behind one graph break under ``torch.compile``
+    (:mod:`torchmetrics_gradpatch._fused`). The fused sync replaces torchmetrics' method, not its gather, so it is
+    installed on native torchmetrics too. Only a replacement the engine asked for is taken out, so
+    :mod:`torchmetrics_gradpatch._fused` used directly is left alone.
     """
-    want = _state.in_force and _state.sync == "fused"
-    if want:
-        if not _fused.installed():
-            _fused.install("fused", mode=effective_mode)
-        _state.fused_on = True
-    elif _state.fused_on:
-        _state.fused_on = False
+    if _state.in_force and (_state.sync == "fused" or _wanted()):
+        _fused.install(_state.sync, mode=effective_mode, guard=True)  # idempotent: wraps at most once
+        _state.sync_replaced = True
+    elif _state.sync_replaced:
+        _state.sync_replaced = False
         _fused.uninstall()
 
 
