@@ -218,3 +218,48 @@ def test_a_bad_variable_fails_the_import_and_is_exit_2_on_the_command_line() -> 
         "torchmetrics-gradpatch: error: TORCHMETRICS_GRADPATCH_SYNC='fast' is not a sync strategy; use one of: "
         "torchmetrics, fused, in any case (unset means torchmetrics). See docs/fused-sync.md."
     ]
+
+
+# --- under torch.compile: the fused sync behind one graph break -----------------------------------------------------
+
+
+def compiled_step(mode: str, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cat-state MSE loss of a linear model under ``patched(sync="fused")``: the loss and the weight's gradient."""
+    from tests._rank_tools import CatSquaredError
+
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(77 + rank)
+    x, y = (
+        torch.randn(3 + rank, 3, generator=generator, dtype=F64),
+        torch.randn(3 + rank, generator=generator, dtype=F64),
+    )
+    w = torch.linspace(-0.7, 0.9, 3, dtype=F64).requires_grad_()
+    metric = CatSquaredError(dist_sync_on_step=True).set_dtype(F64)
+
+    def step(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return metric(torch.tanh(x @ w), y)  # type: ignore[no-any-return]
+
+    if backend is not None:
+        from torch import _dynamo
+
+        _dynamo.reset()
+        step = torch.compile(step, backend=backend, fullgraph=False)
+    with tg.patched(mode=mode, sync="fused"):
+        loss = step(w, x, y)
+        loss.backward()
+    assert w.grad is not None
+    return loss.detach(), w.grad
+
+
+@pytest.mark.ranks(2, reuse=True, timeout=300)
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_the_fused_sync_runs_behind_a_graph_break_under_compile(mode: str) -> None:
+    try:
+        torch.compile(lambda t: t * 2, backend="eager")(torch.ones(1))
+    except Exception as err:  # torch 2.0 on Python 3.11: dynamo refuses to run at all
+        pytest.skip(f"torch.compile cannot run here: {type(err).__name__}: {err}")
+    eager_loss, eager_grad = compiled_step(mode, None)
+    loss, grad = compiled_step(mode, "eager")
+    assert eager_grad.abs().max() > 0
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-12, atol=0)
