@@ -419,7 +419,7 @@ def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
         tg.patch(sync="fused")
         assert _fused.installed() and tg.status().sync == "fused"
         tg.patch(sync="torchmetrics")
-        assert not _fused.installed() and Metric._sync_dist.__wrapped__ is ORIGINAL_SYNC_DIST
+        assert not _fused.installed() and _fused.original_sync_dist() is ORIGINAL_SYNC_DIST
         tg.patch()  # no sync named: the default (TORCHMETRICS_GRADPATCH_SYNC, else torchmetrics' own)
         assert _fused.installed() == (_api.sync_requested() == "fused")
         tg.patch(sync="fused")
