@@ -46,10 +46,6 @@ if PROFILE not in ("full", "ci", "quick"):
 QUICK_REASON = "TMGP_COMPILE_PROFILE=quick: only the eager backend on 2 ranks (set it to ci or full for more)"
 CI_REASON = "TMGP_COMPILE_PROFILE=ci: aot_eager and inductor on 2 ranks only (TMGP_COMPILE_PROFILE=full adds 3 ranks)"
 
-#: torch 2.15's dynamo fails building a guard on torchmetrics' ``apply_to_collection`` (``type(data)`` of a dict
-#: argument) in a frame that syncs a list (``cat``) state, before any gather runs: unpatched torchmetrics fails so too
-DYNAMO_DICT_GUARD_BUG = "getattr_manager on a DictGuardManager is supported only for dict subclasses"
-
 
 def in_profile(world_size: int, backend: str = "eager") -> bool:
     if PROFILE == "full":
@@ -209,12 +205,6 @@ def test_compiled_step_matches_eager(world_size: int, backend: str, mode: str, c
         if native:
             torchmetrics_gradpatch.compile_support(False)
     assert eager["error"] is None, f"rank {rank}, eager:\n{eager['error']}"
-    if case == "metric_cat" and DYNAMO_DICT_GUARD_BUG in (compiled["error"] or ""):
-        pytest.xfail(
-            f"torch {torch.__version__}'s dynamo raises InternalTorchDynamoError ({DYNAMO_DICT_GUARD_BUG}) "
-            "building a guard on torchmetrics' apply_to_collection for a cat state, before the gather is "
-            "reached; unpatched torchmetrics fails the same way"
-        )
     assert compiled["error"] is None, f"rank {rank}, {backend}:\n{compiled['error']}"
     assert graphs and sum(graphs) > 0, f"rank {rank}: {backend} was given no graph"
     assert len(compiled["losses"]) == len(eager["losses"]) == STEPS
@@ -274,10 +264,6 @@ def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) 
         check=False,
     )
     shown = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-3000:]}"
-    failed = [line for line in proc.stdout.splitlines() if " FAIL " in line]
-    if proc.returncode == 1 and DYNAMO_DICT_GUARD_BUG in proc.stdout and len(failed) == 1 and "cat state" in failed[0]:
-        assert proc.stdout.count(" pass ") == 3, shown  # every other check passed compiled
-        pytest.xfail(f"torch {torch.__version__}'s dynamo fails on a cat state ({DYNAMO_DICT_GUARD_BUG}), as unpatched")
     assert proc.returncode == 0, shown
     assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, shown
     assert f"gradient mode {mode} (" in proc.stdout, shown

@@ -22,7 +22,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from tests._tensors import gloo_dtypes
 from torchmetrics_gradpatch import _fused
 
-ORIGINAL_SYNC_DIST = Metric.__dict__["_sync_dist"]
+ORIGINAL_SYNC_DIST = _fused.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 
 
 def calls(group: Any = None) -> int:
@@ -165,6 +165,10 @@ def test_values_bit_identical_and_two_collectives(world_size: int, case: str) ->
 
 
 def test_install_restores_the_identical_original() -> None:
+    import torchmetrics_gradpatch as tg
+    from torchmetrics_gradpatch import _api
+
+    tg.unpatch()  # the patch in force replaces _sync_dist too (a graph break under torch.compile)
     assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
     _fused.install("fused")
     try:
@@ -180,6 +184,7 @@ def test_install_restores_the_identical_original() -> None:
     assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
     with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
         _fused.install("fast")
+    _api.reset_for_tests()
 
 
 def real_metrics(rank: int) -> dict[str, tuple[Callable[[], Metric], tuple[torch.Tensor, ...]]]:
@@ -415,20 +420,21 @@ def test_global_mode_graph_keeps_no_receive_buffer(world_size: int) -> None:
 
 
 def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
+    """The API wiring seen from this module (tests/test_sync_api.py has the rest): the engine installs and restores."""
     import torchmetrics_gradpatch as tg
+    from torchmetrics_gradpatch import _api
 
-    was_patched = tg.is_patched()
     try:
         tg.patch(sync="fused")
-        assert _fused.installed()
-        tg.patch()  # TORCHMETRICS_GRADPATCH_SYNC unset: torchmetrics' own sync
-        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        assert _fused.installed() and tg.status().sync == "fused"
+        tg.patch(sync="torchmetrics")
+        assert not _fused.installed() and _fused.original_sync_dist() is ORIGINAL_SYNC_DIST
+        tg.patch()  # no sync named: the default (TORCHMETRICS_GRADPATCH_SYNC, else torchmetrics' own)
+        assert _fused.installed() == (_api.sync_requested() == "fused")
         tg.patch(sync="fused")
         tg.unpatch()
-        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.installed()
         with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
             tg.patch(sync="fast")
     finally:
-        _fused.uninstall()
-        if was_patched:
-            tg.patch()
+        _api.reset_for_tests()

@@ -19,6 +19,8 @@ CORE = {
     f"{PACKAGE}.{name}"
     for name in (
         "_errors",
+        "_fused_errors",
+        "_fused",
         "_version",
         "_compile",
         "_modes",
@@ -33,6 +35,7 @@ CORE = {
 #: What the core may import lazily, inside a function: the two gathers (they import torch).
 LAZY_ALLOWED = {
     f"{PACKAGE}._modes": {f"{PACKAGE}._gather", f"{PACKAGE}._global"},
+    f"{PACKAGE}._fused": {f"{PACKAGE}._fused_sync"},
 }
 
 

@@ -9,17 +9,19 @@ Public names:
 
 * :func:`patch`, :func:`unpatch`, :func:`is_patched` -- switch the patch on and off, and ask whether it is in force;
 * :func:`patched` -- ``with patched():`` / ``@patched`` keeps it in force for a block or a call;
-  ``patched(mode="global")`` also chooses the gradient mode there;
+  ``patched(mode="global")`` also chooses the gradient mode there, ``patched(sync="fused")`` the sync strategy;
 * :func:`status` / :class:`Status` -- what is patched, where, and in which gradient mode (also
   ``python -m torchmetrics_gradpatch status``);
 * :func:`gather_all_tensors` -- the graph-preserving gather itself, with ``mode="local"`` or ``"global"``;
 * :func:`compile_support` -- on torchmetrics 1.6 and newer, install the gather in local mode too, so a Metric loss
   works inside ``torch.compile`` (before 1.6 it works without it; docs/design.md#torchcompile);
-* :class:`UnsupportedVersionError`, :class:`GradModeMismatchError` -- the two errors the package raises.
+* :class:`UnsupportedVersionError`, :class:`GradModeMismatchError`, :class:`FusedSyncError` -- the errors the package
+  raises (the last: the ranks' states cannot be synced together by the fused sync, docs/fused-sync.md).
 
 Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"global"``), in the API and in
-``TORCHMETRICS_GRADPATCH_MODE`` alike. ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching; a value
-of either variable that is not understood makes the import raise a ``ValueError`` naming it.
+``TORCHMETRICS_GRADPATCH_MODE`` alike, and so are sync strategies (``TORCHMETRICS_GRADPATCH_SYNC=fused``).
+``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching; a value of any of these variables that is not
+understood makes the import raise a ``ValueError`` naming it.
 
 Documentation: the README (install, gradient modes, examples) and docs/ in the source distribution and repository:
 docs/gradient-modes.md, docs/testing-your-metrics.md, docs/design.md, docs/performance.md.
@@ -33,10 +35,12 @@ from __future__ import annotations
 import sys
 
 from torchmetrics_gradpatch._errors import GradModeMismatchError, UnsupportedVersionError
+from torchmetrics_gradpatch._fused_errors import FusedSyncError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FusedSyncError",
     "GradModeMismatchError",
     "Status",
     "UnsupportedVersionError",

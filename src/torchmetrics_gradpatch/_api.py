@@ -1,9 +1,10 @@
 """The public switches: ``patch``, ``unpatch``, ``is_patched``, ``compile_support``, and the environment variables.
 
 Role: check what the caller gave (a clear error naming the argument) and change the engine through its functions;
-read ``TORCHMETRICS_GRADPATCH_MODE`` / ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (a ``ValueError`` naming the variable
-and its allowed values). :func:`patched` lives in :mod:`torchmetrics_gradpatch._blocks`, :func:`status` in
-:mod:`torchmetrics_gradpatch._status`; the state model they share is in docs/design.md.
+read ``TORCHMETRICS_GRADPATCH_MODE`` / ``TORCHMETRICS_GRADPATCH_SYNC`` / ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (a
+``ValueError`` naming the variable and its allowed values). :func:`patched` lives in
+:mod:`torchmetrics_gradpatch._blocks`, :func:`status` in :mod:`torchmetrics_gradpatch._status`; the state model
+they share is in docs/design.md.
 
 Invariants:
 
@@ -17,11 +18,13 @@ from __future__ import annotations
 import os
 
 from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch._fused import SYNCS, check_sync
 from torchmetrics_gradpatch._modes import MODES, check_mode
 
 __all__ = [
     "AUTOPATCH_ENV",
     "MODE_ENV",
+    "SYNC_ENV",
     "apply_environment",
     "autopatch_requested",
     "compile_support",
@@ -29,33 +32,40 @@ __all__ = [
     "mode_requested",
     "patch",
     "reset_for_tests",
+    "sync_requested",
     "unpatch",
 ]
 
 AUTOPATCH_ENV = "TORCHMETRICS_GRADPATCH_AUTOPATCH"
 MODE_ENV = "TORCHMETRICS_GRADPATCH_MODE"
+SYNC_ENV = "TORCHMETRICS_GRADPATCH_SYNC"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def patch(mode: str | None = None) -> None:
+def patch(mode: str | None = None, sync: str | None = None) -> None:
     """Put the graph-preserving gather in force until :func:`unpatch`. Idempotent.
 
     Args:
         mode: ``"local"`` or ``"global"`` (README, "Gradient modes"; case-insensitive); ``None`` means the default
             mode (``TORCHMETRICS_GRADPATCH_MODE``, else ``"local"``). Calling ``patch`` again changes the mode.
+        sync: ``"torchmetrics"`` (its own collectives) or ``"fused"`` (two collectives per Metric sync,
+            docs/fused-sync.md; case-insensitive); ``None`` means the default (``TORCHMETRICS_GRADPATCH_SYNC``,
+            else ``"torchmetrics"``). Every rank must use the same sync, as with the mode.
 
     In local mode on a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed; the
     global mode is installed on every torchmetrics. If torchmetrics is not imported yet, the patch lands the
     moment ``torchmetrics.utilities.distributed`` is imported.
     """
-    _engine.set_manual(True, None if mode is None else check_mode(mode))
+    chosen_mode = None if mode is None else check_mode(mode)
+    _engine.set_manual(True, chosen_mode, sync=None if sync is None else check_sync(sync))
 
 
 def unpatch() -> None:
     """Switch off what :func:`patch` switched on (open ``patched()`` blocks stay in force). Idempotent.
 
-    Once nothing holds the patch in force, torchmetrics' gather gets back its original code object.
+    Once nothing holds the patch in force, torchmetrics' gather gets back its original code object and
+    ``Metric._sync_dist`` is torchmetrics' own function object again.
     """
     _engine.set_manual(False)
 
@@ -116,16 +126,36 @@ def mode_requested() -> str:
         ) from None
 
 
+def sync_requested() -> str:
+    """Read ``TORCHMETRICS_GRADPATCH_SYNC`` (the same case rule as ``patch(sync=...)``; unset or blank: torchmetrics).
+
+    Raises ``ValueError`` naming the variable if it is not a sync strategy.
+    """
+    raw = os.environ.get(SYNC_ENV, "")
+    if not raw.strip():
+        return "torchmetrics"
+    try:
+        return check_sync(raw)
+    except ValueError:
+        allowed = ", ".join(SYNCS)
+        raise ValueError(
+            f"{SYNC_ENV}={raw!r} is not a sync strategy; use one of: {allowed}, in any case (unset means "
+            "torchmetrics). See docs/fused-sync.md."
+        ) from None
+
+
 def apply_environment(*, first_import: bool) -> None:
-    """What the import does: read both variables (either may raise), set the default mode, and -- at the
+    """What the import does: read the variables (any may raise), set the default mode and sync, and -- at the
     process's first import of this package -- patch unless ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to.
 
     A reload, or a second copy imported after clearing ``sys.modules``, finds the engine's state and leaves the
     ``patch()`` switch as the program set it.
     """
     mode = mode_requested()
+    sync = sync_requested()
     autopatch = autopatch_requested()
     _engine.set_default_mode(mode)
+    _engine.set_default_sync(sync)
     if autopatch and first_import:
         _engine.set_manual(True, by="import")
 
@@ -134,11 +164,12 @@ def reset_for_tests() -> str | None:
     """Put the patch back as a fresh import leaves it, read from the environment now; say what the test left.
 
     For a test harness that reuses a process between tests: closes every open block, switches compile support
-    off, sets the default mode and the import's patch from the environment. Returns ``None``, or why this process
-    should not be reused (a block was left open).
+    off, sets the default mode, the default sync and the import's patch from the environment. Returns ``None``, or
+    why this process should not be reused (a block was left open).
     """
     left = _engine.close_all_blocks()
     _engine.set_compile_support(False)
     _engine.set_default_mode(mode_requested())
+    _engine.set_default_sync(sync_requested())
     _engine.set_manual(autopatch_requested(), by="import")
     return "the test left a torchmetrics_gradpatch.patched() block open" if left else None

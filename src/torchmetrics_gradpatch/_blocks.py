@@ -31,6 +31,7 @@ from typing import Any, TypeVar, cast, overload
 import wrapt
 
 from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch._fused import check_sync
 from torchmetrics_gradpatch._modes import check_mode
 
 __all__ = ["patched"]
@@ -78,13 +79,14 @@ class _Patched:
     block around a suspended generator would leak into the code that iterates it.
 
     ``patched(mode="global")`` (or ``"local"``) also sets the gradient mode while the block is open and no
-    newer block with a mode is; ``patched()`` leaves the mode alone.
+    newer block with a mode is; ``patched()`` leaves the mode alone. ``sync=`` does the same for the sync strategy.
     """
 
     __exit__ = _Exit()
 
-    def __init__(self, mode: object = None) -> None:
+    def __init__(self, mode: object = None, sync: object = None) -> None:
         self._mode = None if mode is None else check_mode(mode)
+        self._sync = None if sync is None else check_sync(sync)
         # thread -> (the exit object ``with`` just looked up, its cell): picked up by that thread's __enter__
         self._armed: dict[int, tuple[weakref.ref[Any], list[int | None]]] = {}
         # entries made by calling __enter__ by hand: (thread, token), oldest first
@@ -97,10 +99,10 @@ class _Patched:
         if armed is not None and armed[0]() is not None:
             # Through ``with``: the record lives while the exit object does; the cell store below runs no line
             # that can be interrupted before this frame returns into the ``with`` statement.
-            token = _engine.enter_block(self._mode, armed[0])
+            token = _engine.enter_block(self._mode, armed[0], self._sync)
             armed[1][0] = token
             return self
-        token = _engine.enter_block(self._mode)
+        token = _engine.enter_block(self._mode, None, self._sync)
         with self._lock:
             self._by_hand.append((ident, token))
         return self
@@ -135,14 +137,14 @@ class _Patched:
 
             @functools.wraps(function)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                with _Patched(self._mode):
+                with _Patched(self._mode, self._sync):
                     return await function(*args, **kwargs)
 
             return cast(F, run_async)
 
         @wrapt.decorator
         def run(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            with _Patched(self._mode):
+            with _Patched(self._mode, self._sync):
                 return wrapped(*args, **kwargs)
 
         return cast(F, run(function))
@@ -153,17 +155,18 @@ def patched(mode: F, /) -> F: ...
 
 
 @overload
-def patched(mode: str | None = None) -> _Patched: ...
+def patched(mode: str | None = None, sync: str | None = None) -> _Patched: ...
 
 
-def patched(mode: str | F | None = None) -> _Patched | F:
+def patched(mode: str | F | None = None, sync: str | None = None) -> _Patched | F:
     """Keep the patch in force for a block (``with patched():``) or for every call of a function (``@patched``).
 
     ``@patched`` and ``@patched()`` are the same decorator; ``patched(mode="global")`` (or ``"local"``,
-    case-insensitive) also sets the gradient mode while its block is open and no newer block with a mode is.
+    case-insensitive) also sets the gradient mode while its block is open and no newer block with a mode is;
+    ``patched(sync="fused")`` (or ``"torchmetrics"``) likewise sets the sync strategy (docs/fused-sync.md).
     Blocks nest, are thread-safe and, on exit, undo only their own entry (also when the block raises); see
     :class:`_Patched` for decorating coroutine and generator functions.
     """
     if callable(mode):  # @patched without parentheses: Python passed the decorated function as ``mode``
         return _Patched()(mode)
-    return _Patched(mode)
+    return _Patched(mode, sync)

@@ -178,12 +178,13 @@ def _run_all(rank: int, backend: str | None) -> dict[str, Outcome]:
 
 
 def rank_main(
-    mode: str | None = None, backend: str | None = None, with_compile_support: bool = False
+    mode: str | None = None, backend: str | None = None, with_compile_support: bool = False, sync: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Outcome]]:
     """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check.
 
     ``mode`` (``"local"`` or ``"global"``) runs the checks inside ``patched(mode=mode)``; ``None`` runs them with
-    whatever the import set up (``TORCHMETRICS_GRADPATCH_AUTOPATCH``, ``TORCHMETRICS_GRADPATCH_MODE``).
+    whatever the import set up (``TORCHMETRICS_GRADPATCH_AUTOPATCH``, ``TORCHMETRICS_GRADPATCH_MODE``); ``sync``
+    (``"torchmetrics"`` or ``"fused"``) likewise runs them inside ``patched(sync=sync)``.
     ``backend`` runs each check's step inside ``torch.compile(step, backend=backend)``. The checks run as the
     user's program stands: :func:`~torchmetrics_gradpatch.compile_support` is called only when
     ``with_compile_support`` asks for it (the CLI does, in a second run, to tell whether a program needs it).
@@ -201,7 +202,8 @@ def rank_main(
     # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (tests/test_engine.py shows it); that noise
     # would bury the table when the checks run unpatched. The patched gather does not warn.
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence", category=UserWarning)
-    with patched(mode=mode) if mode is not None else contextlib.nullcontext():
+    block = patched(mode=mode, sync=sync) if mode is not None or sync is not None else contextlib.nullcontext()
+    with block:
         outcomes = _run_all(dist.get_rank(), backend)
         state = status().as_dict()
     return state, outcomes

@@ -1,6 +1,6 @@
 """Command line: ``python -m torchmetrics_gradpatch`` and the ``torchmetrics-gradpatch`` console script.
 
-``check [--world-size N] [--timeout S] [--mode local|global] [--compile [BACKEND]]``
+``check [--world-size N] [--timeout S] [--mode local|global] [--sync torchmetrics|fused] [--compile [BACKEND]]``
     Spawns N gloo ranks on loopback, runs the checks of :mod:`torchmetrics_gradpatch._checks` on the installed
     torch and torchmetrics and compares every rank's gradients with a single-process reference
     (:mod:`torchmetrics_gradpatch._cli_check`).
@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("local", "global"),
         default=None,
         help="run the checks inside patched(mode=MODE) (default: as imported, TORCHMETRICS_GRADPATCH_MODE)",
+    )
+    check.add_argument(
+        "--sync",
+        type=lambda text: text.strip().lower(),  # sync names follow the mode names' rule: case-insensitive
+        choices=("torchmetrics", "fused"),
+        default=None,
+        help="run the checks inside patched(sync=SYNC) (default: as imported, TORCHMETRICS_GRADPATCH_SYNC)",
     )
     check.add_argument(
         "--compile",

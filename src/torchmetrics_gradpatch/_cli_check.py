@@ -71,6 +71,12 @@ def _mode(state: dict[str, Any]) -> str:
     return "NOT patched (TORCHMETRICS_GRADPATCH_AUTOPATCH=0 or unpatch()): torchmetrics' own gather"
 
 
+def _sync(state: dict[str, Any]) -> str:
+    if state.get("sync") == "fused":
+        return "fused (two collectives per Metric sync)" + ("" if state.get("fused_installed") else ", NOT installed")
+    return "torchmetrics (its own collectives)"
+
+
 def _gradient_mode(state: dict[str, Any], world_size: int) -> str:
     mode = state.get("mode", "local")
     if mode == "global":
@@ -138,7 +144,7 @@ def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: b
         return EXIT_CHECK_FAILED, []
     try:
         with _Progress(text):
-            run_args = (args.mode, args.compile, with_compile_support)
+            run_args = (args.mode, args.compile, with_compile_support, getattr(args, "sync", None))
             results = spawn_ranks(_checks.rank_main, world_size, args=run_args, timeout=timeout)
     except RankError as err:
         if err.reason == "timed out":
@@ -214,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         f"  torchmetrics  {state['torchmetrics_version']}",
         f"  gather        {_mode(state)}",
         f"  gradient mode {_gradient_mode(state, world_size)}",
+        f"  sync          {_sync(state)}",
         *([f"  compiled      torch.compile(step, backend={args.compile!r})"] if args.compile else []),  # --compile
         "",
     ]

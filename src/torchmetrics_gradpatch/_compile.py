@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -91,10 +92,16 @@ _watching: list[bool] = []
 def watch_dynamo() -> None:
     """Make the disable wrapper once ``torch._dynamo`` is imported (now, if it is). Idempotent.
 
-    Called when the engine installs its trampoline or compile support is switched on, not at import: a post-import
-    hook adds a finder to ``sys.meta_path``, and an import that patches nothing must leave the interpreter as it
-    found it.
+    Called when the engine installs its trampoline or the sync replacement, or compile support is switched on; not
+    at import: a post-import hook adds a finder to ``sys.meta_path``, and an import that patches nothing must leave
+    the interpreter as it found it.
     """
     if not _watching:
         _watching.append(True)
         wrapt.register_post_import_hook(_wrap, "torch._dynamo")
+    elif _eager is _call:
+        # The hook can miss the import: something removed wrapt's finder from sys.meta_path (a harness restoring
+        # it between tests does). Every later call then makes the wrapper if dynamo is loaded by now.
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None and hasattr(dynamo, "disable"):
+            _wrap(dynamo)

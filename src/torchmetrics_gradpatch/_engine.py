@@ -1,14 +1,18 @@
 """The patch engine: swap the code of torchmetrics' own gather for a trampoline, and put the very same code back.
 
 Role: the one owner of the process's patch state (docs/design.md, "The state model"): the ``patch()`` switch,
-the open ``patched()`` blocks, the modes, compile support, and what that means for torchmetrics' function.
-Every change goes through a function here (:func:`set_manual`, :func:`enter_block`, :func:`exit_block`,
-:func:`set_default_mode`, :func:`set_compile_support`) and :func:`view` is the one derived picture of it.
+the open ``patched()`` blocks, the modes, the sync strategies, compile support, and what that means for
+torchmetrics' function and ``Metric._sync_dist``. Every change goes through a function here (:func:`set_manual`,
+:func:`enter_block`, :func:`exit_block`, :func:`set_default_mode`, :func:`set_default_sync`,
+:func:`set_compile_support`) and :func:`view` is the one derived picture of it.
 
 Invariants:
 
 * all state changes happen under one lock; :func:`dispatch`, the hot path, reads without it what the last change
   decided (``_State.gather``), so a gather never sees half a change;
+* ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch._fused`: the effective sync, behind one graph
+  break under ``torch.compile``) exactly while the patch is in force and the effective sync is ``"fused"`` or the
+  trampoline is wanted, and torchmetrics' own function object comes back otherwise;
 * only ``__code__`` of torchmetrics' own function (the one its ``torchmetrics.metric`` namespace and
   ``Metric._sync_dist``'s default hold, whatever the module attribute now holds) is ever changed, by one
   assignment, and the original code object itself is what comes back;
@@ -34,7 +38,7 @@ from typing import Any
 
 import wrapt
 
-from torchmetrics_gradpatch import _compile, _modes, _view
+from torchmetrics_gradpatch import _compile, _fused, _modes, _view
 from torchmetrics_gradpatch._target import ORIGINAL_ATTR as _ORIGINAL_ATTR
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, held_functions, own_function, recognise
 
@@ -45,6 +49,7 @@ __all__ = [
     "close_all_blocks",
     "configure",
     "dispatch",
+    "effective_mode",
     "enter_block",
     "exit_block",
     "in_force",
@@ -52,6 +57,7 @@ __all__ = [
     "refresh",
     "set_compile_support",
     "set_default_mode",
+    "set_default_sync",
     "set_manual",
     "snapshot",
     "view",
@@ -62,11 +68,11 @@ __all__ = [
 DISPATCH_NAME = "__torchmetrics_gradpatch_dispatch__"
 #: Where the process-wide state lives: an attribute of :mod:`sys`.
 SHARED_NAME = "_torchmetrics_gradpatch_engine"
-_SCHEMA = 4  # bumped whenever _State changes shape; a state of another shape is not shared
+_SCHEMA = 5  # bumped whenever _State changes shape; a state of another shape is not shared
 
-#: One open block: its mode (or None) and a weak reference to what keeps its ``with`` statement alive (or None for
-#: a block entered by calling ``__enter__`` directly, open until exited).
-Record = tuple["str | None", "weakref.ref[Any] | None"]
+#: One open block: its mode (or None), a weak reference to what keeps its ``with`` statement alive (or None for
+#: a block entered by calling ``__enter__`` directly, open until exited), and its sync strategy (or None).
+Record = tuple["str | None", "weakref.ref[Any] | None", "str | None"]
 
 
 @dataclass
@@ -89,11 +95,16 @@ class _State:
     default_mode: str = "local"  # TORCHMETRICS_GRADPATCH_MODE, set at import
     manual_mode: str = "local"  # the mode patch() was given
     compile_native: bool = False  # compile_support(): install local mode on native torchmetrics too
+    default_sync: str = "torchmetrics"  # TORCHMETRICS_GRADPATCH_SYNC, set at import
+    manual_sync: str = "torchmetrics"  # the sync patch() was given
+    sync_replaced: bool = False  # the engine has asked _fused to replace Metric._sync_dist
     # Derived from the above by _refresh(), under the lock:
     in_force: bool = False  # manual or any record
     blocks: int = 0  # len(records)
     block_modes: list[tuple[int, str]] = field(default_factory=list)  # open blocks with a mode, oldest first
     mode: str = "local"  # the effective mode
+    block_syncs: list[tuple[int, str]] = field(default_factory=list)  # open blocks with a sync, oldest first
+    sync: str = "torchmetrics"  # the effective sync strategy
     # What dispatch() calls: the effective mode's gather while the patch is in force and torchmetrics' gather is
     # recognised, else None (dispatch then runs the original).
     gather: Callable[..., Any] | None = None
@@ -194,13 +205,24 @@ def _refresh() -> None:
     """
     records = _state.records
     _state.blocks = len(records)
-    _state.block_modes = [(token, mode) for token, (mode, _) in records.items() if mode is not None] if records else []
+    _state.block_modes = (
+        [(token, mode) for token, (mode, _, _) in records.items() if mode is not None] if records else []
+    )
+    _state.block_syncs = (
+        [(token, sync) for token, (_, _, sync) in records.items() if sync is not None] if records else []
+    )
     if _state.block_modes:
         _state.mode = _state.block_modes[-1][1]
     elif _state.manual:
         _state.mode = _state.manual_mode
     else:
         _state.mode = _state.default_mode
+    if _state.block_syncs:
+        _state.sync = _state.block_syncs[-1][1]
+    elif _state.manual:
+        _state.sync = _state.manual_sync
+    else:
+        _state.sync = _state.default_sync
     # "in force" is computed here only; everything else reads this field
     _state.in_force = _state.manual or bool(records)
     _state.gather = _modes.gather_for(_state.mode) if _state.in_force and _state.function is not None else None
@@ -214,7 +236,34 @@ def refresh() -> None:
         _refresh()
 
 
+def effective_mode() -> str:
+    """The gradient mode a sync called now uses (the fused sync asks at every sync; one attribute read, no lock)."""
+    return _state.mode
+
+
 def _sync() -> None:
+    """Make ``__code__`` and ``Metric._sync_dist`` match the state. Under ``_lock``."""
+    _sync_gather()
+    _sync_metric()
+
+
+def _sync_metric() -> None:
+    """Replace ``Metric._sync_dist`` while in force with sync "fused" or the trampoline wanted; else put it back.
+
+    The replacement runs the effective sync, behind one graph break under ``torch.compile``
+    (:mod:`torchmetrics_gradpatch._fused`). The fused sync replaces torchmetrics' method, not its gather, so it is
+    installed on native torchmetrics too. Only a replacement the engine asked for is taken out, so
+    :mod:`torchmetrics_gradpatch._fused` used directly is left alone.
+    """
+    if _state.in_force and (_state.sync == "fused" or _wanted()):
+        _fused.install(_state.sync, mode=effective_mode, guard=True)  # idempotent: wraps at most once
+        _state.sync_replaced = True
+    elif _state.sync_replaced:
+        _state.sync_replaced = False
+        _fused.uninstall()
+
+
+def _sync_gather() -> None:
     """Make ``__code__`` match the state. Under ``_lock``; a single assignment either way, so never half-done."""
     function = _state.function
     if function is None:
@@ -248,7 +297,7 @@ def _sync() -> None:
             "top of this patch; leaving it in place. Our trampoline, if restored later, behaves as the original "
             "while the patch is off.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of set_manual() and the like
         )
 
 
@@ -287,21 +336,22 @@ def configure(*, native: bool, torchmetrics_version: str) -> None:
             _ensure_hook()
 
 
-def set_manual(on: bool, mode: str | None = None, *, by: str = "patch()") -> None:
+def set_manual(on: bool, mode: str | None = None, *, by: str = "patch()", sync: str | None = None) -> None:
     """``patch()`` / ``unpatch()`` (``by="import"``: the import's own patch); idempotent.
 
-    Turning it on sets the mode ``patch()`` stands for: ``mode``, or the default mode when ``None``.
+    Turning it on sets the mode and sync ``patch()`` stands for: ``mode`` / ``sync``, or the default when ``None``.
     """
     with _lock:
         _sweep()
-        previous = _state.manual, _state.manual_mode, _state.manual_from
+        previous = _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync
 
         def undo() -> None:
-            _state.manual, _state.manual_mode, _state.manual_from = previous
+            _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync = previous
 
         _state.manual = on
         if on:
             _state.manual_mode = _state.default_mode if mode is None else mode
+            _state.manual_sync = _state.default_sync if sync is None else sync
             _state.manual_from = by
         _change(undo)
 
@@ -314,6 +364,14 @@ def set_default_mode(mode: str) -> None:
         _change(lambda: setattr(_state, "default_mode", previous))
 
 
+def set_default_sync(sync: str) -> None:
+    """Set the sync strategy used when neither ``patch()`` nor a ``patched()`` block names one."""
+    with _lock:
+        previous = _state.default_sync
+        _state.default_sync = sync
+        _change(lambda: setattr(_state, "default_sync", previous))
+
+
 def set_compile_support(enabled: bool) -> None:
     """``compile_support()``: on native torchmetrics, install the trampoline in local mode too."""
     _compile.watch_dynamo()
@@ -323,8 +381,10 @@ def set_compile_support(enabled: bool) -> None:
         _change(lambda: setattr(_state, "compile_native", previous))
 
 
-def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None) -> int:
+def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None, sync: str | None = None) -> int:
     """Open one ``patched()`` block and return its token, which :func:`exit_block` takes.
+
+    ``mode`` / ``sync``: what the block sets while no newer block sets one (``None``: leaves it alone).
 
     ``alive``: a weak reference to what keeps the block's ``with`` statement alive; once it is dead the block is
     closed whether or not its exit ran (see the module docstring).
@@ -333,7 +393,7 @@ def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None) 
         _sweep()
         token = _state.next_token
         _state.next_token = token + 1
-        _state.records[token] = (mode, alive)  # the block is open from this one store on
+        _state.records[token] = (mode, alive, sync)  # the block is open from this one store on
         _change(lambda: _state.records.pop(token, None))
         return token
 
@@ -366,7 +426,7 @@ def _sweep() -> None:
     """Drop the records whose ``with`` statement no longer exists. Under the lock, before any use of the records."""
     if not _state.records:
         return
-    dead = [token for token, (_, alive) in _state.records.items() if alive is not None and alive() is None]
+    dead = [token for token, (_, alive, _) in _state.records.items() if alive is not None and alive() is None]
     if dead:
         for token in dead:
             _state.records.pop(token, None)
@@ -389,6 +449,7 @@ def snapshot() -> _State:
         copy = _State(**vars(_state))
         copy.records = dict(_state.records)
         copy.block_modes = list(_state.block_modes)
+        copy.block_syncs = list(_state.block_syncs)
         return copy
 
 
@@ -416,4 +477,5 @@ def view() -> _view.EngineView:
             imported=module is not None,
             function=function,
             held=held_functions(module) if module is not None else {},
+            fused_installed=_fused.installed(),
         )

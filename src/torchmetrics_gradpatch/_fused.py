@@ -8,6 +8,11 @@ engine patches in place, so this also holds while the graph-preserving patch is 
 call ``super()._sync_dist(...)`` reach it through the class attribute. ``uninstall()`` (or
 ``install("torchmetrics")``) puts the very same original function object back.
 
+``install("torchmetrics", guard=True)`` sets the same replacement with torchmetrics' own sync inside. Either way,
+inside ``torch.compile`` the whole sync runs behind one graph break (``_compile.run_eagerly``): dynamo never
+traces torchmetrics' ``apply_to_collection`` nor the fused packing (torch 2.15's dynamo cannot build a guard on
+the former for a ``cat`` state; docs/design.md, "torch.compile").
+
 What it replaced is kept on the replacement itself (``__wrapped__``), not in this module, so a reloaded or second
 copy of this module restores it too. If another tool has set ``Metric._sync_dist`` on top of ours,
 ``uninstall()`` leaves that in place and warns, as the engine does for the gather.
@@ -27,17 +32,29 @@ from typing import Any
 
 import wrapt
 
+from torchmetrics_gradpatch import _compile
 from torchmetrics_gradpatch._fused_errors import FusedSyncError
 
-__all__ = ["SYNCS", "FusedSyncError", "check_sync", "fused_sync", "install", "installed", "uninstall"]
+__all__ = [
+    "SYNCS",
+    "FusedSyncError",
+    "check_sync",
+    "fused_sync",
+    "guarded",
+    "install",
+    "installed",
+    "original_sync_dist",
+    "uninstall",
+]
 
 #: The sync strategies: torchmetrics' own collectives (the default), or the fused exchange.
 SYNCS = ("torchmetrics", "fused")
 _MODULE = "torchmetrics.metric"
 _MARK = "__torchmetrics_gradpatch_fused__"  # set on our replacement, so any copy of this module recognises it
 
-#: What was asked (``on``, ``mode``), whether the import hook is registered, and the replacement this copy set.
-_wanted: dict[str, Any] = {"on": False, "mode": "local", "hook": False, "ours": None}
+#: What was asked (``on``, ``sync``, ``mode``), whether the import hook is registered, and the replacement this copy
+#: set. ``sync`` is read at every call of the replacement, so switching strategies replaces nothing.
+_wanted: dict[str, Any] = {"on": False, "sync": "fused", "mode": "local", "hook": False, "ours": None}
 
 
 def check_sync(sync: object, what: str = "sync") -> str:
@@ -45,7 +62,9 @@ def check_sync(sync: object, what: str = "sync") -> str:
     if isinstance(sync, str) and sync.strip().lower() in SYNCS:
         return sync.strip().lower()
     allowed = ", ".join(repr(s) for s in SYNCS)
-    raise ValueError(f"torchmetrics_gradpatch: {what}={sync!r} is not a sync strategy; use one of {allowed}.")
+    raise ValueError(
+        f"torchmetrics_gradpatch: {what}={sync!r} is not a sync strategy; use one of {allowed} (in any case)."
+    )
 
 
 def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
@@ -75,12 +94,19 @@ def _is_torchmetrics_gather(fn: object, original: Any) -> bool:
     return module is not None and fn is getattr(module, "gather_all_tensors", None)
 
 
+def _run(original: Any, metric: Any, dist_sync_fn: Any, process_group: Any) -> None:
+    if _wanted["sync"] == "fused" and _is_torchmetrics_gather(dist_sync_fn, original):
+        fused_sync(metric, process_group, _mode_now())
+    else:
+        original(metric, dist_sync_fn, process_group)
+
+
 def _replacement(original: Any) -> Callable[..., None]:
     def _sync_dist(self: Any, dist_sync_fn: Any = None, process_group: Any | None = None) -> None:
-        if _is_torchmetrics_gather(dist_sync_fn, original):
-            fused_sync(self, process_group, _mode_now())
+        if _compile.is_compiling():  # under torch.compile: one graph break, the whole sync runs eagerly
+            _compile.run_eagerly(_run, original, self, dist_sync_fn, process_group)
         else:
-            original(self, dist_sync_fn, process_group)
+            _run(original, self, dist_sync_fn, process_group)
 
     functools.update_wrapper(_sync_dist, original)  # name, doc, __wrapped__ = the original, restored by uninstall
     _sync_dist.__defaults__ = original.__defaults__  # the same default gather object as torchmetrics'
@@ -89,12 +115,20 @@ def _replacement(original: Any) -> Callable[..., None]:
 
 
 def _metric_class() -> Any:
-    return sys.modules[_MODULE].Metric
+    """``torchmetrics.Metric``, or ``None`` while ``torchmetrics.metric`` is not imported or still being imported."""
+    return getattr(sys.modules.get(_MODULE), "Metric", None)
 
 
 def _apply(module: Any = None) -> None:
-    """Bring ``Metric._sync_dist`` in line with :data:`_wanted` (torchmetrics.metric is imported)."""
+    """Bring ``Metric._sync_dist`` in line with :data:`_wanted`.
+
+    While ``torchmetrics.metric`` is still being imported (a hook of the gather's module, which it imports, changed
+    the strategy) there is no class yet: the post-import hook registered by :func:`install` applies it once the
+    import is done.
+    """
     metric = _metric_class()
+    if metric is None:
+        return
     current = metric.__dict__["_sync_dist"]
     ours = getattr(current, _MARK, False)
     if _wanted["on"] and not ours:
@@ -109,14 +143,17 @@ def _on_import(module: Any) -> None:
     _apply(module)
 
 
-def install(sync: str = "fused", *, mode: str | Callable[[], str] = "local") -> None:
+def install(sync: str = "fused", *, mode: str | Callable[[], str] = "local", guard: bool = False) -> None:
     """Use ``sync`` (see :data:`SYNCS`) for every Metric; ``mode`` is the gradient mode, or a function giving it
-    at each sync (the engine's effective mode). ``install("torchmetrics")`` is :func:`uninstall`."""
-    if check_sync(sync) == "torchmetrics":
+    at each sync (the engine's effective mode). ``install("torchmetrics")`` is :func:`uninstall` unless ``guard``
+    asks for torchmetrics' own sync behind the replacement (a graph break under ``torch.compile``)."""
+    chosen = check_sync(sync)
+    if chosen == "torchmetrics" and not guard:
         uninstall()
         return
-    _wanted["on"], _wanted["mode"] = True, mode
-    if _MODULE in sys.modules:
+    _wanted["on"], _wanted["sync"], _wanted["mode"] = True, chosen, mode
+    _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
+    if _MODULE in sys.modules:  # being imported: the hook registered earlier applies it at the end
         _apply()
     elif not _wanted["hook"]:
         _wanted["hook"] = True
@@ -126,13 +163,13 @@ def install(sync: str = "fused", *, mode: str | Callable[[], str] = "local") -> 
 def uninstall() -> None:
     """Put torchmetrics' original ``Metric._sync_dist`` back (the same object); idempotent."""
     _wanted["on"] = False
-    module = sys.modules.get(_MODULE)
-    if module is None:
+    metric = _metric_class()
+    if metric is None:
         return
-    current = module.Metric.__dict__["_sync_dist"]
+    current = metric.__dict__["_sync_dist"]
     ours, _wanted["ours"] = _wanted["ours"], None
     if getattr(current, _MARK, False):
-        module.Metric._sync_dist = current.__wrapped__
+        metric._sync_dist = current.__wrapped__
     elif ours is not None:
         warnings.warn(
             "torchmetrics_gradpatch: another tool has replaced Metric._sync_dist on top of the fused sync; "
@@ -142,7 +179,18 @@ def uninstall() -> None:
         )
 
 
+def guarded() -> bool:
+    """Whether ``torchmetrics.Metric._sync_dist`` currently is this package's replacement (either strategy)."""
+    metric = _metric_class()
+    return metric is not None and bool(getattr(metric.__dict__["_sync_dist"], _MARK, False))
+
+
 def installed() -> bool:
-    """Whether ``torchmetrics.Metric._sync_dist`` currently is the fused sync's replacement."""
-    module = sys.modules.get(_MODULE)
-    return module is not None and bool(getattr(module.Metric.__dict__["_sync_dist"], _MARK, False))
+    """Whether ``torchmetrics.Metric._sync_dist`` currently is the replacement and runs the fused sync."""
+    return guarded() and _wanted["on"] and _wanted["sync"] == "fused"
+
+
+def original_sync_dist() -> Any:
+    """torchmetrics' own ``Metric._sync_dist`` (what the replacement wraps, if it is in place); needs torchmetrics."""
+    current = sys.modules[_MODULE].Metric.__dict__["_sync_dist"]
+    return current.__wrapped__ if getattr(current, _MARK, False) else current

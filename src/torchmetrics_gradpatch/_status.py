@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._api import AUTOPATCH_ENV, MODE_ENV, autopatch_requested
+from torchmetrics_gradpatch._api import AUTOPATCH_ENV, MODE_ENV, SYNC_ENV, autopatch_requested
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME
 from torchmetrics_gradpatch._version import installed_version
 
@@ -57,6 +57,13 @@ class Status:
     #: function (another tool replaced it; torchmetrics' own, which torchmetrics calls, is the one patched), else ""
     attribute: str = ""
     manual_from: str = ""  #: who switched ``manual`` on: "import" or "patch()"; "" while it is off
+    #: the sync strategy a Metric sync called now uses: "fused" (two collectives per Metric sync,
+    #: docs/fused-sync.md) or "torchmetrics" (its own collectives; also whenever the patch is not in force)
+    sync: str = "torchmetrics"
+    #: what chose ``sync``: "patched(sync=...)", "patch()", "import", "default", or "" when not in force
+    sync_from: str = ""
+    default_sync: str = "torchmetrics"  #: TORCHMETRICS_GRADPATCH_SYNC (or "torchmetrics"): the sync of patch()
+    fused_installed: bool = False  #: torchmetrics' ``Metric._sync_dist`` is the fused sync's replacement now
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -107,6 +114,19 @@ class Status:
         }.get(self.mode_from, self.mode_from)
         return f"{self.mode}, {chosen}; patch() without a mode uses {default}"
 
+    def _sync_text(self) -> str:
+        default = f"{self.default_sync} (from {SYNC_ENV})" if self.default_sync != "torchmetrics" else "torchmetrics"
+        if self.sync == "fused":
+            where = (
+                "Metric._sync_dist is the fused sync"
+                if self.fused_installed
+                else "installed when torchmetrics is imported"
+            )
+            chosen = {"patched(sync=...)": "chosen by an open patched(sync=...) block"}.get(self.sync_from, "")
+            return f"fused: two collectives per Metric sync ({where}{'; ' + chosen if chosen else ''})"
+        own = "torchmetrics: its own collectives per state"
+        return own + (f"; patch() without a sync uses {default}" if default != "torchmetrics" else "")
+
     def __str__(self) -> str:
         lines = [
             f"torch:            {self.torch_version}",
@@ -115,6 +135,7 @@ class Status:
             f"gather:           {self._gather_text()}",
             f"graph preserved:  {'yes' if self.graph_preserving else 'NO'}",
             f"gradient mode:    {self._mode_text()}",
+            f"sync:             {self._sync_text()}",
             f"at import:        {'patched' if self.autopatch else 'not patched'} ({AUTOPATCH_ENV}"
             f"{'' if self.autopatch else '=0'})",
         ]
@@ -153,4 +174,8 @@ def status() -> Status:
         mode_from=view.mode_from,
         attribute=view.attribute,
         manual_from=view.manual_from if view.manual else "",
+        sync=view.sync,
+        sync_from=view.sync_from,
+        default_sync=view.default_sync,
+        fused_installed=view.fused_installed,
     )

@@ -43,9 +43,15 @@ class EngineView:
     references: tuple[tuple[str, bool], ...]  #: each path into the gather and whether it reaches torchmetrics' own
     attribute: str  #: what the module attribute holds when it is not torchmetrics' own function, else ""
     compile_support: bool  #: compile_support() is on
+    sync: str  #: the sync strategy a Metric sync called now uses: "torchmetrics" or "fused"
+    sync_from: str  #: what chose it: "patched(sync=...)", "patch()", "import", "default", or "" when not in force
+    default_sync: str  #: the sync of patch() without one (TORCHMETRICS_GRADPATCH_SYNC, else "torchmetrics")
+    fused_installed: bool  #: torchmetrics' Metric._sync_dist is the fused sync's replacement now
 
 
-def derive(state: Any, *, installed: bool, imported: bool, function: Any, held: dict[str, Any]) -> EngineView:
+def derive(
+    state: Any, *, installed: bool, imported: bool, function: Any, held: dict[str, Any], fused_installed: bool = False
+) -> EngineView:
     """The view of ``state`` (a copy of the engine's), given what was installed and held at the same moment.
 
     ``function`` is torchmetrics' own gather (``None`` if torchmetrics is not imported), ``held`` what each
@@ -74,6 +80,14 @@ def derive(state: Any, *, installed: bool, imported: bool, function: Any, held: 
         mode_from = state.manual_from
     else:
         mode_from = "default" if in_force else ""
+    if not in_force:
+        sync_from = ""
+    elif state.block_syncs:
+        sync_from = "patched(sync=...)"
+    elif state.manual:
+        sync_from = state.manual_from
+    else:
+        sync_from = "default"
     attribute = held.get(f"{TARGET_MODULE}.{TARGET_NAME}", function)
     return EngineView(
         in_force=in_force,
@@ -93,4 +107,8 @@ def derive(state: Any, *, installed: bool, imported: bool, function: Any, held: 
         references=tuple((path, obj is function) for path, obj in held.items()) if function is not None else (),
         attribute="" if function is None or attribute is function else describe(attribute),
         compile_support=bool(state.compile_native),
+        sync=state.sync if in_force else "torchmetrics",
+        sync_from=sync_from,
+        default_sync=state.default_sync,
+        fused_installed=fused_installed,
     )
