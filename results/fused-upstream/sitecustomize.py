@@ -15,5 +15,10 @@ if os.environ.get("TORCHMETRICS_GRADPATCH_SYNC"):
             count[0] += 1
             return original(*args, **kwargs)
 
+        def write_count() -> None:
+            if count[0]:
+                with open(os.path.join(probe, str(os.getpid())), "w") as out:
+                    out.write(str(count[0]))
+
         _fused_sync.fused_sync = counted
-        atexit.register(lambda: count[0] and open(os.path.join(probe, str(os.getpid())), "w").write(str(count[0])))
+        atexit.register(write_count)
