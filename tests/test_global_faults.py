@@ -157,14 +157,17 @@ def test_non_member_of_a_subgroup_gets_what_unpatched_gives() -> None:
             warnings.simplefilter("ignore")
             try:
                 reference: list[torch.Tensor] | tuple[type, str] = unpatched_gather(x, group)
-            except RuntimeError as err:
+            except (RuntimeError, IndexError) as err:
                 reference = (type(err), str(err))
             try:
                 got: list[torch.Tensor] | tuple[type, str] = tg.gather_all_tensors(x, group, mode=mode)
             except RuntimeError as err:
                 got = (type(err), str(err))
         if rank == 2 and x.ndim == 0:
-            assert reference == [] and got == [], mode
+            # torchmetrics < 1.6 returns []; 1.6 and newer raise IndexError there (they put the local tensor at
+            # get_rank(group), -1 for a non-member, into an empty list): the package gives what < 1.6 gives
+            native_bug = tg.status().native and isinstance(reference, tuple) and reference[0] is IndexError
+            assert got == [] and (reference == [] or native_bug), (mode, reference)
         elif rank == 2:  # unpatched fails there (torch.stack of no sizes): the same error
             assert isinstance(reference, tuple) and got == reference, mode
         else:
