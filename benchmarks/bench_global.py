@@ -21,7 +21,7 @@ Where the time goes: after the timed blocks, every method runs a few more steps 
 timed on its own (``torch.distributed`` calls are blocking on gloo); the report lists, per step, the time in
 each collective and the rest (Python, autograd, copies), for every case that misses a target.
 
-Targets (issue 12): global / ``torch.distributed.nn.functional.all_gather`` <= 1.1 at a scalar, <= 1.4 at 1k and
+Targets: global / ``torch.distributed.nn.functional.all_gather`` <= 1.1 at a scalar, <= 1.4 at 1k and
 64k elements, <= 1.0 at 1M; global / local <= 2.0 at every size. Per gather, local mode issues ``barrier``,
 ``all_gather`` (shapes), ``all_gather`` (data) forward and nothing backward; global mode ``all_gather``
 (shapes and flags), ``all_gather`` (data) forward (a scalar: one ``all_gather``) and one ``all_to_all_single``

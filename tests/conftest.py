@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 
-# --- the project's own tests use @pytest.mark.ranks (issue 13) ---------------------------------------------------
+# --- the project's own tests use @pytest.mark.ranks --------------------------------------------------------------
 # Loading the plugin imports the package (so the pytest process is patched from the start, as the test modules'
 # own imports made it anyway). On torch below 2.0 the import refuses: that environment runs only the refusal
 # and CLI tests, which never use the marker, so the plugin stays out there. Any other import error is raised.
@@ -98,7 +98,7 @@ def world_of_one() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-# --- machine-readable result of a tox environment (issue 3) ------------------------------------------------------
+# --- machine-readable result of a tox environment --------------------------------------------------------------
 # tox.ini sets TMGP_RESULT_JSON=results/raw/<env>.json; scripts/compat_table.py turns those files into the README's
 # compatibility table. Without the variable nothing is written.
 _started = time.monotonic()
@@ -152,7 +152,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "counts": counts,
         "not_passed": not_passed,
         "skipped": [{"test": test, "reason": reason} for test, reason in skipped],
-        "compile": _compile_summary(stats),  # the compatibility table's torch.compile column (issue 17)
+        "compile": _compile_summary(stats),  # the compatibility table's torch.compile column
         "duration_s": round(time.monotonic() - _started, 1),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -161,7 +161,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
 
 
-# --- slow tests (issue 5) ----------------------------------------------------------------------------------------
+# --- slow tests ------------------------------------------------------------------------------------------------
 # Tests marked @pytest.mark.slow are skipped unless --run-slow is given (tox -e slow does), so the default suite
 # stays fast on 2 cores.
 def pytest_addoption(parser: pytest.Parser) -> None:

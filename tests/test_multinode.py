@@ -1,4 +1,4 @@
-"""Multi-node torchrun (issue 10): two "hosts" made of network namespaces, one torchrun each, 2 ranks per node.
+"""Multi-node torchrun: two "hosts" made of network namespaces, one torchrun each, 2 ranks per node.
 
 The test creates two network namespaces joined by a veth pair (``tests/_netns.py``) and starts
 ``torchrun --nnodes 2 --nproc-per-node 2`` inside each (``ip netns exec``), rendezvousing on the first node's
