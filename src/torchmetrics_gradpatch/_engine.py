@@ -198,6 +198,13 @@ def _wanted() -> bool:
     return _state.in_force and (not _state.native or _state.mode == "global" or _state.compile_native)
 
 
+def _chosen(blocks: list[tuple[int, str]], manual: str, default: str) -> str:
+    """The mode or sync in effect: the newest open block's that names one, else patch()'s while on, else the default."""
+    if blocks:
+        return blocks[-1][1]
+    return manual if _state.manual else default
+
+
 def _refresh() -> None:
     """Recompute what is derived from the records and switches: counts, the mode, what dispatch calls. Under lock.
 
@@ -211,18 +218,8 @@ def _refresh() -> None:
     _state.block_syncs = (
         [(token, sync) for token, (_, _, sync) in records.items() if sync is not None] if records else []
     )
-    if _state.block_modes:
-        _state.mode = _state.block_modes[-1][1]
-    elif _state.manual:
-        _state.mode = _state.manual_mode
-    else:
-        _state.mode = _state.default_mode
-    if _state.block_syncs:
-        _state.sync = _state.block_syncs[-1][1]
-    elif _state.manual:
-        _state.sync = _state.manual_sync
-    else:
-        _state.sync = _state.default_sync
+    _state.mode = _chosen(_state.block_modes, _state.manual_mode, _state.default_mode)
+    _state.sync = _chosen(_state.block_syncs, _state.manual_sync, _state.default_sync)
     # "in force" is computed here only; everything else reads this field
     _state.in_force = _state.manual or bool(records)
     _state.gather = _modes.gather_for(_state.mode) if _state.in_force and _state.function is not None else None
