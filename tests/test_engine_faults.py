@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
@@ -217,20 +218,14 @@ print(s.manual_from, s.mode_from, "|", str(s).splitlines()[2])
     assert second.split("|")[0].split() == ["patch()", "patch()"] and "patch() is on" in second, second
 
 
-def test_status_on_native_torchmetrics_says_nothing_is_needed_in_local_mode() -> None:
+def test_status_on_native_torchmetrics_says_nothing_is_needed_in_local_mode(
+    pretend_native: Callable[[], AbstractContextManager[bool]],
+) -> None:
     """torchmetrics >= 1.6 (faked where it is not): in local mode the status says nothing is needed."""
-    was_native = _engine._state.native
     tg.patch("local")
-    with _engine._lock:
-        _engine._state.native = True
-        _engine._sync()
-    try:
+    with pretend_native():
         text = str(tg.status())
         assert "in force:         nothing is needed in local mode" in text and "yes: patch() is on" not in text
-    finally:
-        with _engine._lock:
-            _engine._state.native = was_native
-            _engine._sync()
 
 
 # --- the reset a test harness calls between pooled tests -----------------------------------------------------------
