@@ -285,6 +285,7 @@ def skip_backward(hang_seconds: float) -> str:
     return "finished"
 
 
+@pytest.mark.waits
 def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
@@ -299,6 +300,7 @@ def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
     assert "skip_backward" in err.details and "backward" in err.details
 
 
+@pytest.mark.waits
 def test_ranks_in_different_modes_wait_until_the_timeout() -> None:
     """What the README says of mixing modes: the forward collectives differ, nothing detects it, the ranks wait.
 
