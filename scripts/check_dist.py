@@ -41,6 +41,7 @@ NOT_IN_SDIST_PREFIXES = (
     "results/raw-compile/",
     "results/raw-compile-2.15/",
     "results/raw-compile-4ef58dc/",
+    "results/raw-compile-4ef58dc-ci/",
 )
 
 

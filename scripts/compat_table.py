@@ -108,7 +108,8 @@ def merge_compile(record: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]
     compile_cells = record.setdefault("compile", {})
     for name in sorted(done):
         compile_cells[name] = run["environments"][name]
-    info = {key: run["run"].get(key) for key in ("command", "started_at", "wall_min", "commit", "peak_disk_gb")}
+    keys = ("command", "started_at", "wall_min", "commit", "profile", "peak_disk_gb")
+    info = {key: run["run"].get(key) for key in keys if key != "profile" or "profile" in run["run"]}
     record.setdefault("compile_runs", []).append({**info, "environments": sorted(done)})
     return record
 
@@ -224,8 +225,9 @@ def table(record: dict[str, Any]) -> str:
         "global mode installs as everywhere. The torch.compile column is `tests/test_compile.py` with torchmetrics "
         "1.5.2 in the profile its run used (`results/matrix.json` names the runs): the quick one compiles with the "
         "eager backend on 2 ranks (a compiled step against eager, both modes, sum and cat Metric losses and the "
-        "direct gather); the full one adds aot_eager, inductor, 3 ranks and `check --compile` (`tox -m ci`'s "
-        "torch2.15-tm1.5 runs it with aot_eager and inductor on 2 ranks only)." + _compile_note(record),
+        "direct gather); the ci one (`tox -e compile-torch2.15`) adds the aot_eager and inductor backends on 2 "
+        "ranks, eager on 3 ranks and `check --compile`; the full one adds aot_eager and inductor on 3 ranks."
+        + _compile_note(record),
         "",
         "| torch | " + " | ".join(f"torchmetrics {tm}" for tm in ordered) + " | torch.compile |",
         "|---|" + "---|" * (len(ordered) + 1),
@@ -247,9 +249,11 @@ def _compile_note(record: dict[str, Any]) -> str:
     tested_at, newest = _compile_commits(record)
     if newest is None:
         return ""
+    profiles = {name: run.get("profile") for run in record.get("compile_runs", []) for name in run["environments"]}
     current = sorted((n for n, c in tested_at.items() if c == newest), key=_torch_order)
+    named = [f"`{n}`" + (f" ({profiles[n]} profile)" if profiles.get(n) else "") for n in current]
+    note = f" The torch.compile runs at {newest}, the newest, had {', '.join(named)}"
     older = sorted({c for c in tested_at.values() if c != newest})
-    note = f" The newest torch.compile run, at {newest}, had {', '.join(f'`{n}`' for n in current)}"
     if older:
         note += (
             f"; a cell that names another commit ({', '.join(older)}) comes from an earlier run and has not been "
