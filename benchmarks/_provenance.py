@@ -29,7 +29,7 @@ def commit() -> str:
     Pages and results do not count: re-running a benchmark to update its page must still read as that commit.
     """
     head = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", *MEASURED)
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", *MEASURED, ":(exclude)benchmarks/results")
     return head + ("+uncommitted changes" if dirty else "")
 
 

@@ -44,12 +44,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _without_check(engine: Any) -> Callable[..., Any]:
-    """``_engine.dispatch`` with the two torch.compile lines removed, in the same module namespace."""
+    """``_engine.dispatch`` without its torch.compile branch (the ``is_compiling()`` test and the one line under it),
+    in the same module namespace."""
     source = textwrap.dedent(inspect.getsource(engine.dispatch))
     lines = source.splitlines()
-    kept = [line for line in lines if "is_compiling()" not in line and "gather_when_compiling" not in line]
-    if len(kept) != len(lines) - 2:
-        raise SystemExit("bench_compile: expected exactly two torch.compile lines in _engine.dispatch")
+    tests = [i for i, line in enumerate(lines) if "is_compiling()" in line]
+    if len(tests) != 1 or not lines[tests[0]].lstrip().startswith("if "):
+        raise SystemExit("bench_compile: expected exactly one `if ...is_compiling():` line in _engine.dispatch")
+    test = tests[0]
+    depth = len(lines[test]) - len(lines[test].lstrip())
+    body = lines[test + 1] if test + 1 < len(lines) else ""
+    following = lines[test + 2] if test + 2 < len(lines) else ""
+    if len(body) - len(body.lstrip()) <= depth or len(following) - len(following.lstrip()) > depth:
+        raise SystemExit("bench_compile: expected the torch.compile branch in _engine.dispatch to be one line")
+    kept = lines[:test] + lines[test + 2 :]
     namespace: dict[str, Any] = {}
     exec(compile("\n".join(kept), engine.__file__, "exec"), engine.__dict__, namespace)
     return namespace["dispatch"]  # type: ignore[no-any-return]

@@ -394,11 +394,11 @@ def markdown(results: dict[str, Any]) -> str:
         r1 = imports["torchmetrics_gradpatch / torchmetrics"]
         r2 = imports["torchmetrics_gradpatch+torchmetrics / torchmetrics"]
         lines += [
-            f"Import (fresh interpreters, medians): `import torchmetrics` {s['torchmetrics']['median']:.2f} s, "
-            f"`import torchmetrics_gradpatch` {s['torchmetrics_gradpatch']['median']:.2f} s "
+            f"Import (fresh interpreters, medians): `import torchmetrics` {s['torchmetrics']['median']:.3f} s, "
+            f"`import torchmetrics_gradpatch` {s['torchmetrics_gradpatch']['median']:.3f} s "
             f"(ratio {r1['ratio']['median']:.3f}, IQR {r1['ratio']['p25']:.3f}-{r1['ratio']['p75']:.3f}: "
             f"{'met' if r1['met'] else 'MISSED'}), `import torchmetrics_gradpatch, torchmetrics` "
-            f"{s['torchmetrics_gradpatch+torchmetrics']['median']:.2f} s (ratio {r2['ratio']['median']:.3f}, "
+            f"{s['torchmetrics_gradpatch+torchmetrics']['median']:.3f} s (ratio {r2['ratio']['median']:.3f}, "
             f"IQR {r2['ratio']['p25']:.3f}-{r2['ratio']['p75']:.3f}: {'met' if r2['met'] else 'MISSED'}). "
             "Target <= 1.05.",
             "",

@@ -36,7 +36,13 @@ DIST_NAME = "torchmetrics_gradpatch"  # normalised distribution name in artifact
 #: tracked files a downstream packager does not need (the sdist is not a git checkout)
 NOT_IN_SDIST = (".gitignore",)
 #: run records kept in the repository but not shipped (MANIFEST.in prunes them): raw runs and CI logs
-NOT_IN_SDIST_PREFIXES = ("results/raw/", "results/raw-compile/", "results/raw-compile-2.15/")
+NOT_IN_SDIST_PREFIXES = (
+    "results/raw/",
+    "results/raw-compile/",
+    "results/raw-compile-2.15/",
+    "results/raw-compile-4ef58dc/",
+    "results/raw-compile-4ef58dc-ci/",
+)
 
 
 def shipped(name: str) -> bool:

@@ -108,7 +108,8 @@ def merge_compile(record: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]
     compile_cells = record.setdefault("compile", {})
     for name in sorted(done):
         compile_cells[name] = run["environments"][name]
-    info = {key: run["run"].get(key) for key in ("command", "started_at", "wall_min", "commit", "peak_disk_gb")}
+    keys = ("command", "started_at", "wall_min", "commit", "profile", "peak_disk_gb")
+    info = {key: run["run"].get(key) for key in keys if key != "profile" or "profile" in run["run"]}
     record.setdefault("compile_runs", []).append({**info, "environments": sorted(done)})
     return record
 
@@ -164,7 +165,7 @@ def _row_key(name: str, entry: dict[str, Any]) -> tuple[Version, str, Version] |
     if not match:
         return None
     pytest = entry.get("pytest") or {}
-    torch = Version(pytest.get("torch") or _pinned(match["torch"]))
+    torch = Version(Version(pytest.get("torch") or _pinned(match["torch"])).base_version)  # 2.13.0+cpu: 2.13.0
     tm = Version(pytest.get("torchmetrics") or _pinned(match["tm"]))
     return torch, match["py"] or "3.11", tm
 
@@ -176,15 +177,28 @@ def _compile_cells(record: dict[str, Any]) -> dict[tuple[Version, str], str]:
     """
     found: dict[tuple[Version, str], list[tuple[bool, str]]] = {}
     sources = [*record["environments"].items(), *record.get("compile", {}).items()]  # compile runs last: they win
+    tested_at, newest = _compile_commits(record)
     for name, entry in sources:
         key = _row_key(name, entry)
         cell = compile_verdict(entry)
         if key is None or cell is None:
             continue
+        build = (entry.get("pytest") or {}).get("torch", "")
+        if "+" in build:  # a local build (the CPU wheel, say) shares its release's row: name it
+            cell = f"{cell}, torch {build}"
+        if name in tested_at and tested_at[name] != newest:  # say which code an older cell tested
+            cell = f"{cell}; run at {tested_at[name]}, not on {newest}"
         torch, python, tm = key
         preferred = str(tm) == "1.5.2"
         found.setdefault((torch, python), []).append((preferred, cell if preferred else f"{cell}, torchmetrics {tm}"))
     return {key: max(cells, key=lambda c: c[0])[1] for key, cells in found.items()}
+
+
+def _compile_commits(record: dict[str, Any]) -> tuple[dict[str, str], str | None]:
+    """Per environment, the commit of the latest compile run that had it; and the newest compile run's commit."""
+    runs = record.get("compile_runs", [])
+    tested_at = {name: run.get("commit") or "?" for run in runs for name in run.get("environments", [])}
+    return tested_at, (runs[-1].get("commit") if runs else None)
 
 
 def table(record: dict[str, Any]) -> str:
@@ -211,8 +225,9 @@ def table(record: dict[str, Any]) -> str:
         "global mode installs as everywhere. The torch.compile column is `tests/test_compile.py` with torchmetrics "
         "1.5.2 in the profile its run used (`results/matrix.json` names the runs): the quick one compiles with the "
         "eager backend on 2 ranks (a compiled step against eager, both modes, sum and cat Metric losses and the "
-        "direct gather); the full one adds aot_eager, inductor, 3 ranks and `check --compile` (`tox -m ci`'s "
-        "torch2.15-tm1.5 runs it with aot_eager and inductor on 2 ranks only).",
+        "direct gather); the ci one (`tox -e compile-torch2.15`) adds the aot_eager and inductor backends on 2 "
+        "ranks, eager on 3 ranks and `check --compile`; the full one adds aot_eager and inductor on 3 ranks."
+        + _compile_note(record),
         "",
         "| torch | " + " | ".join(f"torchmetrics {tm}" for tm in ordered) + " | torch.compile |",
         "|---|" + "---|" * (len(ordered) + 1),
@@ -227,6 +242,29 @@ def table(record: dict[str, Any]) -> str:
     compile_envs = record.get("compile", {})
     lines += _details({**envs, **{f"{name} (torch.compile run)": entry for name, entry in compile_envs.items()}})
     return "\n".join(lines)
+
+
+def _compile_note(record: dict[str, Any]) -> str:
+    """Which torch.compile cells ran on the newest compile run's code, and that the others did not."""
+    tested_at, newest = _compile_commits(record)
+    if newest is None:
+        return ""
+    profiles = {name: run.get("profile") for run in record.get("compile_runs", []) for name in run["environments"]}
+    current = sorted((n for n, c in tested_at.items() if c == newest), key=_torch_order)
+    named = [f"`{n}`" + (f" ({profiles[n]} profile)" if profiles.get(n) else "") for n in current]
+    note = f" The torch.compile runs at {newest}, the newest, had {', '.join(named)}"
+    older = sorted({c for c in tested_at.values() if c != newest})
+    if older:
+        note += (
+            f"; a cell that names another commit ({', '.join(older)}) comes from an earlier run and has not been "
+            "run on this code"
+        )
+    return note + "."
+
+
+def _torch_order(name: str) -> tuple[Version, str]:
+    match = ENV_RE.match(name)
+    return (Version(match["torch"]), name) if match else (Version("0"), name)
 
 
 def _details(envs: dict[str, Any]) -> list[str]:

@@ -61,7 +61,8 @@ def record(name: str) -> str:
     """Run one command and return the artifact's text (header, stdout, stderr, exit status)."""
     command, _ = RUNS[name]
     # uncommitted changes to code (pages and artifacts excluded: recording rewrites them)
-    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!*.md", ":!results")
+    artifacts = (":!*.md", ":!results", ":!benchmarks/results")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *artifacts)
     dirty = " (with uncommitted changes to code)" if changed else ""
     header = [
         f"# command: {' '.join(command)}   (run from the repository root by scripts/record_examples.py)",
