@@ -21,6 +21,8 @@ from tests import _reliability_ranks as ranks
 from tests._rank_tools import error_of, errors_off_and_on
 from torchmetrics_gradpatch.testing import RankError, spawn_ranks
 
+pytestmark = pytest.mark.harness  # tox's harness environment runs this module
+
 # Generous for a 2-core machine shared with other suites: spawning 2 ranks that import torch takes ~3 s idle.
 TIMEOUT = 40.0
 #: How long after the timeout the error may come: the stack dump (0.5 s) plus terminate/kill grace (3 s each).

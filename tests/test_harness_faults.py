@@ -25,6 +25,8 @@ import torchmetrics_gradpatch
 from tests._procs import alive
 from torchmetrics_gradpatch.testing import RankError, _pool, spawn_ranks
 
+pytestmark = pytest.mark.harness  # tox's harness environment runs this module
+
 pytest_plugins = ["pytester"]
 
 TIMEOUT = 60.0

@@ -21,6 +21,8 @@ import pytest
 from tests._procs import alive, interrupt_once
 from torchmetrics_gradpatch.testing import _pool
 
+pytestmark = pytest.mark.harness  # tox's harness environment runs this module
+
 pytest_plugins = ["pytester"]
 
 PLUGIN = "torchmetrics_gradpatch.pytest_plugin"

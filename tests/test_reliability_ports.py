@@ -18,6 +18,8 @@ import pytest
 from tests import _reliability_ranks as ranks
 from torchmetrics_gradpatch.testing import spawn_ranks
 
+pytestmark = pytest.mark.harness  # tox's harness environment runs this module
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
