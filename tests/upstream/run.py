@@ -72,6 +72,8 @@ def main(argv: list[str]) -> int:
         env["TORCHMETRICS_GRADPATCH_MODE"] = args.mode or "local"
         env["TMGP_IMPORT_PACKAGE"] = "1"
         env["USE_PYTEST_POOL"] = "1"
+        if args.line == "tm0.11":  # its ranks are spawned per test and exit with their group alive (_hook/)
+            env["TMGP_DESTROY_AT_EXIT"] = "1"
         command = [sys.executable, "-m", "pytest", "unittests/bases/test_ddp.py", "-q", *args.pytest_args]
     else:
         cwd = ROOT

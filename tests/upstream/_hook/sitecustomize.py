@@ -7,6 +7,8 @@ without this file.
 
 ``TMGP_IMPORT_PACKAGE=1``: import ``torchmetrics_gradpatch`` at start, so upstream's spawned ranks and pool workers,
 whose code never imports it, run patched, with the mode and sync the environment names.
+
+``TMGP_DESTROY_AT_EXIT=1``: destroy the default process group at exit (see below; upstream 0.11's ranks only).
 """
 
 from __future__ import annotations
@@ -35,3 +37,21 @@ if os.environ.get("TMGP_FUSED_PROBE"):
 
 if os.environ.get("TMGP_IMPORT_PACKAGE") == "1":
     import torchmetrics_gradpatch  # noqa: F401  (patches at import, in the mode and with the sync the environment names)
+
+
+if os.environ.get("TMGP_DESTROY_AT_EXIT") == "1":
+    import atexit
+    import sys
+
+    def _destroy_the_group_before_exit() -> None:
+        # Upstream 0.11's spawned ranks exit with their gloo group alive; on torch 2.13-2.15 such a rank aborts now
+        # and then ("terminate called without an active exception", SIGABRT), with or without this package
+        # (docs/gradient-modes.md). Not on torch 2.0, whose destroy_process_group can deadlock (1 run in 30).
+        torch = sys.modules.get("torch")
+        dist = sys.modules.get("torch.distributed")
+        if torch is None or dist is None or torch.__version__.startswith("2.0."):
+            return
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(_destroy_the_group_before_exit)
