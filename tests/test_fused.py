@@ -207,13 +207,17 @@ def real_metrics(rank: int) -> dict[str, tuple[Callable[[], Metric], tuple[torch
 @pytest.mark.parametrize("world_size", worlds(2, 3))
 @pytest.mark.parametrize("name", ["MeanSquaredError", "MulticlassAccuracy(macro)", "SpearmanCorrCoef (cat lists)"])
 def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
+    import torchmetrics_gradpatch as tg
+
     make, batch = real_metrics(dist.get_rank())[name]
     expected, fused, custom = make(), make(), make()
     for metric in (expected, fused, custom):
         metric.update(*batch)
         metric.update(*batch)  # two updates: cat lists hold two tensors
     before = calls()
-    expected.sync()
+    with tg.patched(sync="torchmetrics"):  # the reference, also where TORCHMETRICS_GRADPATCH_SYNC=fused
+        assert not _fused.installed()
+        expected.sync()
     tm_calls = calls() - before
     _fused.install("fused")
     try:

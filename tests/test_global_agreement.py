@@ -154,6 +154,7 @@ def masked_step(model: torch.nn.Module, net: torch.nn.Module, empty: int, step: 
     model.zero_grad(set_to_none=True)
     metric = MaskedSquaredError(dist_sync_on_step=True).set_dtype(F64)
     with patched(mode="global"), record_collectives() as forward_calls:
+        sync = tg.status().sync  # the environment's default (TORCHMETRICS_GRADPATCH_SYNC)
         preds, features = net(x, mask)
         loss = metric(preds, target, mask)
     if ddp:
@@ -167,6 +168,7 @@ def masked_step(model: torch.nn.Module, net: torch.nn.Module, empty: int, step: 
         "grads": grads,
         "fwd": forward_calls,
         "bwd": backward_calls,
+        "sync": sync,
     }
 
 
@@ -184,7 +186,10 @@ def test_rank_with_nothing_to_sync_still_joins_the_backward(
     losses = every_rank(out["loss"])
     assert all(torch.equal(v, losses[0]) for v in losses)  # type: ignore[arg-type]
     # one cat state: the header, then the data; no barrier. One backward collective on every rank.
-    assert len(out["fwd"]) == 2 and out["fwd"][0].startswith("all_gather[(10,)"), out["fwd"]
+    # The fused sync (TORCHMETRICS_GRADPATCH_SYNC=fused): its description exchange, then the payload.
+    assert len(out["fwd"]) == 2 and all(c.startswith("all_gather[") for c in out["fwd"]), out["fwd"]
+    if out["sync"] == "torchmetrics":
+        assert out["fwd"][0].startswith("all_gather[(10,)"), out["fwd"]
     assert out["bwd"] == ["all_to_all_single"], f"rank {rank}"
     if rank == empty:  # the empty rank's loss reaches no parameter of its own (really exercised)
         assert all(g is None for g in out["grads"])
@@ -225,17 +230,20 @@ def test_grad_mode_disagreement_raises_on_every_rank(world_size: int, case: str)
         # the metric gets samples on every rank: before torchmetrics 1.4 a rank with none cannot sync at all
         x = inp.gather_input({"direct": "uneven_rows", "scalar": "scalar", "metric": "uneven_all_dims"}[case], rank)
         context = torch.no_grad() if rank == culprit else torch.enable_grad()
+        verb = "gathered"
         with pytest.raises(tg.GradModeMismatchError) as caught, context, record_collectives() as calls:
             if case == "metric":
                 metric = MaskedSquaredError(dist_sync_on_step=True).set_dtype(F64)
                 with patched(mode="global"):
+                    # the fused sync (TORCHMETRICS_GRADPATCH_SYNC=fused) checks the whole sync, not each gather
+                    verb = "synced" if tg.status().sync == "fused" else verb
                     metric(x.reshape(-1), torch.zeros(x.numel(), dtype=F64), torch.ones(x.numel(), dtype=bool))
             else:
                 gather_all_tensors(x, mode="global")
         message = str(caught.value)
         others = [r for r in range(world_size) if r != culprit]
         assert isinstance(caught.value, RuntimeError)
-        assert f"Rank(s) [{culprit}] gathered with grad mode off" in message, message
+        assert f"Rank(s) [{culprit}] {verb} with grad mode off" in message, message
         assert f"rank(s) {others} with it on" in message, message
         assert "same grad mode on every rank" in message and "none is left waiting" in message
         # raised right after the first exchange, before the data: every rank issued the same one collective

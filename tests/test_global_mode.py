@@ -34,6 +34,10 @@ from torchmetrics_gradpatch import _engine, gather_all_tensors, patched
 SUBGROUP = [0, 2]
 # all_to_all_single calls issued by one backward of each Metric case (one per state that carries a graph)
 BACKWARD_GATHERS = {"collection": 2, "many_states": 3}
+# Metric syncs of each case (a collection syncs each member) where the fused sync is in force
+# (TORCHMETRICS_GRADPATCH_SYNC=fused): two all_gathers each, the same in both modes, and one backward
+# all_to_all_single each, whatever its number of states
+FUSED_SYNCS = {"collection": 2}
 
 
 def worlds(*sizes: int) -> list[Any]:
@@ -216,19 +220,33 @@ def test_metric_paths_global_gives_single_process_gradient(world_size: int, case
         features, target = inp.model_inputs(rank, metric_rows(case)[rank])
         w = inp.weight().requires_grad_()
         with patched(mode=mode), record_collectives() as forward_calls:
+            sync = tg.status().sync  # the environment's default (TORCHMETRICS_GRADPATCH_SYNC)
             loss = metric_loss(case, features @ w, target)
         with record_collectives() as backward_calls:
             loss.backward()
         assert w.grad is not None
-        seen[mode] = {"loss": loss.detach(), "grad": w.grad, "forward": forward_calls, "backward": backward_calls}
+        seen[mode] = {
+            "loss": loss.detach(),
+            "grad": w.grad,
+            "forward": forward_calls,
+            "backward": backward_calls,
+            "sync": sync,
+        }
     glob, local = seen["global"], seen["local"]
     ddp = {mode: torch.stack(every_rank(seen[mode]["grad"])).mean(dim=0) for mode in ("global", "local")}  # type: ignore[arg-type]
     assert_rel(ddp["global"], reference)  # scale 1
     assert_rel(ddp["local"], reference / world_size)  # scale 1 / world size
     assert torch.equal(glob["loss"], local["loss"])  # the synced values are identical, bit for bit
-    assert glob["forward"] == global_collectives(local["forward"])
-    assert "barrier" not in glob["forward"]
-    assert glob["backward"] == ["all_to_all_single"] * BACKWARD_GATHERS.get(case, 1)
+    assert glob["sync"] == local["sync"]
+    if glob["sync"] == "fused":
+        syncs = FUSED_SYNCS.get(case, 1)
+        assert glob["forward"] == local["forward"]
+        assert len(glob["forward"]) == 2 * syncs and all(c.startswith("all_gather") for c in glob["forward"])
+        assert glob["backward"] == ["all_to_all_single"] * syncs
+    else:
+        assert glob["forward"] == global_collectives(local["forward"])
+        assert "barrier" not in glob["forward"]
+        assert glob["backward"] == ["all_to_all_single"] * BACKWARD_GATHERS.get(case, 1)
     assert local["backward"] == []
 
 

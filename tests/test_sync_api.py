@@ -62,9 +62,11 @@ def one_step(sync: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, int, int
 @pytest.mark.parametrize("mode", ["local", "global"])
 def test_fused_loss_through_the_api_matches_torchmetrics_and_one_process(mode: str) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    before = installed_sync()  # the default: TORCHMETRICS_GRADPATCH_SYNC, else torchmetrics' own
     expected_loss, expected_grad, torchmetrics_calls, _ = one_step("torchmetrics", mode)
+    assert installed_sync() == before  # the block's exit put the sync back
     loss, grad, forward, backward = one_step("fused", mode)
-    assert installed_sync() == "torchmetrics"  # the block's exit put the sync back
+    assert installed_sync() == before
     assert forward == 2, f"the fused sync issued {forward} collectives (torchmetrics' own: {torchmetrics_calls})"
     assert backward == (1 if mode == "global" else 0)  # global mode: one backward collective for the whole sync
     assert torch.equal(loss, expected_loss)  # the same synced states, bit for bit, give the same loss
