@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +64,27 @@ def counts(probe: Path) -> tuple[dict[str, int], set[str]]:
     return {pid: len(modes) for pid, modes in lines.items()}, {mode for modes in lines.values() for mode in modes}
 
 
+def free_port_block(size: int) -> int:
+    """The first of ``size`` consecutive ports free on localhost now, below Linux's ephemeral range (32768 on), so
+    that neither another run's rendezvous nor an outgoing connection is likely to take one before upstream does."""
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(20000, 32768 - size)
+        sockets = []
+        try:
+            for port in range(start, start + size):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return start
+    raise RuntimeError(f"no {size} consecutive free ports found in 20000-32767 on localhost")
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     env = {key: value for key, value in os.environ.items() if not key.startswith("TORCHMETRICS_GRADPATCH_")}
@@ -72,6 +95,7 @@ def main(argv: list[str]) -> int:
         env["TORCHMETRICS_GRADPATCH_MODE"] = args.mode or "local"
         env["TMGP_IMPORT_PACKAGE"] = "1"
         env["USE_PYTEST_POOL"] = "1"
+        env["TMGP_UPSTREAM_START_PORT"] = str(free_port_block(13))
         if args.line == "tm0.11":  # its ranks are spawned per test and exit with their group alive (_hook/)
             env["TMGP_DESTROY_AT_EXIT"] = "1"
         command = [sys.executable, "-m", "pytest", "unittests/bases/test_ddp.py", "-q", *args.pytest_args]

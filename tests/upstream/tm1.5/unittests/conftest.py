@@ -30,8 +30,10 @@ NUM_CLASSES = 5
 EXTRA_DIM = 3
 THRESHOLD = 0.5
 
-MAX_PORT = 8100
-START_PORT = 8088
+# torchmetrics_gradpatch: tests/upstream/run.py names a free port block per run; upstream's fixed 8088-8100
+# collide when two runs share a machine (tox -p runs the fused environments side by side)
+START_PORT = int(os.environ.get("TMGP_UPSTREAM_START_PORT", "8088"))
+MAX_PORT = START_PORT + 12
 CURRENT_PORT = START_PORT
 USE_PYTEST_POOL = os.getenv("USE_PYTEST_POOL", "0") == "1"
 
