@@ -6,8 +6,10 @@ import importlib.metadata
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,27 @@ NEEDS_TORCH_2 = pytest.mark.skipif(Version(TORCH.base_version) < Version("2.0"),
 
 def torchrun(*args: str, env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc-per-node N ...`` (this interpreter's torchrun), bounded in time."""
-    return run_torchrun(["--standalone", "--nproc-per-node", str(nproc), *args], env=env)
+    return run_torchrun([*standalone(), "--nproc-per-node", str(nproc), *args], env=env)
+
+
+def standalone() -> list[str]:
+    """``--standalone``; on torch 2.0, whose ``--standalone`` rendezvous on the fixed port 29400 (two suites run side
+    by side collide there), the options it stands for with a port the kernel has just found free."""
+    if TORCH.release >= (2, 1):
+        return ["--standalone"]
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    return [
+        "--nnodes",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--rdzv-id",
+        str(uuid.uuid4()),
+    ]
 
 
 def run_torchrun(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
