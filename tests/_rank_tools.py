@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchmetrics import Metric
+from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat
 
 from tests._workloads import CatSquaredError, SumSquaredError
@@ -56,6 +56,15 @@ def record_collectives() -> Iterator[list[str]]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def collection_loss(preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The synced loss of a ``MetricCollection`` of a sum-state and a cat-state metric (``dist_sync_on_step``)."""
+    collection = MetricCollection(
+        {"sum": SumSquaredError(dist_sync_on_step=True), "cat": CatSquaredError(dist_sync_on_step=True)}
+    )
+    values = collection(preds, target)
+    return values["sum"] + values["cat"]  # type: ignore[no-any-return]
 
 
 def synced_state_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchmetrics.utilities.distributed as tm_dist
-from torchmetrics import MetricCollection
 from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # noqa: N812 - imported like users do
 
 import torchmetrics_gradpatch
-from tests._rank_tools import every_rank, record_collectives, synced_state_loss
+from tests._rank_tools import collection_loss, every_rank, record_collectives, synced_state_loss
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch.testing import spawn_ranks
@@ -221,11 +220,7 @@ def metric_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> torch.T
     if case == "forward_cat":
         return CatSquaredError(dist_sync_on_step=True)(preds, target)  # type: ignore[no-any-return]
     if case == "collection":
-        collection = MetricCollection(
-            {"sum": SumSquaredError(dist_sync_on_step=True), "cat": CatSquaredError(dist_sync_on_step=True)}
-        )
-        values = collection(preds, target)
-        return values["sum"] + values["cat"]  # type: ignore[no-any-return]
+        return collection_loss(preds, target)
     if case == "compositional":
         metric = SumSquaredError(dist_sync_on_step=True) + CatSquaredError(dist_sync_on_step=True)
         return metric(preds, target)  # type: ignore[no-any-return]

@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchmetrics.utilities.distributed as tm_dist
-from torchmetrics import Metric, MetricCollection
+from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._global_inputs import assert_rel, global_collectives
-from tests._rank_tools import every_rank, record_collectives, synced_state_loss
+from tests._rank_tools import collection_loss, every_rank, record_collectives, synced_state_loss
 from tests._subprocess import ok, run_python
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine, gather_all_tensors, patched
@@ -178,11 +178,7 @@ def metric_loss(case: str, preds: torch.Tensor, target: torch.Tensor) -> torch.T
         metric: Metric = (SumSquaredError if case == "forward_sum" else CatSquaredError)(dist_sync_on_step=True)
         return metric(preds, target)  # type: ignore[no-any-return]
     if case == "collection":
-        collection = MetricCollection(
-            {"sum": SumSquaredError(dist_sync_on_step=True), "cat": CatSquaredError(dist_sync_on_step=True)}
-        )
-        values = collection(preds, target)
-        return values["sum"] + values["cat"]  # type: ignore[no-any-return]
+        return collection_loss(preds, target)
     if case == "many_states":
         return ManyStates(dist_sync_on_step=True)(preds, target)  # type: ignore[no-any-return]
     return synced_state_loss(case, preds, target)
