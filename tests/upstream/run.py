@@ -98,6 +98,7 @@ def main(argv: list[str]) -> int:
         env["TMGP_UPSTREAM_START_PORT"] = str(free_port_block(13))
         if args.line == "tm0.11":  # its ranks are spawned per test and exit with their group alive (_hook/)
             env["TMGP_DESTROY_AT_EXIT"] = "1"
+            env["TMGP_SPAWN_FORKSERVER"] = "1"
         command = [sys.executable, "-m", "pytest", "unittests/bases/test_ddp.py", "-q", *args.pytest_args]
     else:
         cwd = ROOT

@@ -9,16 +9,20 @@ without this file.
 whose code never imports it, run patched, with the mode and sync the environment names.
 
 ``TMGP_DESTROY_AT_EXIT=1``: destroy the default process group at exit (see below; upstream 0.11's ranks only).
+
+``TMGP_SPAWN_FORKSERVER=1``: ``torch.multiprocessing.spawn`` starts its ranks from a forkserver that has imported
+torch and torchmetrics once (upstream 0.11 spawns 2 fresh ranks per test, each importing them: most of its time),
+and the ranks meet at a barrier before they exit (see below). The rank functions run unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
+from typing import Any
 
 if os.environ.get("TMGP_FUSED_PROBE"):
-    import functools
-    from typing import Any
-
     import wrapt
 
     def _count_fused_syncs(module: Any) -> None:
@@ -41,7 +45,6 @@ if os.environ.get("TMGP_IMPORT_PACKAGE") == "1":
 
 if os.environ.get("TMGP_DESTROY_AT_EXIT") == "1":
     import atexit
-    import sys
 
     def _destroy_the_group_before_exit() -> None:
         # Upstream 0.11's spawned ranks exit with their gloo group alive; on torch 2.13-2.15 such a rank aborts now
@@ -55,3 +58,47 @@ if os.environ.get("TMGP_DESTROY_AT_EXIT") == "1":
             dist.destroy_process_group()
 
     atexit.register(_destroy_the_group_before_exit)
+
+
+if os.environ.get("TMGP_SPAWN_FORKSERVER") == "1":
+    import datetime
+    import multiprocessing
+    from collections.abc import Callable
+
+    import wrapt
+
+    # A forkserver child leaves with os._exit, with none of the interpreter's teardown that a spawned rank's exit
+    # takes: without a barrier, rank 0, which serves the TCPStore, can be gone while rank 1 still joins the group
+    # through it ("Connection reset by peer"; seen in upstream 0.11's test_non_contiguous_tensors). Bounded: a
+    # peer that failed or hangs fails this rank instead of holding it.
+    _EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=60)
+
+    def _rank_then_wait_for_peers(rank: int, fn: Callable[..., object], *args: object) -> None:
+        fn(rank, *args)
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+
+    def _spawn_from_a_forkserver(module: Any) -> None:
+        start_processes = module.start_processes
+
+        @functools.wraps(module.spawn)
+        def spawn(
+            fn: Callable[..., object],
+            args: tuple[object, ...] = (),
+            nprocs: int = 1,
+            join: bool = True,
+            daemon: bool = False,
+            start_method: str = "spawn",
+        ) -> Any:
+            if start_method != "spawn":  # a caller that chose its start method keeps it
+                return start_processes(fn, args, nprocs, join, daemon, start_method)
+            return start_processes(
+                _rank_then_wait_for_peers, (fn, *args), nprocs, join, daemon, start_method="forkserver"
+            )
+
+        # the forkserver runs this file too, so it is patched and counted before it imports these
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torchmetrics"])
+        module.spawn = spawn
+
+    wrapt.register_post_import_hook(_spawn_from_a_forkserver, "torch.multiprocessing")
