@@ -5,7 +5,8 @@
 
 ``upstream [LINE]``: upstream torchmetrics' ``unittests/bases/test_ddp.py`` of that line (vendored here; default:
 the installed torchmetrics' line, which it must be in any case), from its
-own directory as upstream runs it (its pool of 2 gloo ranks, ``USE_PYTEST_POOL=1``), with
+own directory as upstream runs it (1.5, 1.9: its pool of 2 gloo ranks, ``USE_PYTEST_POOL=1``; 0.11: 2 ranks per
+test by ``torch.multiprocessing.spawn``, which starts them from a forkserver that imported torch once), with
 ``torchmetrics_gradpatch`` imported at the start of every process (``_hook/sitecustomize.py``), so its ranks,
 whose code never imports the package, run patched in ``--mode`` with ``--sync``.
 
@@ -96,8 +97,8 @@ def main(argv: list[str]) -> int:
         env["TMGP_IMPORT_PACKAGE"] = "1"
         env["USE_PYTEST_POOL"] = "1"
         env["TMGP_UPSTREAM_START_PORT"] = str(free_port_block(13))
-        if args.line == "tm0.11":  # its ranks are spawned per test and exit with their group alive (_hook/)
-            env["TMGP_DESTROY_AT_EXIT"] = "1"
+        if args.line == "tm0.11":  # it spawns 2 fresh ranks per test: they start from a forkserver (_hook/)
+            env["TMGP_SPAWN_FORKSERVER"] = "1"
         command = [sys.executable, "-m", "pytest", "unittests/bases/test_ddp.py", "-q", *args.pytest_args]
     else:
         cwd = ROOT

@@ -8,17 +8,19 @@ without this file.
 ``TMGP_IMPORT_PACKAGE=1``: import ``torchmetrics_gradpatch`` at start, so upstream's spawned ranks and pool workers,
 whose code never imports it, run patched, with the mode and sync the environment names.
 
-``TMGP_DESTROY_AT_EXIT=1``: destroy the default process group at exit (see below; upstream 0.11's ranks only).
+``TMGP_SPAWN_FORKSERVER=1``: ``torch.multiprocessing.spawn`` starts its ranks from a forkserver that has imported
+torch and torchmetrics once (upstream 0.11 spawns 2 fresh ranks per test, each importing them: most of its time),
+and the ranks meet at a barrier before they exit (see below). The rank functions run unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
+from typing import Any
 
 if os.environ.get("TMGP_FUSED_PROBE"):
-    import functools
-    from typing import Any
-
     import wrapt
 
     def _count_fused_syncs(module: Any) -> None:
@@ -39,19 +41,47 @@ if os.environ.get("TMGP_IMPORT_PACKAGE") == "1":
     import torchmetrics_gradpatch  # noqa: F401  (patches at import, in the mode and with the sync the environment names)
 
 
-if os.environ.get("TMGP_DESTROY_AT_EXIT") == "1":
-    import atexit
-    import sys
+if os.environ.get("TMGP_SPAWN_FORKSERVER") == "1":
+    import datetime
+    import multiprocessing
+    from collections.abc import Callable
 
-    def _destroy_the_group_before_exit() -> None:
-        # Upstream 0.11's spawned ranks exit with their gloo group alive; on torch 2.13-2.15 such a rank aborts now
-        # and then ("terminate called without an active exception", SIGABRT), with or without this package
-        # (docs/gradient-modes.md). Not on torch 2.0, whose destroy_process_group can deadlock (1 run in 30).
-        torch = sys.modules.get("torch")
+    import wrapt
+
+    # A forkserver child leaves with os._exit, skipping the interpreter's and C++'s teardown. That teardown is where
+    # spawned ranks that exit with their gloo group alive abort now and then on torch 2.13-2.15 ("terminate called
+    # without an active exception", with or without this package), and its slowness is what kept rank 0, which
+    # serves the TCPStore, alive until rank 1 had joined the group: without the barrier rank 0 can be gone first
+    # ("Connection reset by peer" in test_non_contiguous_tensors, whose ranks run no collective). Bounded: a peer
+    # that failed or hangs fails this rank instead of holding it.
+    _EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=60)
+
+    def _rank_then_wait_for_peers(rank: int, fn: Callable[..., object], *args: object) -> None:
+        fn(rank, *args)
         dist = sys.modules.get("torch.distributed")
-        if torch is None or dist is None or torch.__version__.startswith("2.0."):
-            return
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
 
-    atexit.register(_destroy_the_group_before_exit)
+    def _spawn_from_a_forkserver(module: Any) -> None:
+        start_processes = module.start_processes
+
+        @functools.wraps(module.spawn)
+        def spawn(
+            fn: Callable[..., object],
+            args: tuple[object, ...] = (),
+            nprocs: int = 1,
+            join: bool = True,
+            daemon: bool = False,
+            start_method: str = "spawn",
+        ) -> Any:
+            if start_method != "spawn":  # a caller that chose its start method keeps it
+                return start_processes(fn, args, nprocs, join, daemon, start_method)
+            return start_processes(
+                _rank_then_wait_for_peers, (fn, *args), nprocs, join, daemon, start_method="forkserver"
+            )
+
+        # the forkserver runs this file too, so it is patched and counted before it imports these
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torchmetrics"])
+        module.spawn = spawn
+
+    wrapt.register_post_import_hook(_spawn_from_a_forkserver, "torch.multiprocessing")
