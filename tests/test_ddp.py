@@ -21,7 +21,7 @@ import torchmetrics.utilities.distributed as tm_dist
 from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # noqa: N812 - imported like users do
 
 import torchmetrics_gradpatch
-from tests._rank_tools import collection_loss, every_rank, record_collectives, synced_state_loss
+from tests._rank_tools import collection_loss, destroy_subgroup, every_rank, record_collectives, synced_state_loss
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch.testing import spawn_ranks
@@ -183,8 +183,7 @@ def test_gather_matches_unpatched_and_keeps_local_graph(world_size: int, case: s
 def test_subgroup_uses_the_rank_within_the_group() -> None:
     """Ranks 0 and 2 of 3 gather in their own group: the local entry sits at the rank within the group.
 
-    One test for the three shapes: creating a group retires the warm ranks (a pool cannot undo it), so one
-    group serves every case.
+    One test for the three shapes, one group for every case; it is destroyed at the end, so the warm ranks stay.
     """
     group = dist.new_group(SUBGROUP)  # every rank takes part in creating it
     rank = dist.get_rank()
@@ -195,6 +194,7 @@ def test_subgroup_uses_the_rank_within_the_group() -> None:
     else:
         assert dist.get_rank(group) == -1  # rank 1 is outside the group and gathers nothing
     dist.barrier()
+    destroy_subgroup(group)
 
 
 def rows_for(case: str) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from tests._rank_tools import destroy_subgroup
 from tests._tensors import gloo_dtypes
 from torchmetrics_gradpatch import _fused
 
@@ -248,6 +249,7 @@ def test_subgroup() -> None:
     assert (calls(group) - before, calls() - world_before) == (2, 0)
     for name, value in states(expected).items():
         assert same(getattr(fused, name), value), name
+    destroy_subgroup(group)  # the warm ranks stay
 
 
 class OwnSync(Probe):

@@ -171,8 +171,16 @@ def test_global_mode_grad_mode_mismatch_raises_on_every_rank(world_size: int) ->
     assert same(follow_up.x, torch.ones(world_size))
 
 
+# Only the wait that never ends has to outlast it: the ranks meet in a barrier of the default group (its long
+# timeout) before creating the group and again before the sync, so what does complete starts within
+# milliseconds on every rank, however loaded the machine (the ranks' start-up is behind them).
+HANG_TIMEOUT_S = 1.5
+
+
 def _torchmetrics_sync_on_short_timeout(metric: Metric) -> str:
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    dist.barrier()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=HANG_TIMEOUT_S))
+    dist.barrier()
     started = time.monotonic()
     try:
         ORIGINAL_SYNC_DIST(metric, gather_all_tensors, process_group=group)

@@ -26,7 +26,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._global_inputs import assert_rel, global_collectives
-from tests._rank_tools import collection_loss, every_rank, record_collectives, synced_state_loss
+from tests._rank_tools import collection_loss, destroy_subgroup, every_rank, record_collectives, synced_state_loss
 from tests._subprocess import ok, run_python
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine, gather_all_tensors, patched
@@ -121,7 +121,7 @@ def test_gather_global_through_torchmetrics_and_patched_mode(world_size: int, ca
 
 @pytest.mark.ranks(3, reuse=True)
 def test_gather_global_subgroup_uses_rank_within_group() -> None:
-    """One test for the three shapes: creating a group retires the warm ranks, so one group serves every case."""
+    """One test for the three shapes, one group for every case; it is destroyed at the end, so the warm ranks stay."""
     group = dist.new_group(SUBGROUP)  # every rank takes part in creating it
     if dist.get_rank() in SUBGROUP:
         for case in ("equal", "uneven_rows", "scalar"):
@@ -129,6 +129,7 @@ def test_gather_global_subgroup_uses_rank_within_group() -> None:
     else:
         assert dist.get_rank(group) == -1  # rank 1 is outside the group and gathers nothing
     dist.barrier()
+    destroy_subgroup(group)
 
 
 def test_zero_row_rank_is_really_exercised() -> None:

@@ -19,7 +19,7 @@ from packaging.version import Version
 
 import torchmetrics_gradpatch as tmgp
 from tests._profile import sized
-from tests._rank_tools import errors_off_and_on, every_rank
+from tests._rank_tools import destroy_subgroup, errors_off_and_on, every_rank
 from tests._tensors import (
     DTYPES,
     GRAD_DTYPES,
@@ -195,6 +195,8 @@ def run_properties(max_examples: int, empty_gathers_work: bool = True, mode: str
     # While the group is up anyway: a non-tensor must give the unpatched gather's error (no collective runs).
     seen["non_tensor_problems"] = non_tensor_errors_match()  # type: ignore[assignment]
     seen["dtypes"] = list(dtypes)  # type: ignore[assignment]
+    if subgroup is not None:
+        destroy_subgroup(subgroup)  # pooled ranks stay warm
     return seen
 
 
@@ -257,12 +259,12 @@ def test_newer_torch_gathers_empty_tensors(empty_gathers_work: bool) -> None:
         assert empty_gathers_work
 
 
-def worlds(timeout: float) -> list[Any]:
-    """World sizes 2 and 3, each case run on that many spawned"""
-    return [pytest.param(n, marks=pytest.mark.ranks(n, timeout=timeout)) for n in (2, 3)]
+def worlds(timeout: float, reuse: bool = False) -> list[Any]:
+    """World sizes 2 and 3, each case run on that many ranks: spawned for it, or ``reuse``: the warm pool's."""
+    return [pytest.param(n, marks=pytest.mark.ranks(n, timeout=timeout, reuse=reuse)) for n in (2, 3)]
 
 
-@pytest.mark.parametrize("world_size", worlds(150))
+@pytest.mark.parametrize("world_size", worlds(150, reuse=True))
 def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) -> None:
     seen = run_properties(50, empty_gathers_work, MODE)
     assert seen["examples"] >= 50

@@ -199,7 +199,7 @@ assert gather.__code__ is not code
     )
 
 
-def test_autopatch_off_applies_nothing_but_keeps_the_gate() -> None:
+def test_autopatch_off_applies_nothing_but_keeps_the_gate(tmp_path: Path) -> None:
     ok(
         """
 import torchmetrics.utilities.distributed as tm_dist
@@ -213,18 +213,26 @@ assert tm_dist.gather_all_tensors.__code__ is code
 """,
         env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0", **INSTALLING},
     )
+    # No torch import (seconds): the gate then reads torch's metadata, here a stand-in 1.13.1 first on the path
+    # (test_old_torch_refused_twice_and_nothing_touched covers a running torch's __version__)
+    fake_torch = tmp_path / "fake-torch" / "torch-1.13.1.dist-info"
+    fake_torch.mkdir(parents=True)
+    (fake_torch / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 1.13.1\n")
     ok(
         """
-import torch
-torch.__version__ = "1.13.1"
+import sys
 try:
     import torchmetrics_gradpatch
 except ImportError as err:
     assert "1.13.1" in str(err)
 else:
     raise SystemExit("the gate must run even with autopatch off")
+assert "torch" not in sys.modules, "the metadata alone must decide"
 """,
-        env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"},
+        env={
+            "TORCHMETRICS_GRADPATCH_AUTOPATCH": "0",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(fake_torch.parent), os.environ.get("PYTHONPATH")])),
+        },
     )
 
 
