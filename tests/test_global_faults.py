@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_gradpatch as tg
+from tests._rank_tools import destroy_subgroup
 from tests._tensors import same_bits, unpatched_gather
 
 #: seconds per test, the start of a pool included (slow on a loaded 2-core machine): a rank left waiting in a
@@ -149,7 +150,7 @@ def test_scalar_that_cannot_be_read_as_bytes_is_gathered_as_data(world_size: int
 
 @pytest.mark.ranks(3, reuse=True, timeout=TIMEOUT)
 def test_non_member_of_a_subgroup_gets_what_unpatched_gives() -> None:
-    """In both modes (one test: a new group retires the pool after it, and a pool's start costs seconds)."""
+    """In both modes, in one test (one group to create and destroy)."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1])  # every rank takes part in creating it; rank 2 is not a member
     for mode, x in [(m, x) for m in MODES for x in (torch.tensor(float(rank)), torch.tensor([float(rank), 1.0]))]:
@@ -173,3 +174,4 @@ def test_non_member_of_a_subgroup_gets_what_unpatched_gives() -> None:
         else:
             assert isinstance(got, list) and isinstance(reference, list), mode
             assert len(got) == 2 and all(same_bits(a, b) for a, b in zip(got, reference, strict=True)), mode
+    destroy_subgroup(group)
