@@ -121,10 +121,6 @@ START_UNDER_EMFILE = """
 import errno, json, multiprocessing, os, resource, sys, tempfile
 from torchmetrics_gradpatch.testing import _pool
 
-def rank():
-    import torch.distributed as dist
-    return dist.get_rank()
-
 import torch.distributed as dist  # before the limit: the test is about the pool's start, not torch's import
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 before = len(os.listdir("/proc/self/fd"))
@@ -139,8 +135,10 @@ for spare in range(store_needs + 1, store_needs + 30):
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + spare, hard))
     pool = _pool.RankPool(2)
     try:
-        pool.run(rank, timeout=60)
-        outcome = "started"
+        # a function the ranks can import (one defined here, in `python -c`'s __main__, they cannot): the last
+        # step is a start that succeeds and runs it
+        ranks = pool.run(dist.get_rank, timeout=60)
+        outcome = "started" if ranks == [0, 1] else f"started, but the ranks said {ranks}"
     except BaseException as error:
         outcome = f"{type(error).__name__}: {error}".splitlines()[0]
         outcome += f" [errno {error.errno}]" if isinstance(error, OSError) else ""
@@ -173,6 +171,7 @@ def test_a_pool_start_that_fails_raises_its_own_cause_and_leaves_nothing(tmp_pat
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     outcomes = [entry["outcome"] for entry in seen]
+    assert outcomes[-1] == "started", outcomes  # the limit was reached at every step of the start, up to none
     assert not any("can only join a started process" in outcome for outcome in outcomes), outcomes
     assert any(f"[errno {24}]" in outcome for outcome in outcomes), outcomes  # EMFILE itself, not a stand-in
     assert all(entry["children"] == [] for entry in seen), seen
