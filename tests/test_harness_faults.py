@@ -254,13 +254,14 @@ def one_sleeps_the_other_waits() -> None:
 
 
 def test_a_hang_report_leads_with_the_rank_outside_a_collective() -> None:
-    # in a warm pool, where this module is imported already, so the deadline finds rank 0 in all_reduce however
-    # slowly a loaded machine starts ranks (spawn_ranks' deadline would include the start)
+    # in a warm pool, where what this module imports is imported already, so the deadline finds rank 0 in
+    # all_reduce however slowly a loaded machine starts ranks (spawn_ranks' deadline would include the start);
+    # there a run reaches fn's first line in 0.03 s at load 8 on 2 cores
     pool = _pool.RankPool(2)
     try:
         pool.run(echo, timeout=TIMEOUT)
         with pytest.raises(RankError) as caught:
-            pool.run(one_sleeps_the_other_waits, timeout=6.0)
+            pool.run(one_sleeps_the_other_waits, timeout=3.0)
     finally:
         pool.close()
     error = caught.value
@@ -393,7 +394,7 @@ def test_infinite_timeout():
 
 @pytest.mark.ranks(1, timeout=30)
 def test_outlasts_pytest_timeout():
-    time.sleep(4)
+    time.sleep(2.5)  # longer than --timeout=2, which would end it were the limit not raised
 """
 
 
@@ -426,13 +427,15 @@ PRECEDENCE = """
 import time
 import pytest
 
+# each sleeps longer than --ranks-timeout=1.5, and far less than the marker's or the ini's timeout
+
 @pytest.mark.ranks(1, timeout=40)
 def test_marker_wins():
-    time.sleep(3)
+    time.sleep(2)
 
 @pytest.mark.ranks(1)
 def test_command_line_wins_over_ini():
-    time.sleep(3)
+    time.sleep(2)
 """
 
 
