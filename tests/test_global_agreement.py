@@ -4,7 +4,8 @@ differentiated twice.
 
 Every case is a test on warm pooled gloo ranks (2 and 3) checking its own rank against a single-process float64
 reference it builds from every rank's deterministic inputs (``tests/_global_inputs.py``). The two cases where the
-ranks must hang until the runner's timeout run through ``spawn_ranks`` itself: the runner is under test there.
+ranks must hang until the runner's timeout call the runner itself, on a warm pool of their own: its report is under
+test there, and a pool's timeout starts once the ranks are up, so it need only outlast the work before the hang.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests import _global_inputs as inp
 from tests._global_inputs import F64, FEATURES, assert_rel
 from tests._rank_tools import every_rank, record_collectives
 from torchmetrics_gradpatch import gather_all_tensors, patched
-from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+from torchmetrics_gradpatch.testing import RankError, _pool, spawn_ranks
 
 
 def worlds(*sizes: int) -> list[Any]:
@@ -293,14 +294,39 @@ def skip_backward(hang_seconds: float) -> str:
     return "finished"
 
 
+#: The timeout of a run that hangs on warm ranks. Before the hang, a rank re-imports this module and runs one
+#: gather (and rank 0 its backward): 0.2 s at most on warm ranks at load 10 on 2 cores, so 5 s is 25 times that.
+HANG_TIMEOUT = 5.0
+#: How long after it the error may come: the stack dump (0.5 s) plus the terminate/kill grace (3 s each).
+GRACE = 10.0
+
+
+def own_rank() -> int:
+    """The warm-up run: brings this module's imports (torchmetrics among them) into the pool's ranks."""
+    return dist.get_rank()
+
+
+def times_out_on_warm_ranks(fn: Any, *args: Any) -> RankError:
+    """The RankError of ``fn(*args)`` on 2 warm ranks, raised in time after :data:`HANG_TIMEOUT`.
+
+    (A fresh ``spawn_ranks`` run's timeout also covers the ranks' start: seconds, and more than 10 under load.)
+    """
+    pool = _pool.RankPool(2)
+    try:
+        assert pool.run(own_rank, timeout=120) == [0, 1]
+        start = time.monotonic()
+        with pytest.raises(RankError) as caught:
+            pool.run(fn, args, timeout=HANG_TIMEOUT)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close()
+    assert HANG_TIMEOUT <= elapsed < HANG_TIMEOUT + GRACE  # the runner waited for no rank's sleep to end
+    return caught.value
+
+
 @pytest.mark.waits
 def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
-    start = time.monotonic()
-    with pytest.raises(RankError) as caught:
-        # 20 s: on a loaded 2-core machine two ranks can take over 10 s just to import torch and connect
-        spawn_ranks(skip_backward, 2, args=(120.0,), timeout=20)
-    assert time.monotonic() - start < 40
-    err = caught.value
+    err = times_out_on_warm_ranks(skip_backward, 120.0)
     # the report leads with rank 1, the one its peer waits for (it is not inside a collective)
     assert err.rank == 1 and err.reason == "timed out", err
     assert err.collectives == {0: "all_to_all_single"}, err.collectives
@@ -314,10 +340,9 @@ def test_ranks_in_different_modes_wait_until_the_timeout() -> None:
 
     (Local mode must keep the unpatched gather's collectives, so it cannot carry a mode check.)
     """
-    with pytest.raises(RankError) as caught:
-        spawn_ranks(mixed_modes, 2, timeout=20)
-    assert caught.value.reason == "timed out", caught.value
-    assert "gather_local" in caught.value.details or "gather_global" in caught.value.details, caught.value
+    err = times_out_on_warm_ranks(mixed_modes)
+    assert err.reason == "timed out", err
+    assert "gather_local" in err.details or "gather_global" in err.details, err
 
 
 # ------------------------------------------------------------------------------- entries like torch's gather

@@ -121,10 +121,6 @@ START_UNDER_EMFILE = """
 import errno, json, multiprocessing, os, resource, sys, tempfile
 from torchmetrics_gradpatch.testing import _pool
 
-def rank():
-    import torch.distributed as dist
-    return dist.get_rank()
-
 import torch.distributed as dist  # before the limit: the test is about the pool's start, not torch's import
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 before = len(os.listdir("/proc/self/fd"))
@@ -139,8 +135,10 @@ for spare in range(store_needs + 1, store_needs + 30):
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + spare, hard))
     pool = _pool.RankPool(2)
     try:
-        pool.run(rank, timeout=60)
-        outcome = "started"
+        # a function the ranks can import (one defined here, in `python -c`'s __main__, they cannot): the last
+        # step is a start that succeeds and runs it
+        ranks = pool.run(dist.get_rank, timeout=60)
+        outcome = "started" if ranks == [0, 1] else f"started, but the ranks said {ranks}"
     except BaseException as error:
         outcome = f"{type(error).__name__}: {error}".splitlines()[0]
         outcome += f" [errno {error.errno}]" if isinstance(error, OSError) else ""
@@ -173,6 +171,7 @@ def test_a_pool_start_that_fails_raises_its_own_cause_and_leaves_nothing(tmp_pat
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     outcomes = [entry["outcome"] for entry in seen]
+    assert outcomes[-1] == "started", outcomes  # the limit was reached at every step of the start, up to none
     assert not any("can only join a started process" in outcome for outcome in outcomes), outcomes
     assert any(f"[errno {24}]" in outcome for outcome in outcomes), outcomes  # EMFILE itself, not a stand-in
     assert all(entry["children"] == [] for entry in seen), seen
@@ -255,13 +254,14 @@ def one_sleeps_the_other_waits() -> None:
 
 
 def test_a_hang_report_leads_with_the_rank_outside_a_collective() -> None:
-    # in a warm pool, where this module is imported already, so the deadline finds rank 0 in all_reduce however
-    # slowly a loaded machine starts ranks (spawn_ranks' deadline would include the start)
+    # in a warm pool, where what this module imports is imported already, so the deadline finds rank 0 in
+    # all_reduce however slowly a loaded machine starts ranks (spawn_ranks' deadline would include the start);
+    # there a run reaches fn's first line in 0.03 s at load 8 on 2 cores
     pool = _pool.RankPool(2)
     try:
         pool.run(echo, timeout=TIMEOUT)
         with pytest.raises(RankError) as caught:
-            pool.run(one_sleeps_the_other_waits, timeout=6.0)
+            pool.run(one_sleeps_the_other_waits, timeout=3.0)
     finally:
         pool.close()
     error = caught.value
@@ -394,7 +394,7 @@ def test_infinite_timeout():
 
 @pytest.mark.ranks(1, timeout=30)
 def test_outlasts_pytest_timeout():
-    time.sleep(4)
+    time.sleep(2.5)  # longer than --timeout=2, which would end it were the limit not raised
 """
 
 
@@ -427,13 +427,15 @@ PRECEDENCE = """
 import time
 import pytest
 
+# each sleeps longer than --ranks-timeout=1.5, and far less than the marker's or the ini's timeout
+
 @pytest.mark.ranks(1, timeout=40)
 def test_marker_wins():
-    time.sleep(3)
+    time.sleep(2)
 
 @pytest.mark.ranks(1)
 def test_command_line_wins_over_ini():
-    time.sleep(3)
+    time.sleep(2)
 """
 
 
