@@ -1,0 +1,176 @@
+"""Where a command's CPU time goes, process by process: a sampler of ``/proc`` (Linux), and its report.
+
+    python scripts/cpu_by_process.py record OUT.json -- bash .ci/run     # run a command, sample every process
+    python scripts/cpu_by_process.py report OUT.json [--top 25]          # what the samples say
+
+``record`` runs the command and, every 0.2 s until it ends, reads each process's CPU time (user + system) from
+``/proc/<pid>/stat``; the first time it sees a process it keeps the start of its command line, its parent and the
+``TOX_ENV_NAME`` and ``PYTEST_CURRENT_TEST`` of its environment (a rank or a subprocess inherits the test that was
+running when it started), and it notes whether the process has mapped ``libtorch_cpu`` (imported torch).
+Processes that live less than one interval are missed (they cost less than 0.2 s each). A process's CPU is its
+own, not its children's, so the records add up without counting anything twice.
+
+``report`` adds the records up per tox environment and per kind of process (a spawned rank, a pytest session,
+the CLI, torchrun, an example, the C++ compiler that inductor runs, other Python), and counts the processes that
+imported torch: each of them paid for ``import torch`` once. The whole JSON is the artifact; docs/development.md
+quotes its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+INTERVAL = 0.2
+_ENV_KEYS = (b"TOX_ENV_NAME", b"PYTEST_CURRENT_TEST")
+_COMPILERS = {"g++", "gcc", "cc1plus", "cc1", "collect2", "ld", "as"}
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _first_sight(pid: int, ppid: int) -> dict[str, Any]:
+    argv = [part.decode(errors="replace")[:160] for part in _read(f"/proc/{pid}/cmdline").split(b"\0")[:6]]
+    env: dict[str, str] = {}
+    try:
+        for pair in _read(f"/proc/{pid}/environ").split(b"\0"):
+            key, _, value = pair.partition(b"=")
+            if key in _ENV_KEYS:
+                env[key.decode()] = value.decode(errors="replace")
+    except OSError:
+        pass
+    return {
+        "pid": pid,
+        "ppid": ppid,
+        "argv": argv,
+        "env": env.get("TOX_ENV_NAME"),
+        "test": env.get("PYTEST_CURRENT_TEST"),
+        "torch": False,
+        "cpu_s": 0.0,
+    }
+
+
+def record(out: Path, command: list[str]) -> int:
+    ticks = os.sysconf("SC_CLK_TCK")
+    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    me = os.getpid()
+    load_start = [round(v, 2) for v in os.getloadavg()]
+    started = time.monotonic()
+    proc = subprocess.Popen(command)
+    while True:
+        done = proc.poll() is not None
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == me:
+                continue
+            pid = int(name)
+            try:
+                stat = _read(f"/proc/{pid}/stat").decode()
+                fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+                ppid, cpu, start = int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[19])
+                key = (pid, start)
+                if key not in seen:
+                    seen[key] = _first_sight(pid, ppid)
+                rec = seen[key]
+                rec["cpu_s"] = cpu / ticks
+                if not rec["torch"] and rec["cpu_s"] >= 0.3:
+                    rec["torch"] = b"libtorch_cpu" in _read(f"/proc/{pid}/maps")
+            except (OSError, ValueError, IndexError):
+                continue  # the process ended between listdir and the read
+        if done:
+            break
+        time.sleep(INTERVAL)
+    records = [rec for rec in seen.values() if rec["argv"][0]]  # kernel threads have no command line
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    result = {
+        "command": command,
+        "commit": head.stdout.strip() or "unknown",  # of the directory the command ran in
+        "exit": proc.returncode,
+        "wall_s": round(time.monotonic() - started, 1),
+        "cpus": os.cpu_count(),
+        "loadavg_start": load_start,
+        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+        "interval_s": INTERVAL,
+        "processes": records,
+    }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return proc.returncode
+
+
+def kind(argv: list[str]) -> str:
+    """What a process is, from the start of its command line."""
+    joined = " ".join(argv)
+    program = Path(argv[0]).name if argv else ""
+    if "spawn_main" in joined or "forkserver" in joined:
+        return "rank (multiprocessing child)"
+    if program in _COMPILERS:
+        return "C++ compiler (inductor)"
+    if "torchrun" in joined or "torch.distributed.run" in joined:
+        return "torchrun agent"
+    if "examples/" in joined:
+        return "example under torchrun"
+    if "torchmetrics_gradpatch" in joined or "torchmetrics-gradpatch" in joined:
+        return "CLI"
+    if "pytest" in joined:
+        return "pytest session"
+    if program.startswith("python"):
+        return "other Python"
+    return "other"
+
+
+def report(path: Path, top: int) -> None:
+    data = json.loads(path.read_text())
+    records = [rec for rec in data["processes"] if rec["env"]]
+    outside = [rec for rec in data["processes"] if not rec["env"]]
+    total = sum(rec["cpu_s"] for rec in records)
+    torch_procs = [rec for rec in records if rec["torch"]]
+    print(f"command: {' '.join(data['command'])} (exit {data['exit']}), {data['wall_s']} s wall on {data['cpus']} CPUs")
+    print(f"commit: {data['commit']}; load average at start {data['loadavg_start']}, at end {data['loadavg_end']}")
+    print(f"CPU time of the tox environments' processes: {total:.0f} s in {len(records)} processes")
+    print(f"processes that imported torch: {len(torch_procs)}, {sum(r['cpu_s'] for r in torch_procs):.0f} s of CPU")
+    print(f"outside the environments (tox, its installs, this sampler): {sum(r['cpu_s'] for r in outside):.0f} s")
+    by_env: dict[str, float] = collections.Counter()
+    by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])
+    for rec in records:
+        by_env[rec["env"]] += rec["cpu_s"]
+        row = by_kind[kind(rec["argv"])]
+        row[0] += 1
+        row[1] += rec["cpu_s"]
+        row[2] += rec["torch"]
+    print("\nper kind of process: processes, of them imported torch, CPU s")
+    for name, (count, cpu, with_torch) in sorted(by_kind.items(), key=lambda item: -item[1][1]):
+        print(f"  {name:32s} {count:5d} {with_torch:5d} {cpu:8.1f}")
+    print("\nper environment: CPU s")
+    for env, cpu in sorted(by_env.items(), key=lambda item: -item[1])[:top]:
+        print(f"  {env:32s} {cpu:8.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    rec = sub.add_parser("record", help="run a command and sample its processes")
+    rec.add_argument("out", type=Path)
+    rec.add_argument("command", nargs=argparse.REMAINDER)
+    rep = sub.add_parser("report", help="summarise a recording")
+    rep.add_argument("path", type=Path)
+    rep.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    if args.what == "record":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            parser.error("record needs a command after --")
+        return record(args.out, command)
+    report(args.path, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
