@@ -4,12 +4,12 @@ imported torch once (forkserver with torch preloaded), as ratios in one run.
     python benchmarks/bench_rank_start.py [--rounds 10] [--world-size 2] [--json out.json] [--text out.txt]
 
 Each round starts one world of ``--world-size`` ranks with each start method, in A B / B A order from round to
-round. A rank joins a gloo group (TCP store on a kernel-chosen port), passes a barrier, reports the CPU time its
-own process used (user + system, so a spawned rank counts its interpreter's start and ``import torch``, a forked
-one only what it did after the fork), leaves the group and exits. Reported per method: the wall time from the
-first start to the last exit, and the CPU per rank; and the ratios forkserver / spawn of their medians. The
-forkserver's own start (one ``import torch``, paid once per parent process) is reported apart: the CPU of a
-fresh interpreter that imports torch and torch.distributed.
+round. A rank joins a gloo group (through a TCP store the parent hosts on a kernel-chosen port), passes a
+barrier, reports the CPU time its own process used (user + system, so a spawned rank counts its interpreter's
+start and ``import torch``, a forked one only what it did after the fork), leaves the group and exits. Reported
+per method: the wall time from the first start to the last exit, and the CPU per rank; and the ratios
+forkserver / spawn of their medians. The forkserver's own start (one ``import torch``, paid once per parent
+process) is reported apart: the CPU of a fresh interpreter that imports torch and torch.distributed.
 
 This is what :func:`torchmetrics_gradpatch.testing.spawn_ranks` and the warm pool would gain per start from a
 preloaded server; docs/development.md says why they spawn.
@@ -44,7 +44,9 @@ def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=60)
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     dist.barrier()
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -52,17 +54,17 @@ def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_world(context: Any, world_size: int) -> tuple[float, list[float]]:
     """Wall seconds from the first start to the last exit, and each rank's own CPU seconds."""
-    port = _free_port()
+    import datetime
+
+    import torch.distributed as dist
+
+    # hosted here on port 0 and kept bound while the ranks run, so no other process can take the port first
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    port = store.port
     pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
     started = time.perf_counter()
     procs = [context.Process(target=_rank, args=(r, world_size, port, pipes[r][1])) for r in range(world_size)]
@@ -73,6 +75,7 @@ def start_world(context: Any, world_size: int) -> tuple[float, list[float]]:
         proc.join(60)
         if proc.exitcode != 0:
             raise RuntimeError(f"a rank exited with {proc.exitcode}")
+    del store
     return time.perf_counter() - started, cpu
 
 

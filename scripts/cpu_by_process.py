@@ -137,7 +137,7 @@ def report(path: Path, top: int) -> None:
     print(f"CPU time of the tox environments' processes: {total:.0f} s in {len(records)} processes")
     print(f"processes that imported torch: {len(torch_procs)}, {sum(r['cpu_s'] for r in torch_procs):.0f} s of CPU")
     print(f"outside the environments (tox, its installs, this sampler): {sum(r['cpu_s'] for r in outside):.0f} s")
-    by_env: dict[str, float] = collections.Counter()
+    by_env: dict[str, float] = collections.defaultdict(float)
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])
     for rec in records:
         by_env[rec["env"]] += rec["cpu_s"]
