@@ -59,9 +59,22 @@ def _first_sight(pid: int, ppid: int) -> dict[str, Any]:
     }
 
 
+def _existing() -> set[tuple[int, int]]:
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = _read(f"/proc/{name}/stat").decode()
+                found.add((int(name), int(stat[stat.rindex(")") + 2 :].split()[19])))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
 def record(out: Path, command: list[str]) -> int:
     ticks = os.sysconf("SC_CLK_TCK")
     seen: dict[tuple[int, int], dict[str, Any]] = {}
+    before = _existing()  # processes already running (their CPU is not the command's)
     me = os.getpid()
     load_start = [round(v, 2) for v in os.getloadavg()]
     started = time.monotonic()
@@ -77,6 +90,8 @@ def record(out: Path, command: list[str]) -> int:
                 fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
                 ppid, cpu, start = int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[19])
                 key = (pid, start)
+                if key in before:
+                    continue
                 if key not in seen:
                     seen[key] = _first_sight(pid, ppid)
                 rec = seen[key]
@@ -92,6 +107,7 @@ def record(out: Path, command: list[str]) -> int:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     result = {
         "command": command,
+        "pid": proc.pid,
         "commit": head.stdout.strip() or "unknown",  # of the directory the command ran in
         "exit": proc.returncode,
         "wall_s": round(time.monotonic() - started, 1),
@@ -111,32 +127,54 @@ def kind(argv: list[str]) -> str:
     program = Path(argv[0]).name if argv else ""
     if "spawn_main" in joined or "forkserver" in joined:
         return "rank (multiprocessing child)"
+    if program == "uv":
+        return "uv (installs)"
     if program in _COMPILERS:
         return "C++ compiler (inductor)"
     if "torchrun" in joined or "torch.distributed.run" in joined:
         return "torchrun agent"
     if "examples/" in joined:
         return "example under torchrun"
-    if "torchmetrics_gradpatch" in joined or "torchmetrics-gradpatch" in joined:
-        return "CLI"
     if "pytest" in joined:
         return "pytest session"
+    if program == "torchmetrics-gradpatch" or argv[1:3] == ["-m", "torchmetrics_gradpatch"]:
+        return "CLI"
     if program.startswith("python"):
         return "other Python"
     return "other"
 
 
+def _descendants(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The command's process and every process below it, found through the parents' pids."""
+    procs = data["processes"]
+    root = data.get("pid") or next(
+        (rec["pid"] for rec in procs if rec["argv"][: len(data["command"])] == data["command"]), None
+    )
+    children: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+    for rec in procs:
+        children[rec["ppid"]].append(rec)
+    found, todo = [], [rec for rec in procs if rec["pid"] == root]
+    while todo:
+        rec = todo.pop()
+        found.append(rec)
+        todo.extend(children.get(rec["pid"], []))
+    return found
+
+
 def report(path: Path, top: int) -> None:
     data = json.loads(path.read_text())
     records = [rec for rec in data["processes"] if rec["env"]]
-    outside = [rec for rec in data["processes"] if not rec["env"]]
+    outside = [rec for rec in _descendants(data) if not rec["env"]]
     total = sum(rec["cpu_s"] for rec in records)
     torch_procs = [rec for rec in records if rec["torch"]]
     print(f"command: {' '.join(data['command'])} (exit {data['exit']}), {data['wall_s']} s wall on {data['cpus']} CPUs")
     print(f"commit: {data['commit']}; load average at start {data['loadavg_start']}, at end {data['loadavg_end']}")
+    if "conditions" in data:
+        print(f"conditions: {data['conditions']}")
     print(f"CPU time of the tox environments' processes: {total:.0f} s in {len(records)} processes")
     print(f"processes that imported torch: {len(torch_procs)}, {sum(r['cpu_s'] for r in torch_procs):.0f} s of CPU")
-    print(f"outside the environments (tox, its installs, this sampler): {sum(r['cpu_s'] for r in outside):.0f} s")
+    other = sum(rec["cpu_s"] for rec in outside)
+    print(f"the command's processes outside any tox environment (tox itself, .ci/run's installs): {other:.0f} s of CPU")
     by_env: dict[str, float] = collections.defaultdict(float)
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])
     for rec in records:
