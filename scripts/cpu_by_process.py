@@ -3,15 +3,17 @@
     python scripts/cpu_by_process.py record OUT.json -- bash .ci/run     # run a command, sample every process
     python scripts/cpu_by_process.py report OUT.json [--top 25]          # what the samples say
 
-``record`` runs the command and, every 0.2 s until it ends, reads each process's CPU time (user + system) from
+``record`` runs the command and, every 0.2 s until it ends, reads each new process's CPU time (user + system) from
 ``/proc/<pid>/stat``; the first time it sees a process it keeps the start of its command line, its parent and the
 ``TOX_ENV_NAME`` and ``PYTEST_CURRENT_TEST`` of its environment (a rank or a subprocess inherits the test that was
 running when it started), and it notes whether the process has mapped ``libtorch_cpu`` (imported torch).
-Processes that live less than one interval are missed (they cost less than 0.2 s each). A process's CPU is its
+Processes that live less than one interval are missed (they cost less than 0.2 s each), and ``report``
+then misses their children too. A process's CPU is its
 own, not its children's, so the records add up without counting anything twice.
 
-``report`` adds the records up per tox environment and per kind of process (a spawned rank, a pytest session,
-the CLI, torchrun, an example, the C++ compiler that inductor runs, other Python), and counts the processes that
+``report`` adds up the records of the command's own processes (found through their parents) per tox
+environment and per kind of process (a spawned rank, a pytest session, the CLI, torchrun, an example, the C++
+compiler that inductor runs, other Python), and counts the processes that
 imported torch: each of them paid for ``import torch`` once. The whole JSON is the artifact; docs/development.md
 quotes its report.
 """
@@ -59,16 +61,44 @@ def _first_sight(pid: int, ppid: int) -> dict[str, Any]:
     }
 
 
+def _stat(pid: int) -> tuple[int, int, int]:
+    """A process's parent, CPU time in clock ticks (user + system) and start time, from ``/proc/<pid>/stat``."""
+    stat = _read(f"/proc/{pid}/stat").decode()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[19])
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
 def _existing() -> set[tuple[int, int]]:
+    """The processes running now, as (pid, start time): their CPU is not the command's."""
     found = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = _read(f"/proc/{name}/stat").decode()
-                found.add((int(name), int(stat[stat.rindex(")") + 2 :].split()[19])))
-            except (OSError, ValueError, IndexError):
-                continue
+    for pid in _pids():
+        try:
+            found.add((pid, _stat(pid)[2]))
+        except (OSError, ValueError, IndexError):
+            continue
     return found
+
+
+def _sample(seen: dict[tuple[int, int], dict[str, Any]], before: set[tuple[int, int]], me: int, ticks: int) -> None:
+    for pid in _pids():
+        if pid == me:
+            continue
+        try:
+            ppid, cpu, start = _stat(pid)
+            if (pid, start) in before:
+                continue
+            rec = seen.get((pid, start))
+            if rec is None:
+                rec = seen[(pid, start)] = _first_sight(pid, ppid)
+            rec["cpu_s"] = cpu / ticks
+            if not rec["torch"] and rec["cpu_s"] >= 0.3:
+                rec["torch"] = b"libtorch_cpu" in _read(f"/proc/{pid}/maps")
+        except (OSError, ValueError, IndexError):
+            continue  # the process ended between the listing and the read
 
 
 def record(out: Path, command: list[str]) -> int:
@@ -79,30 +109,15 @@ def record(out: Path, command: list[str]) -> int:
     load_start = [round(v, 2) for v in os.getloadavg()]
     started = time.monotonic()
     proc = subprocess.Popen(command)
-    while True:
-        done = proc.poll() is not None
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == me:
-                continue
-            pid = int(name)
-            try:
-                stat = _read(f"/proc/{pid}/stat").decode()
-                fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
-                ppid, cpu, start = int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[19])
-                key = (pid, start)
-                if key in before:
-                    continue
-                if key not in seen:
-                    seen[key] = _first_sight(pid, ppid)
-                rec = seen[key]
-                rec["cpu_s"] = cpu / ticks
-                if not rec["torch"] and rec["cpu_s"] >= 0.3:
-                    rec["torch"] = b"libtorch_cpu" in _read(f"/proc/{pid}/maps")
-            except (OSError, ValueError, IndexError):
-                continue  # the process ended between listdir and the read
-        if done:
-            break
-        time.sleep(INTERVAL)
+    try:
+        while True:
+            done = proc.poll() is not None
+            _sample(seen, before, me, ticks)
+            if done:
+                break
+            time.sleep(INTERVAL)
+    except KeyboardInterrupt:  # the command got the same Ctrl-C: let it end, keep what was sampled
+        proc.wait()
     records = [rec for rec in seen.values() if rec["argv"][0]]  # kernel threads have no command line
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     result = {
@@ -147,9 +162,10 @@ def kind(argv: list[str]) -> str:
 def _descendants(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The command's process and every process below it, found through the parents' pids."""
     procs = data["processes"]
-    root = data.get("pid") or next(
-        (rec["pid"] for rec in procs if rec["argv"][: len(data["command"])] == data["command"]), None
-    )
+    # recordings say the command's pid; for older ones, the first process whose command line starts as it did
+    # (a record keeps the first 6 words, each cut to 160 characters)
+    start = [word[:160] for word in data["command"][:6]]
+    root = data.get("pid") or next((rec["pid"] for rec in procs if rec["argv"][: len(start)] == start), None)
     children: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
     for rec in procs:
         children[rec["ppid"]].append(rec)
@@ -163,8 +179,9 @@ def _descendants(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def report(path: Path, top: int) -> None:
     data = json.loads(path.read_text())
-    records = [rec for rec in data["processes"] if rec["env"]]
-    outside = [rec for rec in _descendants(data) if not rec["env"]]
+    mine = _descendants(data)  # processes of others running meanwhile do not count
+    records = [rec for rec in mine if rec["env"]]
+    outside = [rec for rec in mine if not rec["env"]]
     total = sum(rec["cpu_s"] for rec in records)
     torch_procs = [rec for rec in records if rec["torch"]]
     print(f"command: {' '.join(data['command'])} (exit {data['exit']}), {data['wall_s']} s wall on {data['cpus']} CPUs")
