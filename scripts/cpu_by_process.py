@@ -7,9 +7,9 @@
 ``/proc/<pid>/stat``; the first time it sees a process it keeps the start of its command line, its parent and the
 ``TOX_ENV_NAME`` and ``PYTEST_CURRENT_TEST`` of its environment (a rank or a subprocess inherits the test that was
 running when it started), and it notes whether the process has mapped ``libtorch_cpu`` (imported torch).
-Processes that live less than one interval are missed (they cost less than 0.2 s each), and ``report``
-then misses their children too. A process's CPU is its
-own, not its children's, so the records add up without counting anything twice.
+Processes that live less than one interval are missed (they cost less than 0.2 s each), and ``report`` then
+misses their children too. A process's CPU is its own, not its children's, so the records add up without
+counting anything twice.
 
 ``report`` adds up the records of the command's own processes (found through their parents) per tox
 environment and per kind of process (a spawned rank, a pytest session, the CLI, torchrun, an example, the C++
