@@ -162,10 +162,7 @@ def kind(argv: list[str]) -> str:
 def _descendants(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The command's process and every process below it, found through the parents' pids."""
     procs = data["processes"]
-    # recordings say the command's pid; for older ones, the first process whose command line starts as it did
-    # (a record keeps the first 6 words, each cut to 160 characters)
-    start = [word[:160] for word in data["command"][:6]]
-    root = data.get("pid") or next((rec["pid"] for rec in procs if rec["argv"][: len(start)] == start), None)
+    root = data["pid"]
     children: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
     for rec in procs:
         children[rec["ppid"]].append(rec)
