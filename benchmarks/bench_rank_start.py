@@ -18,6 +18,7 @@ preloaded server; docs/development.md says why they spawn.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import multiprocessing
 import os
@@ -40,8 +41,6 @@ METHODS = ("spawn", "forkserver")
 
 
 def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
-    import datetime
-
     import torch.distributed as dist
 
     store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -56,8 +55,6 @@ def _rank(rank: int, world_size: int, port: int, out: Any) -> None:
 
 def start_world(context: Any, world_size: int) -> tuple[float, list[float]]:
     """Wall seconds from the first start to the last exit, and each rank's own CPU seconds."""
-    import datetime
-
     import torch.distributed as dist
 
     # hosted here on port 0 and kept bound while the ranks run, so no other process can take the port first
