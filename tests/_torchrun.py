@@ -23,7 +23,7 @@ NEEDS_TORCH_2 = pytest.mark.skipif(Version(TORCH.base_version) < Version("2.0"),
 
 def torchrun(*args: str, env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc-per-node N ...`` (this interpreter's torchrun), bounded in time."""
-    return run_torchrun([*standalone(), "--nproc-per-node", str(nproc), *args], env=env)
+    return run_torchrun(["--standalone", "--nproc-per-node", str(nproc), *args], env=env)
 
 
 def standalone() -> list[str]:
@@ -49,6 +49,9 @@ def standalone() -> list[str]:
 def run_torchrun(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``torchrun *args`` with this interpreter's torchrun, from the repository root, bounded in time.
 
+    A ``--standalone`` in ``args`` becomes what :func:`standalone` gives, so a command quoted from the docs runs
+    side by side with another suite's on torch 2.0 too.
+
     torchrun runs in its own session; if it outlives the deadline, the whole session (torchrun, its ranks and
     anything they spawned) is killed before the ``TimeoutExpired`` propagates, so nothing is left behind.
     """
@@ -56,7 +59,7 @@ def run_torchrun(args: list[str], env: dict[str, str] | None = None) -> subproce
     command = [script] if script else [sys.executable, "-m", "torch.distributed.run"]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    argv = [*command, *args]
+    argv = [*command, *(arg for given in args for arg in (standalone() if given == "--standalone" else [given]))]
     with subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=ROOT, start_new_session=True
     ) as proc:

@@ -1,7 +1,8 @@
 """``examples/ddp_metric_loss.py`` runs through torchrun, exactly as the README says, so it cannot rot.
 
 The first test reads the ``torchrun ... examples/ddp_metric_loss.py`` command from README.md's code blocks and
-runs those arguments, so a change to the README's command is tested as written.
+runs those arguments, so a change to the README's command is tested as written (on torch 2.0 its ``--standalone``
+runs as the options it stands for on a free port: see ``tests._torchrun.standalone``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def test_the_readme_gives_the_example_command() -> None:
 
 
 def test_example_gradient_is_the_single_process_gradient_over_world_size() -> None:
-    proc = run_torchrun(readme_command())  # exactly as the README says
+    proc = run_torchrun(readme_command())  # as the README says
     assert proc.returncode == 0, show(proc)
     assert "DDP gradient == 0.5 x single-process gradient" in proc.stdout, show(proc)
     assert "gradient: OK" in proc.stdout and "loss:     OK" in proc.stdout, show(proc)
