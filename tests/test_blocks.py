@@ -9,14 +9,16 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torchmetrics.utilities.distributed as tm_dist
 
 import torchmetrics_gradpatch as tg
 from tests._subprocess import ok
-from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch import _engine, _fused
 
 NATIVE = tg.status().native
 MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
@@ -107,6 +109,94 @@ def test_a_ctrl_c_storm_leaves_no_block_open_and_unpatch_means_unpatched() -> No
     assert interrupts > 100, f"the storm interrupted the blocks too rarely to test anything: {out}"
     assert out[1].split() == ["after", "0", "False", "off", "off"], out
     assert out[2].split() == ["unpatched", "False", "off", "off", "True"], out
+
+
+# What the engine runs after a block's record is stored or deleted, to bring everything else in line with it
+SETTLING = (_engine._settle, _engine._refresh, _engine._sync, _engine._sync_gather, _engine._sync_metric)
+
+
+def body_lines(function: Callable[..., Any]) -> list[int]:
+    """The line numbers of ``function``'s code after its ``def`` line."""
+    code = function.__code__
+    return sorted({line for _, _, line in code.co_lines() if line is not None and line > code.co_firstlineno})
+
+
+@contextlib.contextmanager
+def interrupt_at(code: types.CodeType, line: int) -> Iterator[list[int]]:
+    """Raise KeyboardInterrupt once, as Ctrl-C would, when this thread reaches ``line`` of ``code``."""
+    hits: list[int] = []
+
+    def local(frame: types.FrameType, event: str, arg: object) -> Any:
+        if event == "line" and frame.f_lineno == line and not hits:
+            hits.append(line)
+            raise KeyboardInterrupt
+        return local
+
+    def calls(frame: types.FrameType, event: str, arg: object) -> Any:
+        return local if frame.f_code is code and not hits else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield hits
+    finally:
+        sys.settrace(previous)
+
+
+def assert_unpatched(original: types.CodeType, where: str) -> None:
+    status = tg.status()
+    assert (tg.is_patched(), status.blocks, status.state) == (False, 0, "off"), where
+    assert tm_dist.gather_all_tensors.__code__ is original and not _engine.installed(), where
+    assert not _fused.guarded(), where
+
+
+@pytest.mark.parametrize("step", ["enter", "exit"])
+def test_an_interrupt_anywhere_in_settling_a_block_leaves_the_next_reading_unpatched(step: str) -> None:
+    """A Ctrl-C landing on any line the engine runs after storing or deleting a block's record (recomputing what
+    is in force, swapping the code, replacing ``Metric._sync_dist``): the block is closed, and the next reading of
+    the state finds everything put back."""
+    original = tm_dist.gather_all_tensors.__code__  # unpatched by the fixture
+    reached = []
+    for function in SETTLING:
+        for line in body_lines(function):
+            block = tg.patched(MODE)
+            where = f"{step}, interrupted at {function.__name__}:{line - function.__code__.co_firstlineno}"
+            with interrupt_at(function.__code__, line) as hits:
+                try:
+                    block.__enter__()  # by hand: the record stays until exited
+                    if step == "exit":
+                        block.__exit__(None, None, None)
+                except KeyboardInterrupt:
+                    pass
+            if step == "enter" and not hits:
+                block.__exit__(None, None, None)  # not interrupted: the entry stood, so close it
+            elif step == "exit" and hits and tg.status().blocks:
+                continue  # interrupted while entering, before the exit ran: the next round is that case
+            reached += hits
+            assert_unpatched(original, where)
+    # every settling function was interrupted somewhere, and on most of its lines
+    assert len(reached) >= len(SETTLING) * 3, reached
+
+
+@pytest.mark.skipif(NATIVE, reason="torchmetrics >= 1.6 keeps the graph itself: both gathers give the same list")
+def test_a_gather_after_an_interrupted_exit_runs_unpatched(world_of_one: None) -> None:
+    """The first thing after the interrupt is a gather, before anything reads the state: the gather finishes
+    putting the original back and runs it (the patched gather would return the input itself at this rank)."""
+    import torch
+
+    original = tm_dist.gather_all_tensors.__code__  # unpatched by the fixture
+    x = torch.ones(2, requires_grad=True)
+    reached = []
+    for line in body_lines(_engine._refresh):
+        block = tg.patched(MODE)
+        block.__enter__()
+        assert tm_dist.gather_all_tensors(x)[0] is x  # the block is in force
+        with interrupt_at(_engine._refresh.__code__, line) as hits, contextlib.suppress(KeyboardInterrupt):
+            block.__exit__(None, None, None)
+        reached += hits
+        assert tm_dist.gather_all_tensors(x)[0] is not x, f"interrupted at _refresh:{line}"
+        assert_unpatched(original, f"interrupted at _refresh:{line}")
+    assert len(reached) >= 5, reached  # the lines an exit runs there (a line not run is not a case)
 
 
 def test_an_exit_that_never_ran_closes_the_block_once_the_with_statement_is_gone() -> None:

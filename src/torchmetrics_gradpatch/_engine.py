@@ -19,6 +19,10 @@ Invariants:
 * a ``patched()`` block is one record, stored or deleted by one bytecode under the lock; a record tied to a
   ``with`` statement that no longer exists (an asynchronous exception interrupted its ``__enter__`` or
   ``__exit__``) is dropped at the next state change or reading of the state (docs/design.md);
+* what is derived from the records and switches (counts, mode, the gather dispatch calls, ``__code__``,
+  ``Metric._sync_dist``) is brought in line by :func:`_settle`, and ``_State.settled`` is cleared before every
+  change and set only when that has run to its end: an asynchronous exception landing in between leaves it
+  clear, and the next change, reading of the state or dispatched gather settles again;
 * one state per process, kept on :mod:`sys`, so reloaded or re-imported copies of this module share it.
 
 Longer than the package's other modules because every transition and the code swap share one lock and one set of
@@ -68,7 +72,7 @@ __all__ = [
 DISPATCH_NAME = "__torchmetrics_gradpatch_dispatch__"
 #: Where the process-wide state lives: an attribute of :mod:`sys`.
 SHARED_NAME = "_torchmetrics_gradpatch_engine"
-_SCHEMA = 5  # bumped whenever _State changes shape; a state of another shape is not shared
+_SCHEMA = 6  # bumped whenever _State changes shape; a state of another shape is not shared
 
 #: One open block: its mode (or None), a weak reference to what keeps its ``with`` statement alive (or None for
 #: a block entered by calling ``__enter__`` directly, open until exited), and its sync strategy (or None).
@@ -98,6 +102,7 @@ class _State:
     default_sync: str = "torchmetrics"  # TORCHMETRICS_GRADPATCH_SYNC, set at import
     manual_sync: str = "torchmetrics"  # the sync patch() was given
     sync_replaced: bool = False  # the engine has asked _fused to replace Metric._sync_dist
+    settled: bool = True  # the derived fields, __code__ and Metric._sync_dist match the records and switches
     # Derived from the above by _refresh(), under the lock:
     in_force: bool = False  # manual or any record
     blocks: int = 0  # len(records)
@@ -150,8 +155,14 @@ def _is_trampoline(code: types.CodeType) -> bool:
 def dispatch(result: Any, group: Any = None) -> list[Any]:
     """Entry point of the trampoline: the effective mode's gather while in force, else the original.
 
-    The hot path of every patched gather: two attribute reads, torch's is_compiling check and one call.
+    The hot path of every patched gather: three attribute reads, torch's is_compiling check and one call. A change
+    that an asynchronous exception cut short is finished first, unless another thread is making a change now.
     """
+    if not _state.settled and _lock.acquire(blocking=False):
+        try:
+            _sweep()
+        finally:
+            _lock.release()
     gather = _state.gather
     if gather is not None:
         if _state.is_compiling():  # under torch.compile: a graph break, the gather runs eagerly
@@ -171,13 +182,13 @@ def _adopt(module: types.ModuleType) -> None:
             return
         saved = function.__dict__.get(_ORIGINAL_ATTR)
         original = saved if saved is not None and _is_trampoline(function.__code__) else function.__code__
+        _state.settled = False
         _state.function = function
         _state.original_code = original
         _state.original_clone = types.FunctionType(
             original, function.__globals__, function.__name__, function.__defaults__, function.__closure__
         )
-        _refresh()
-        _sync()
+        _settle()
 
 
 def _on_import(module: types.ModuleType) -> None:
@@ -252,12 +263,13 @@ def _sync_metric() -> None:
     installed on native torchmetrics too. Only a replacement the engine asked for is taken out, so
     :mod:`torchmetrics_gradpatch._fused` used directly is left alone.
     """
+    # the flag is set before and cleared after the (idempotent) call, so an interrupted one is finished later
     if _state.in_force and (_state.sync == "fused" or _wanted()):
-        _fused.install(_state.sync, mode=effective_mode, guard=True)  # idempotent: wraps at most once
         _state.sync_replaced = True
+        _fused.install(_state.sync, mode=effective_mode, guard=True)  # idempotent: wraps at most once
     elif _state.sync_replaced:
-        _state.sync_replaced = False
         _fused.uninstall()
+        _state.sync_replaced = False
 
 
 def _sync_gather() -> None:
@@ -271,6 +283,7 @@ def _sync_gather() -> None:
     if _wanted():
         if current is _TRAMPOLINE_CODE:
             function.__globals__[DISPATCH_NAME] = dispatch  # this copy's (a reloaded module's) dispatch
+            _state.ours_installed = True
             return
         if current is not _state.original_code and not _is_trampoline(current):
             raise RuntimeError(
@@ -280,11 +293,11 @@ def _sync_gather() -> None:
             )
         function.__dict__[_ORIGINAL_ATTR] = _state.original_code
         function.__globals__[DISPATCH_NAME] = dispatch
+        _state.ours_installed = True  # before the swap: an interrupt after it must not look like another tool
         function.__code__ = _TRAMPOLINE_CODE
-        _state.ours_installed = True
         _compile.watch_dynamo()  # torch.compile: the graph break's wrapper, once dynamo is imported
-    elif _is_trampoline(current):
-        function.__code__ = _state.original_code
+    elif _is_trampoline(current) or current is _state.original_code:
+        function.__code__ = _state.original_code  # (a no-op after an uninstall an interrupt cut short)
         function.__dict__.pop(_ORIGINAL_ATTR, None)
         _state.ours_installed = False
     elif _state.ours_installed:
@@ -308,14 +321,29 @@ def _ensure_hook() -> None:
         wrapt.register_post_import_hook(_on_import, TARGET_MODULE)
 
 
+def _settle() -> None:
+    """Bring the derived fields, ``__code__`` and ``Metric._sync_dist`` in line with the records and switches.
+
+    Under ``_lock``, after a change that cleared ``_state.settled``; each step is idempotent, so running it again
+    after an asynchronous exception cut it short finishes it.
+    """
+    _refresh()
+    _sync()
+    _state.settled = True
+
+
 def _change(undo: Callable[[], object]) -> None:
-    """Bring the derived state and ``__code__`` in line after a change; on failure ``undo`` it and re-raise."""
+    """Settle after a change (``_state.settled`` cleared by the caller); on failure ``undo`` it and re-raise.
+
+    An error of ours (an ``Exception``: refused before anything was swapped) leaves the undone state settled; an
+    asynchronous exception may have cut the swap short, so the next reading of the state settles it again.
+    """
     try:
-        _refresh()
-        _sync()
-    except BaseException:
+        _settle()
+    except BaseException as error:
         undo()
         _refresh()
+        _state.settled = isinstance(error, Exception)
         raise
 
 
@@ -345,6 +373,7 @@ def set_manual(on: bool, mode: str | None = None, *, by: str = "patch()", sync: 
         def undo() -> None:
             _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync = previous
 
+        _state.settled = False
         _state.manual = on
         if on:
             _state.manual_mode = _state.default_mode if mode is None else mode
@@ -357,6 +386,7 @@ def set_default_mode(mode: str) -> None:
     """Set the mode used when neither ``patch()`` nor a ``patched()`` block names one."""
     with _lock:
         previous = _state.default_mode
+        _state.settled = False
         _state.default_mode = mode
         _change(lambda: setattr(_state, "default_mode", previous))
 
@@ -365,6 +395,7 @@ def set_default_sync(sync: str) -> None:
     """Set the sync strategy used when neither ``patch()`` nor a ``patched()`` block names one."""
     with _lock:
         previous = _state.default_sync
+        _state.settled = False
         _state.default_sync = sync
         _change(lambda: setattr(_state, "default_sync", previous))
 
@@ -374,6 +405,7 @@ def set_compile_support(enabled: bool) -> None:
     _compile.watch_dynamo()
     with _lock:
         previous = _state.compile_native
+        _state.settled = False
         _state.compile_native = enabled
         _change(lambda: setattr(_state, "compile_native", previous))
 
@@ -390,6 +422,7 @@ def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None, 
         _sweep()
         token = _state.next_token
         _state.next_token = token + 1
+        _state.settled = False
         _state.records[token] = (mode, alive, sync)  # the block is open from this one store on
         _change(lambda: _state.records.pop(token, None))
         return token
@@ -403,9 +436,10 @@ def exit_block(token: int | None = None) -> None:
             if not _state.records:
                 raise RuntimeError("torchmetrics_gradpatch: patched() exited more often than it was entered")
             token = next(reversed(_state.records))
-        if _state.records.pop(token, None) is not None:  # the block is closed from this one deletion on
-            _refresh()
-            _sync()
+        if token in _state.records:
+            _state.settled = False
+            del _state.records[token]  # the block is closed from this one deletion on
+            _settle()
 
 
 def close_all_blocks() -> int:
@@ -413,27 +447,32 @@ def close_all_blocks() -> int:
     with _lock:
         _sweep()
         count = len(_state.records)
+        _state.settled = False
         _state.records.clear()
-        _refresh()
-        _sync()
+        _settle()
         return count
 
 
 def _sweep() -> None:
-    """Drop the records whose ``with`` statement no longer exists. Under the lock, before any use of the records."""
+    """Finish a change cut short, and drop the records whose ``with`` statement no longer exists.
+
+    Under the lock, before any use of the records or the derived state.
+    """
+    if not _state.settled:
+        _settle()
     if not _state.records:
         return
     dead = [token for token, (_, alive, _) in _state.records.items() if alive is not None and alive() is None]
     if dead:
+        _state.settled = False
         for token in dead:
             _state.records.pop(token, None)
-        _refresh()
-        _sync()
+        _settle()
 
 
 def in_force() -> bool:
     """Whether the patch is in force: ``patch()`` is on or a ``patched()`` block is open."""
-    if _state.records:
+    if _state.records or not _state.settled:
         with _lock:
             _sweep()
     return _state.in_force
