@@ -325,10 +325,16 @@ def _settle() -> None:
     """Bring the derived fields, ``__code__`` and ``Metric._sync_dist`` in line with the records and switches.
 
     Under ``_lock``, after a change that cleared ``_state.settled``; each step is idempotent, so running it again
-    after an asynchronous exception cut it short finishes it.
+    after an asynchronous exception cut it short finishes it. An error of ours (an ``Exception``, such as the
+    refusal to overwrite another tool's code) would only be raised again by every retry, so it leaves the state
+    settled, as it stands.
     """
-    _refresh()
-    _sync()
+    try:
+        _refresh()
+        _sync()
+    except Exception:
+        _state.settled = True
+        raise
     _state.settled = True
 
 
