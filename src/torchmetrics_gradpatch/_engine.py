@@ -297,7 +297,8 @@ def _sync_gather() -> None:
         function.__code__ = _TRAMPOLINE_CODE
         _compile.watch_dynamo()  # torch.compile: the graph break's wrapper, once dynamo is imported
     elif _is_trampoline(current) or current is _state.original_code:
-        function.__code__ = _state.original_code  # (a no-op after an uninstall an interrupt cut short)
+        if current is not _state.original_code:  # (it is after an uninstall an interrupt cut short)
+            function.__code__ = _state.original_code
         function.__dict__.pop(_ORIGINAL_ATTR, None)
         _state.ours_installed = False
     elif _state.ours_installed:
