@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchmetrics import MeanSquaredError
 
-from torchmetrics_gradpatch._checks import CatMeanSquaredError  # the self-check's list-state loss
+from torchmetrics_gradpatch.cli.checks import CatMeanSquaredError  # the self-check's list-state loss
 
 WORLD_SIZE = 2
 BATCH_SIZES = (3, 5)  # rank r's batch size

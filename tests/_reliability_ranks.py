@@ -1,6 +1,6 @@
 """Rank functions for the runner's own fault and port tests (tests/test_faults.py, test_reliability_ports.py).
 
-They run inside ranks spawned by :func:`torchmetrics_gradpatch.testing.spawn_ranks` (the runner is what those
+They run inside ranks spawned by :func:`tests.harness.spawn_ranks` (the runner is what those
 tests check), so they must be module-level in an importable module. The property and stress bodies live beside
 their tests (tests/test_properties.py, tests/test_reliability_stress.py).
 """

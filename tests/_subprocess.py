@@ -108,6 +108,6 @@ def console_script(tmp_path: Path) -> list[str]:
     script = tmp_path / "bin" / "torchmetrics-gradpatch"
     script.parent.mkdir()
     script.write_text(
-        "import sys\nfrom torchmetrics_gradpatch._cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
+        "import sys\nfrom torchmetrics_gradpatch.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
     )
     return [sys.executable, str(script)]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torchmetrics import MeanSquaredError, Metric
 
-from torchmetrics_gradpatch._checks import CatMeanSquaredError as CatSquaredError  # check's own cat-state MSE
+from torchmetrics_gradpatch.cli.checks import CatMeanSquaredError as CatSquaredError  # check's own cat-state MSE
 
 
 class SumSquaredError(Metric):

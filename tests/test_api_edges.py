@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torchmetrics_gradpatch as tg
 from tests._subprocess import ROOT, run_python
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._cli import build_parser
+from torchmetrics_gradpatch.cli import build_parser
 
 NATIVE = tg.status().native
 MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics

@@ -139,7 +139,7 @@ def test_another_programs_python_m_still_gets_the_exception(old_torch: list[str]
     ],
 )
 def test_module_target(orig_argv: list[str], target: str | None) -> None:
-    from torchmetrics_gradpatch._cli_exit import _module_target
+    from torchmetrics_gradpatch.cli.exit import _module_target
 
     assert _module_target(orig_argv) == target
 
@@ -223,7 +223,7 @@ def test_status_json_without_autopatch() -> None:
 
 @needs_supported_torch
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from torchmetrics_gradpatch._cli import main
+    from torchmetrics_gradpatch.cli import main
 
     for argv in ([], ["check", "--world-size", "0"], ["check", "--timeout", "-1"], ["frobnicate"]):
         with pytest.raises(SystemExit) as exit_info:
@@ -280,7 +280,7 @@ def test_check_reports_ranks_that_cannot_run(
 ) -> None:
     """A rank that dies or raises before the checks is reported with the runner's details and exit status 3."""
     from torchmetrics_gradpatch import testing
-    from torchmetrics_gradpatch._cli import main
+    from torchmetrics_gradpatch.cli import main
 
     def failing_runner(*args: object, **kwargs: object) -> None:
         raise testing.RankError(1, "died", "process was killed by SIGKILL")
@@ -299,7 +299,7 @@ def test_live_progress_line_tells_failure_from_success(monkeypatch: pytest.Monke
     """On a terminal the progress line ends in "done in" or "FAILED after", never "done" for a failure."""
     import io
 
-    from torchmetrics_gradpatch._cli_check import _Progress
+    from torchmetrics_gradpatch.cli.check import _Progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -343,7 +343,7 @@ def analytic_gradient(name: str, rank: int, world_size: int) -> list[Any]:
     """The local-mode gradient of a check, written out by hand (the reference computes it with autograd)."""
     import torch
 
-    from torchmetrics_gradpatch import _checks
+    from torchmetrics_gradpatch.cli import checks as _checks
 
     with torch.no_grad():
         if name.startswith("gather"):
@@ -362,7 +362,7 @@ def analytic_gradient(name: str, rank: int, world_size: int) -> list[Any]:
 @needs_supported_torch
 def test_checks_compare_against_a_reference_that_catches_a_wrong_gradient() -> None:
     """The parent's comparison is not vacuous: the reference differs between ranks, and a wrong gradient fails."""
-    from torchmetrics_gradpatch import _checks
+    from torchmetrics_gradpatch.cli import checks as _checks
 
     for name in _checks.CHECKS:
         r0, r1 = _checks.reference(name, 0, 2), _checks.reference(name, 1, 2)

@@ -91,7 +91,7 @@ def test_timeout_refuses_what_is_not_a_positive_finite_number(value: str) -> Non
 
 
 def test_timeout_parses_every_positive_finite_number() -> None:
-    from torchmetrics_gradpatch._cli import build_parser
+    from torchmetrics_gradpatch.cli import build_parser
 
     for text, seconds in [("1e12", 1e12), ("86401", 86401.0), ("1e-3", 0.001), ("120", 120.0), ("2.5", 2.5)]:
         assert build_parser().parse_args(["check", "--timeout", text]).timeout == seconds
@@ -122,7 +122,7 @@ def test_unknown_compile_backend_is_a_usage_error_naming_torchs_backends() -> No
 
 
 def test_compile_defaults_to_the_eager_backend_and_takes_inductor_by_name() -> None:
-    from torchmetrics_gradpatch._cli import build_parser
+    from torchmetrics_gradpatch.cli import build_parser
 
     assert build_parser().parse_args(["check", "--compile"]).compile == "eager"
     assert build_parser().parse_args(["check", "--compile", "inductor"]).compile == "inductor"
@@ -177,7 +177,7 @@ def test_a_rank_that_died_is_cannot_run_here_only_before_the_checks(
 ) -> None:
     """The runner's report decides: a rank that crashed inside a check failed it (1); one that never got there is 3."""
     from torchmetrics_gradpatch import testing
-    from torchmetrics_gradpatch._cli import main
+    from torchmetrics_gradpatch.cli import main
 
     def dying_runner(*args: object, **kwargs: object) -> None:
         raise testing.RankError(1, "died", details)

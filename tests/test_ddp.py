@@ -24,7 +24,7 @@ import torchmetrics_gradpatch
 from tests._rank_tools import collection_loss, destroy_subgroup, every_rank, record_collectives, synced_state_loss
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch.testing import spawn_ranks
+from tests.harness import spawn_ranks
 
 # Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
 CAT_ROWS = (3, 5, 4)

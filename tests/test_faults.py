@@ -19,7 +19,7 @@ import torch
 import torchmetrics_gradpatch as tmgp
 from tests import _reliability_ranks as ranks
 from tests._rank_tools import error_of, errors_off_and_on
-from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+from tests.harness import RankError, spawn_ranks
 
 pytestmark = pytest.mark.harness  # tox's harness environment runs this module
 

@@ -383,7 +383,7 @@ def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
 
 
 def test_description_round_trip_and_alignment() -> None:
-    from torchmetrics_gradpatch import _fused_pack as fp
+    from torchmetrics_gradpatch.fused import wire as fp
 
     tensors = [
         torch.ones((), dtype=torch.bool),

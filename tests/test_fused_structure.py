@@ -22,7 +22,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from tests.test_fused import ORIGINAL_SYNC_DIST, Probe, calls, same, states, values, worlds
 from torchmetrics_gradpatch import _fused
-from torchmetrics_gradpatch._fused_errors import FusedSyncError
+from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch._modes import GradModeMismatchError
 
 PLACEHOLDER = Version(tm_version).release >= (1, 4)  # torchmetrics puts tensor([]) in for an empty cat list

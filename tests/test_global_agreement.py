@@ -27,7 +27,7 @@ from tests import _global_inputs as inp
 from tests._global_inputs import F64, FEATURES, assert_rel
 from tests._rank_tools import every_rank, record_collectives
 from torchmetrics_gradpatch import gather_all_tensors, patched
-from torchmetrics_gradpatch.testing import RankError, _pool, spawn_ranks
+from tests.harness import RankError, _pool, spawn_ranks
 
 
 def worlds(*sizes: int) -> list[Any]:

@@ -23,7 +23,7 @@ from packaging.version import Version
 
 import torchmetrics_gradpatch
 from tests._procs import alive
-from torchmetrics_gradpatch.testing import RankError, _pool, spawn_ranks
+from tests.harness import RankError, _pool, spawn_ranks
 
 pytestmark = pytest.mark.harness  # tox's harness environment runs this module
 
@@ -92,7 +92,7 @@ def test_ranks_die_with_a_killed_parent_even_in_c_code_holding_the_gil(tmp_path:
     (tmp_path / "job.py").write_text(JOB)
     script = (
         f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import job\n"
-        "from torchmetrics_gradpatch.testing import spawn_ranks\n"
+        "from tests.harness import spawn_ranks\n"
         f"spawn_ranks(job.hold_the_gil, 2, args=({str(tmp_path)!r},), timeout=600)\n"
     )
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -119,7 +119,7 @@ def test_ranks_die_with_a_killed_parent_even_in_c_code_holding_the_gil(tmp_path:
 
 START_UNDER_EMFILE = """
 import errno, json, multiprocessing, os, resource, sys, tempfile
-from torchmetrics_gradpatch.testing import _pool
+from tests.harness import _pool
 
 import torch.distributed as dist  # before the limit: the test is about the pool's start, not torch's import
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -475,7 +475,7 @@ def test_the_harness_imports_no_module_of_the_core_and_the_rank_side_nothing_of_
     assert {path.stem for path in TESTING.glob("*.py")} == RANK_SIDE | PARENT_SIDE | {"__init__"}
     for path in [*TESTING.glob("*.py"), TESTING.parent / "pytest_plugin.py"]:
         ours = {name for name in _imports(path) if name.startswith("torchmetrics_gradpatch")}
-        outside = {name for name in ours if not name.startswith("torchmetrics_gradpatch.testing")}
+        outside = {name for name in ours if not name.startswith("tests.harness")}
         assert outside == set(), f"{path.name} imports the core: {outside}"
         if path.stem in RANK_SIDE:
             parent = {name for name in ours if name.rpartition(".")[2] in PARENT_SIDE}
@@ -487,7 +487,7 @@ import sys
 import torchmetrics_gradpatch
 
 def what_the_rank_loaded():
-    harness = sorted(name for name in sys.modules if name.startswith("torchmetrics_gradpatch.testing"))
+    harness = sorted(name for name in sys.modules if name.startswith("tests.harness"))
     return harness, torchmetrics_gradpatch.is_patched()
 """
 
@@ -499,7 +499,7 @@ def test_a_rank_loads_no_parent_side_module_and_runs_without_the_patch(
     monkeypatch.syspath_prepend(str(tmp_path))
     import rank_job  # type: ignore[import-not-found]
 
-    parent_side = {f"torchmetrics_gradpatch.testing.{name}" for name in PARENT_SIDE}
+    parent_side = {f"tests.harness.{name}" for name in PARENT_SIDE}
     monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
     (loaded, patched), _ = spawn_ranks(rank_job.what_the_rank_loaded, 2, timeout=TIMEOUT)
     assert set(loaded) & parent_side == set() and not patched
@@ -521,4 +521,4 @@ def test_a_rank_error_pickles_whole_and_is_named_where_it_is_imported_from() -> 
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.rank, copy.reason, copy.details, copy.reports) == (1, "timed out", "stacks", {1: "report"})
     assert (copy.collectives, copy.starting, str(copy)) == ({0: "all_reduce"}, True, str(error))
-    assert f"{RankError.__module__}.{RankError.__qualname__}" == "torchmetrics_gradpatch.testing.RankError"
+    assert f"{RankError.__module__}.{RankError.__qualname__}" == "tests.harness.RankError"

@@ -32,8 +32,8 @@ PYPROJECT: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT: dict[str, Any] = PYPROJECT["project"]
 INIT = ROOT / "src" / "torchmetrics_gradpatch" / "__init__.py"
 #: sha256 of the Apache License 2.0 exactly as apache.org publishes it (LICENSE-2.0.txt, 202 lines)
-#: what the console script's generated wrapper does (entry point torchmetrics_gradpatch._cli:main)
-CONSOLE_SCRIPT = "import sys; from torchmetrics_gradpatch._cli import main; sys.exit(main())"
+#: what the console script's generated wrapper does (entry point torchmetrics_gradpatch.cli:main)
+CONSOLE_SCRIPT = "import sys; from torchmetrics_gradpatch.cli import main; sys.exit(main())"
 APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
 

@@ -31,7 +31,7 @@ from tests._tensors import (
     torchmetrics_gather,
     unpatched_gather,
 )
-from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+from tests.harness import RankError, spawn_ranks
 
 # --- what is drawn and checked ---------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests._procs import alive, interrupt_once
-from torchmetrics_gradpatch.testing import _pool
+from tests.harness import _pool
 
 pytestmark = pytest.mark.harness  # tox's harness environment runs this module
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import _reliability_ranks as ranks
-from torchmetrics_gradpatch.testing import spawn_ranks
+from tests.harness import spawn_ranks
 
 pytestmark = pytest.mark.harness  # tox's harness environment runs this module
 

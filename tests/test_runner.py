@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+from tests.harness import RankError, spawn_ranks
 
 pytestmark = pytest.mark.harness  # tox's harness environment runs this module
 

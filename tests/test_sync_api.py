@@ -24,7 +24,7 @@ from torchmetrics import MeanSquaredError, Metric
 import torchmetrics_gradpatch as tg
 from tests._subprocess import ok, run_python
 from torchmetrics_gradpatch import _api, _engine, _fused
-from torchmetrics_gradpatch._cli import build_parser
+from torchmetrics_gradpatch.cli import build_parser
 
 ORIGINAL_SYNC_DIST = _fused.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 F64 = torch.float64

@@ -35,7 +35,7 @@ if os.environ.get("TMGP_FUSED_PROBE"):
 
         module.fused_sync = counted
 
-    wrapt.register_post_import_hook(_count_fused_syncs, "torchmetrics_gradpatch._fused")
+    wrapt.register_post_import_hook(_count_fused_syncs, "torchmetrics_gradpatch.fused")
 
 if os.environ.get("TMGP_IMPORT_PACKAGE") == "1":
     import torchmetrics_gradpatch  # noqa: F401  (patches at import, in the mode and with the sync the environment names)

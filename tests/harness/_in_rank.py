@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch.testing import _coverage
-from torchmetrics_gradpatch.testing._records import (
+from tests.harness import _coverage
+from tests.harness._records import (
     PLACEHOLDER,
     TOKEN_END,
     TOKEN_START,

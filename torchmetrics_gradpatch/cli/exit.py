@@ -6,7 +6,7 @@ naming it and its allowed values; 3 cannot run here -- an unsupported or unrecog
 loopback port the ranks cannot listen on, a rank that could not start. Never a traceback for any of these.
 
 Both ways of starting the CLI import the package first (runpy imports it to find ``__main__``; the console script
-imports ``torchmetrics_gradpatch._cli``), so a refusal of the versions or a bad environment variable is raised
+imports ``torchmetrics_gradpatch.cli``), so a refusal of the versions or a bad environment variable is raised
 before any code of the CLI runs. The package's ``__init__`` hands that error to :func:`exit_if_cli`, which asks
 whether this process *is* the CLI (``sys.argv[0]`` is ``"-m"`` while runpy locates the module named in
 ``sys.orig_argv``, or the console script's name) and, only then, turns it into one message and its exit status;

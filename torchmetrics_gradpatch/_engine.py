@@ -10,7 +10,7 @@ Invariants:
 
 * all state changes happen under one lock; :func:`dispatch`, the hot path, reads without it what the last change
   decided (``_State.gather``), so a gather never sees half a change;
-* ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch._fused`: the effective sync, behind one graph
+* ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch.fused`: the effective sync, behind one graph
   break under ``torch.compile``) exactly while the patch is in force and the effective sync is ``"fused"`` or the
   trampoline is wanted, and torchmetrics' own function object comes back otherwise;
 * only ``__code__`` of torchmetrics' own function (the one its ``torchmetrics.metric`` namespace and
@@ -42,7 +42,8 @@ from typing import Any
 
 import wrapt
 
-from torchmetrics_gradpatch import _compile, _fused, _modes, _view
+from torchmetrics_gradpatch import _compile, _modes, _view
+from torchmetrics_gradpatch import fused as _fused
 from torchmetrics_gradpatch._target import ORIGINAL_ATTR as _ORIGINAL_ATTR
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, held_functions, own_function, recognise
 
@@ -259,9 +260,9 @@ def _sync_metric() -> None:
     """Replace ``Metric._sync_dist`` while in force with sync "fused" or the trampoline wanted; else put it back.
 
     The replacement runs the effective sync, behind one graph break under ``torch.compile``
-    (:mod:`torchmetrics_gradpatch._fused`). The fused sync replaces torchmetrics' method, not its gather, so it is
+    (:mod:`torchmetrics_gradpatch.fused`). The fused sync replaces torchmetrics' method, not its gather, so it is
     installed on native torchmetrics too. Only a replacement the engine asked for is taken out, so
-    :mod:`torchmetrics_gradpatch._fused` used directly is left alone.
+    :mod:`torchmetrics_gradpatch.fused` used directly is left alone.
     """
     # the flag is set before and cleared after the (idempotent) call, so an interrupted one is finished later
     if _state.in_force and (_state.sync == "fused" or _wanted()):

@@ -1,13 +1,13 @@
 """Command line: ``python -m torchmetrics_gradpatch`` and the ``torchmetrics-gradpatch`` console script.
 
 ``check [--world-size N] [--timeout S] [--mode local|global] [--sync torchmetrics|fused] [--compile [BACKEND]]``
-    Spawns N gloo ranks on loopback, runs the checks of :mod:`torchmetrics_gradpatch._checks` on the installed
+    Spawns N gloo ranks on loopback, runs the checks of :mod:`torchmetrics_gradpatch.cli.checks` on the installed
     torch and torchmetrics and compares every rank's gradients with a single-process reference
-    (:mod:`torchmetrics_gradpatch._cli_check`).
+    (:mod:`torchmetrics_gradpatch.cli.check`).
 ``status [--json]``
     Prints :func:`torchmetrics_gradpatch.status` after importing torchmetrics.
 
-The exit statuses, and how a refused import becomes one message, are :mod:`torchmetrics_gradpatch._cli_exit`'s.
+The exit statuses, and how a refused import becomes one message, are :mod:`torchmetrics_gradpatch.cli.exit`'s.
 Nothing here imports torch or torchmetrics at the top, so ``--version`` and ``--help`` load neither.
 """
 
@@ -20,8 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from torchmetrics_gradpatch import _cli_check
-from torchmetrics_gradpatch._cli_exit import (
+from torchmetrics_gradpatch.cli import check as _cli_check
+from torchmetrics_gradpatch.cli.exit import (
     EPILOG,
     EXIT_CANNOT_RUN,
     EXIT_OK,

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch.testing import _coverage
-from torchmetrics_gradpatch.testing._collect import RankError
-from torchmetrics_gradpatch.testing._records import RankRecord, RankReport
+from tests.harness import _coverage
+from tests.harness._collect import RankError
+from tests.harness._records import RankRecord, RankReport
 
 __all__ = ["FAILURE", "deliver", "fail", "longrepr"]
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from torchmetrics_gradpatch.testing import _rank
+from tests.harness import _rank
 
 __all__ = [
     "TERMINATE_GRACE",

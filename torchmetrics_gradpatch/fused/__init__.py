@@ -3,7 +3,7 @@
 ``install("fused")`` sets ``torchmetrics.Metric._sync_dist`` to a function that, when the sync function is
 torchmetrics' own gather (``torchmetrics.utilities.distributed.gather_all_tensors``: the original object, which the
 engine patches in place, so this also holds while the graph-preserving patch is in force), runs
-:func:`torchmetrics_gradpatch._fused_sync.fused_sync` (two collectives per Metric sync); any other
+:func:`torchmetrics_gradpatch.fused.sync.fused_sync` (two collectives per Metric sync); any other
 ``dist_sync_fn`` goes to torchmetrics' original method unchanged. Subclasses that override ``_sync_dist`` and
 call ``super()._sync_dist(...)`` reach it through the class attribute. ``uninstall()`` (or
 ``install("torchmetrics")``) puts the very same original function object back.
@@ -33,7 +33,7 @@ from typing import Any
 import wrapt
 
 from torchmetrics_gradpatch import _compile
-from torchmetrics_gradpatch._fused_errors import FusedSyncError
+from torchmetrics_gradpatch._errors import FusedSyncError
 
 __all__ = [
     "SYNCS",
@@ -75,7 +75,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     collective for the whole sync). A collective: every rank of the group calls it for the same Metric class.
     Raises :class:`FusedSyncError` (on every rank alike) when the ranks' states cannot be synced together.
     """
-    from torchmetrics_gradpatch._fused_sync import fused_sync as run
+    from torchmetrics_gradpatch.fused.sync import fused_sync as run
 
     run(metric, process_group, mode)
 

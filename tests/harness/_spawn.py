@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any, TypeVar
 
-from torchmetrics_gradpatch.testing import _rank, _reaper
-from torchmetrics_gradpatch.testing._collect import RankError, collect
-from torchmetrics_gradpatch.testing._processes import dump_of, host_store, new_dump, start_rank, teardown
+from tests.harness import _rank, _reaper
+from tests.harness._collect import RankError, collect
+from tests.harness._processes import dump_of, host_store, new_dump, start_rank, teardown
 
 __all__ = ["DEFAULT_TIMEOUT", "RankError", "check_arguments", "check_timeout", "check_world_size", "spawn_ranks"]
 

@@ -28,11 +28,11 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch.testing import _outcome, _pool, _reaper, _sending, _settings
-from torchmetrics_gradpatch.testing._collect import RankError
-from torchmetrics_gradpatch.testing._in_rank import run_in_rank
-from torchmetrics_gradpatch.testing._records import RankTest, record_path
-from torchmetrics_gradpatch.testing._spawn import spawn_ranks
+from tests.harness import _outcome, _pool, _reaper, _sending, _settings
+from tests.harness._collect import RankError
+from tests.harness._in_rank import run_in_rank
+from tests.harness._records import RankTest, record_path
+from tests.harness._spawn import spawn_ranks
 
 __all__ = [
     "pytest_addoption",

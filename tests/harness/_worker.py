@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchmetrics_gradpatch.testing import _rank
+from tests.harness import _rank
 
 __all__ = ["READY", "RESETS", "worker_main"]
 

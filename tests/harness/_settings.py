@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT, check_timeout
+from tests.harness._spawn import DEFAULT_TIMEOUT, check_timeout
 
 __all__ = ["BACKSTOP", "MARKER_HELP", "REUSE_HELP", "TIMEOUT_HELP", "cuda_devices", "ranks_options", "setting"]
 

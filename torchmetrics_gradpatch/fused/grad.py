@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from torchmetrics_gradpatch._fused_pack import ALIGN, as_bytes
+from torchmetrics_gradpatch.fused.wire import ALIGN, as_bytes
 
 __all__ = ["Entry", "Plan", "apply"]
 

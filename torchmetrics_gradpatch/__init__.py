@@ -35,7 +35,7 @@ from __future__ import annotations
 import sys
 
 from torchmetrics_gradpatch._errors import GradModeMismatchError, UnsupportedVersionError
-from torchmetrics_gradpatch._fused_errors import FusedSyncError
+from torchmetrics_gradpatch._errors import FusedSyncError
 
 __version__ = "0.1.0"
 
@@ -89,7 +89,7 @@ except BaseException as _error:
             # runs; there (only there) a refusal (exit 3) or a bad environment variable (exit 2) is one message,
             # not a traceback. Imported
             # here, not at the top: the CLI module is needed only on this path.
-            from torchmetrics_gradpatch._cli import exit_if_cli
+            from torchmetrics_gradpatch.cli import exit_if_cli
 
             exit_if_cli(_error)
     finally:

@@ -1,7 +1,7 @@
 """Run code on real gloo ranks: :func:`spawn_ranks`, and the ``ranks`` pytest marker built on it.
 
 Public names: :func:`spawn_ranks`, :class:`RankError`, :data:`DEFAULT_TIMEOUT`. The plugin is
-:mod:`torchmetrics_gradpatch.testing.plugin` (``-p torchmetrics_gradpatch.pytest_plugin`` names it).
+:mod:`tests.harness.plugin` (``-p torchmetrics_gradpatch.pytest_plugin`` names it).
 
 Layout, one way (parent side -> rank side, never back):
 
@@ -23,14 +23,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT, RankError, spawn_ranks
+    from tests.harness._spawn import DEFAULT_TIMEOUT, RankError, spawn_ranks
 
 __all__ = ["DEFAULT_TIMEOUT", "RankError", "spawn_ranks"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from torchmetrics_gradpatch.testing import _spawn
+        from tests.harness import _spawn
 
         return getattr(_spawn, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

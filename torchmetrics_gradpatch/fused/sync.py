@@ -11,7 +11,7 @@ torchmetrics' ``_sync_dist`` (the same from 0.11 to 1.9) does, for a Metric's st
 
 This module does steps 1 and 3 with torchmetrics' own objects (``dim_zero_cat``, the placeholder rule, the same
 stacking and reductions), so each state comes out bit for bit as torchmetrics' sync gives it, and replaces step 2
-with :mod:`torchmetrics_gradpatch._fused_pack`'s two collectives. Where torchmetrics' sync hangs or desyncs
+with :mod:`torchmetrics_gradpatch.fused.wire`'s two collectives. Where torchmetrics' sync hangs or desyncs
 because ranks hold differently shaped states, every rank here sees every rank's description and either syncs to
 what one process holding all the data would get or raises the same :class:`FusedSyncError`:
 
@@ -26,7 +26,7 @@ what one process holding all the data would get or raises the same :class:`Fused
   any state is changed.
 
 Gradients: in local mode each rank's own entries are its own tensors (as the graph-preserving gather puts them
-back), so its states keep their graphs; in global mode :mod:`torchmetrics_gradpatch._fused_grad` builds one node
+back), so its states keep their graphs; in global mode :mod:`torchmetrics_gradpatch.fused.grad` builds one node
 for the whole sync.
 """
 
@@ -40,13 +40,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchmetrics_gradpatch import _fused_grad
-from torchmetrics_gradpatch import _fused_pack as fp
-from torchmetrics_gradpatch._fused_errors import FusedSyncError, structure_error
+from torchmetrics_gradpatch.fused import grad as _fused_grad
+from torchmetrics_gradpatch.fused import wire as fp
+from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch._gather import size_and_rank
 from torchmetrics_gradpatch._modes import GradModeMismatchError, check_mode
 
 __all__ = ["fused_sync"]
+
+
+def structure_error(metric: str, attr: str | None, rule: str, seen: dict[int, str]) -> FusedSyncError:
+    """The error for a state (``attr``; ``None``: the Metric as a whole) whose ranks break ``rule``.
+
+    ``seen`` maps each rank (within the group) to what it holds, so the message names the ranks on each side.
+    """
+    what = f"state {attr!r} of {metric}" if attr is not None else metric
+    held = "; ".join(f"rank {rank}: {value}" for rank, value in sorted(seen.items()))
+    return FusedSyncError(
+        f"torchmetrics_gradpatch: fused sync of {what}: {rule}. The ranks hold: {held}. Every rank of the group "
+        "raised this error after the same exchange, before changing any state; none is left waiting. Make every "
+        "rank hold states of the same structure, or sync with torchmetrics' own path (sync='torchmetrics')."
+    )
 
 
 @dataclass

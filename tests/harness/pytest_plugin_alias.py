@@ -1,7 +1,7 @@
 """The name users give pytest for the ``ranks`` marker: ``-p torchmetrics_gradpatch.pytest_plugin``.
 
-A name only: pytest loads the plugin module it lists, :mod:`torchmetrics_gradpatch.testing.plugin`, once, whichever
+A name only: pytest loads the plugin module it lists, :mod:`tests.harness.plugin`, once, whichever
 of the two names a run gives (a second copy of the hooks would register the options twice).
 """
 
-pytest_plugins = ["torchmetrics_gradpatch.testing.plugin"]
+pytest_plugins = ["tests.harness.plugin"]

@@ -1,9 +1,9 @@
-"""The ``check`` command: run :mod:`torchmetrics_gradpatch._checks` on spawned gloo ranks and print the table.
+"""The ``check`` command: run :mod:`torchmetrics_gradpatch.cli.checks` on spawned gloo ranks and print the table.
 
-Ranks run through :func:`torchmetrics_gradpatch.testing.spawn_ranks`; every rank's gradients are compared with the
+Ranks run through :func:`tests.harness.spawn_ranks`; every rank's gradients are compared with the
 single-process reference computed here. What cannot run here (versions refused, no loopback port, a rank that
 could not start) is exit 3; a run that outlives ``--timeout`` is exit 1 and says how to give it more time (the
-statuses: :mod:`torchmetrics_gradpatch._cli_exit`). torch is imported inside the functions, once the command runs.
+statuses: :mod:`torchmetrics_gradpatch.cli.exit`). torch is imported inside the functions, once the command runs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from torchmetrics_gradpatch._cli_exit import (
+from torchmetrics_gradpatch.cli.exit import (
     EXIT_CANNOT_RUN,
     EXIT_CHECK_FAILED,
     EXIT_OK,
@@ -131,8 +131,8 @@ def _timed_out(args: argparse.Namespace, details: str) -> list[str]:
 
 def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: bool = False) -> tuple[int, list[Any]]:
     """Run the checks on the ranks until ``deadline``: ``(EXIT_OK, results)``, or an exit status, said why."""
-    from torchmetrics_gradpatch import _checks
-    from torchmetrics_gradpatch.testing import RankError, spawn_ranks
+    from torchmetrics_gradpatch.cli import checks as _checks
+    from tests.harness import RankError, spawn_ranks
 
     world_size: int = args.world_size
     text = f"starting {world_size} gloo rank{'s' if world_size > 1 else ''} on loopback (each imports torch)..."
@@ -171,8 +171,8 @@ def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: b
 
 
 def _verdicts(results: list[Any], world_size: int, mode: str) -> dict[str, str | None]:
-    """Each check's failure (see :func:`torchmetrics_gradpatch._checks.failure`), or ``None`` when it passed."""
-    from torchmetrics_gradpatch import _checks
+    """Each check's failure (see :func:`torchmetrics_gradpatch.cli.checks.failure`), or ``None`` when it passed."""
+    from torchmetrics_gradpatch.cli import checks as _checks
 
     verdicts: dict[str, str | None] = {}
     for name in _checks.CHECKS:
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if torchmetrics_refused():  # before the ranks start: each would refuse the same way, slower
         return EXIT_CANNOT_RUN
 
-    from torchmetrics_gradpatch import _checks
+    from torchmetrics_gradpatch.cli import checks as _checks
 
     if args.compile is not None:
         offered = _checks.compile_backends()

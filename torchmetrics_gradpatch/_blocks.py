@@ -31,7 +31,7 @@ from typing import Any, TypeVar, cast, overload
 import wrapt
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._fused import check_sync
+from torchmetrics_gradpatch.fused import check_sync
 from torchmetrics_gradpatch._modes import check_mode
 
 __all__ = ["patched"]

@@ -21,7 +21,7 @@ import signal
 import time
 from typing import IO, Any
 
-from torchmetrics_gradpatch.testing._processes import TERMINATE_GRACE, describe_exit, read_dump
+from tests.harness._processes import TERMINATE_GRACE, describe_exit, read_dump
 
 __all__ = ["RankError", "collect"]
 
@@ -45,7 +45,7 @@ class RankError(RuntimeError):
         starting: whether it happened while a warm pool was starting, before the test ran.
     """
 
-    __module__ = "torchmetrics_gradpatch.testing"  # where users import it from, and how tracebacks name it
+    __module__ = "tests.harness"  # where users import it from, and how tracebacks name it
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Warm rank pool, parent side: keep the ``n`` ranks of a world size alive across tests, each in its gloo group.
 
-A fresh :func:`~torchmetrics_gradpatch.testing.spawn_ranks` costs about a second and a half per 2-rank test, almost
+A fresh :func:`~tests.harness.spawn_ranks` costs about a second and a half per 2-rank test, almost
 all of it ``import torch``; the pool pays it once per world size per pytest process (``ranks(n, reuse=True)`` or
 the ``ranks_reuse`` ini option). The worker's side, and what each test sees, is :mod:`._worker`.
 
@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO, Any, TypeVar
 
-from torchmetrics_gradpatch.testing import _processes, _reaper, _spawn, _worker
-from torchmetrics_gradpatch.testing._collect import RankError, collect
-from torchmetrics_gradpatch.testing._spawn import DEFAULT_TIMEOUT
+from tests.harness import _processes, _reaper, _spawn, _worker
+from tests.harness._collect import RankError, collect
+from tests.harness._spawn import DEFAULT_TIMEOUT
 
 T = TypeVar("T")
 
@@ -45,7 +45,7 @@ _IDLE_EXIT = 0.5
 
 
 class RankPool:
-    """``world_size`` warm ranks; :meth:`run` is :func:`~torchmetrics_gradpatch.testing.spawn_ranks` in them.
+    """``world_size`` warm ranks; :meth:`run` is :func:`~tests.harness.spawn_ranks` in them.
 
     Attributes:
         world_size: the number of ranks.
@@ -69,7 +69,7 @@ class RankPool:
     def run(self, fn: Callable[..., T], args: Iterable[Any] = (), timeout: float = DEFAULT_TIMEOUT) -> list[T]:
         """Run ``fn(*args)`` on every rank, starting the workers first if none are running.
 
-        Same contract as :func:`~torchmetrics_gradpatch.testing.spawn_ranks`, except that ``timeout`` starts once
+        Same contract as :func:`~tests.harness.spawn_ranks`, except that ``timeout`` starts once
         the pool is up (its start has :data:`STARTUP_TIMEOUT`); on any exception the workers are gone before it
         propagates.
         """
@@ -156,7 +156,7 @@ def pool(world_size: int) -> RankPool:
 def run_pooled(
     fn: Callable[..., T], world_size: int = 2, *, args: Iterable[Any] = (), timeout: float = DEFAULT_TIMEOUT
 ) -> list[T]:
-    """:func:`~torchmetrics_gradpatch.testing.spawn_ranks`, run in this process's warm pool for ``world_size``."""
+    """:func:`~tests.harness.spawn_ranks`, run in this process's warm pool for ``world_size``."""
     return pool(_spawn.check_world_size(world_size)).run(fn, args, timeout)
 
 

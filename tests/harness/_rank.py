@@ -1,6 +1,6 @@
 """What runs inside a spawned rank before and around the user's function; nothing of the parent side.
 
-A rank (of :func:`~torchmetrics_gradpatch.testing.spawn_ranks` or of the warm pool) starts with :func:`enter`: it
+A rank (of :func:`~tests.harness.spawn_ranks` or of the warm pool) starts with :func:`enter`: it
 leads its own process group, so the parent can kill it together with every process it started; it gets SIGKILL
 from the kernel the moment the parent dies (a parent-death signal, which fires whatever the rank is doing, a C
 loop holding the GIL included); and its faulthandler writes fatal-signal and SIGUSR1 stack dumps into a file the

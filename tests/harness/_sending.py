@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_gradpatch.testing import _coverage
-from torchmetrics_gradpatch.testing._records import FreshMonkeyPatch, RankTest
+from tests.harness import _coverage
+from tests.harness._records import FreshMonkeyPatch, RankTest
 
 __all__ = ["describe", "refuse_hypothesis"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._fused import SYNCS, check_sync
+from torchmetrics_gradpatch.fused import SYNCS, check_sync
 from torchmetrics_gradpatch._modes import MODES, check_mode
 
 __all__ = [
