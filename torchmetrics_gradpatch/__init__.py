@@ -18,13 +18,16 @@ Public names:
 * :class:`UnsupportedVersionError`, :class:`GradModeMismatchError`, :class:`FusedSyncError` -- the errors the package
   raises (the last: the ranks' states cannot be synced together by the fused sync, docs/fused-sync.md).
 
+Layout: the core (version gate, target, gathers, modes, engine, switches, status) imports no feature; the
+features -- ``fused`` (the fused sync, registered with the core as a sync strategy) and ``cli`` (the command
+line) -- import the core. This module is the facade that imports both.
+
 Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"global"``), in the API and in
 ``TORCHMETRICS_GRADPATCH_MODE`` alike, and so are sync strategies (``TORCHMETRICS_GRADPATCH_SYNC=fused``).
 ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching; a value of any of these variables that is not
 understood makes the import raise a ``ValueError`` naming it.
 
-Documentation: the README (install, gradient modes, examples) and docs/ in the source distribution and repository:
-docs/gradient-modes.md, docs/testing-your-metrics.md, docs/design.md, docs/performance.md.
+Documentation: the README and docs/ in the source distribution and repository.
 
 On PyTorch below 2.0, or a torchmetrics whose gather is not recognised, the import raises
 :class:`UnsupportedVersionError` and leaves torchmetrics -- and ``sys.modules`` -- exactly as they were.
@@ -34,8 +37,7 @@ from __future__ import annotations
 
 import sys
 
-from torchmetrics_gradpatch._errors import GradModeMismatchError, UnsupportedVersionError
-from torchmetrics_gradpatch._errors import FusedSyncError
+from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError, UnsupportedVersionError
 
 __version__ = "0.1.0"
 
@@ -54,16 +56,10 @@ __all__ = [
 ]
 
 
-#: Whether an earlier import (or copy) of this package left the engine's process-wide state (_engine.SHARED_NAME).
-_had_engine_state = hasattr(sys, "_torchmetrics_gradpatch_engine")
-
-
 def _forget_this_package() -> None:
     """Drop this package and its submodules from ``sys.modules`` so a failed import leaves no trace."""
     for name in [n for n in sys.modules if n == __name__ or n.startswith(__name__ + ".")]:
         del sys.modules[name]
-    if not _had_engine_state and hasattr(sys, "_torchmetrics_gradpatch_engine"):
-        delattr(sys, "_torchmetrics_gradpatch_engine")
 
 
 # The version gate runs before any module that touches torchmetrics is imported; any failure below (a refused
@@ -71,25 +67,25 @@ def _forget_this_package() -> None:
 try:
     from torchmetrics_gradpatch import _version
 
-    _version.check_torch(_version.installed_version("torch"))
-    _tm_version = _version.check_torchmetrics(_version.installed_version("torchmetrics"))
+    _version.check("torch", _version.installed_version("torch"))
+    _tm_version = _version.check("torchmetrics", _version.installed_version("torchmetrics"))
 
     from torchmetrics_gradpatch import _api, _engine
+    from torchmetrics_gradpatch import fused as fused  # registers the "fused" sync strategy with the core
     from torchmetrics_gradpatch._api import compile_support, is_patched, patch, unpatch
     from torchmetrics_gradpatch._blocks import patched
     from torchmetrics_gradpatch._modes import gather_all_tensors
     from torchmetrics_gradpatch._status import Status, status
 
     _engine.configure(native=_version.is_native(_tm_version), torchmetrics_version=str(_tm_version))
-    _api.apply_environment(first_import=not _had_engine_state)
+    _api.apply_environment()
 except BaseException as _error:
     try:
         if isinstance(_error, (UnsupportedVersionError, ValueError)):
             # `python -m torchmetrics_gradpatch` and the console script import this package before any CLI code
             # runs; there (only there) a refusal (exit 3) or a bad environment variable (exit 2) is one message,
-            # not a traceback. Imported
-            # here, not at the top: the CLI module is needed only on this path.
-            from torchmetrics_gradpatch.cli import exit_if_cli
+            # not a traceback.
+            from torchmetrics_gradpatch.cli.exit import exit_if_cli
 
             exit_if_cli(_error)
     finally:

@@ -10,16 +10,18 @@ Invariants:
 
 * importing this module changes nothing: the package's ``__init__`` applies the environment once, through
   :func:`apply_environment`;
-* :func:`reset_for_tests` is the one way a test harness puts the patch back as a fresh import leaves it.
+* :func:`reset_for_tests` is the one way a test harness puts the patch back as a fresh import leaves it;
+* every variable is read by one function (:func:`_read`), so each names itself and its allowed values alike.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch.fused import SYNCS, check_sync
-from torchmetrics_gradpatch._modes import MODES, check_mode
+from torchmetrics_gradpatch._modes import check_mode
+from torchmetrics_gradpatch._syncs import STRATEGIES, check_sync
 
 __all__ = [
     "AUTOPATCH_ENV",
@@ -91,72 +93,54 @@ def compile_support(enabled: bool = True) -> None:
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"torchmetrics_gradpatch: compile_support(enabled={enabled!r}): enabled must be True or False.")
-    _engine.set_compile_support(enabled)
+    _engine.set_defaults(compile_support=enabled)
+
+
+def _read(variable: str, unset: str, check: Callable[[str], str], allowed: str, see: str) -> str:
+    """``variable``'s value as ``check`` spells it (unset or blank: ``unset``); else a ``ValueError`` naming the
+    variable, what it may hold and where to read more."""
+    raw = os.environ.get(variable, "")
+    if not raw.strip():
+        return unset
+    try:
+        return check(raw)
+    except ValueError:
+        raise ValueError(
+            f"{variable}={raw!r} is not understood; use one of: {allowed}, in any case (unset means {unset}). {see}"
+        ) from None
+
+
+def _flag(raw: str) -> str:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return "1"
+    if value in _FALSE:
+        return "0"
+    raise ValueError(raw)
 
 
 def autopatch_requested() -> bool:
-    """Read ``TORCHMETRICS_GRADPATCH_AUTOPATCH``; raise ``ValueError`` naming the variable if it is not a flag."""
-    raw = os.environ.get(AUTOPATCH_ENV, "1")
-    value = raw.strip().lower()
-    if value in _TRUE or not value:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"{AUTOPATCH_ENV}={raw!r} is not understood; use 0 to import without patching or 1 (the default) to patch "
-        f"(allowed, in any case: {', '.join(_FALSE)} / {', '.join(_TRUE)}, or unset)."
-    )
+    """Read ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (unset or blank: patch at import)."""
+    allowed = f"{', '.join(_FALSE)} (import without patching) / {', '.join(_TRUE)} (patch, the default)"
+    return _read(AUTOPATCH_ENV, "1", _flag, allowed, "") == "1"
 
 
 def mode_requested() -> str:
-    """Read ``TORCHMETRICS_GRADPATCH_MODE`` (the same case rule as ``patch(mode=...)``; unset or blank: local).
-
-    Raises ``ValueError`` naming the variable if it is not a mode.
-    """
-    raw = os.environ.get(MODE_ENV, "")
-    if not raw.strip():
-        return "local"
-    try:
-        return check_mode(raw)
-    except ValueError:
-        allowed = ", ".join(MODES)
-        raise ValueError(
-            f"{MODE_ENV}={raw!r} is not a gradient mode; use one of: {allowed}, in any case (unset means local). "
-            "See the README section 'Gradient modes'."
-        ) from None
+    """Read ``TORCHMETRICS_GRADPATCH_MODE`` (the rule of ``patch(mode=...)``; unset or blank: local)."""
+    return _read(MODE_ENV, "local", check_mode, "local, global", "See the README section 'Gradient modes'.")
 
 
 def sync_requested() -> str:
-    """Read ``TORCHMETRICS_GRADPATCH_SYNC`` (the same case rule as ``patch(sync=...)``; unset or blank: torchmetrics).
-
-    Raises ``ValueError`` naming the variable if it is not a sync strategy.
-    """
-    raw = os.environ.get(SYNC_ENV, "")
-    if not raw.strip():
-        return "torchmetrics"
-    try:
-        return check_sync(raw)
-    except ValueError:
-        allowed = ", ".join(SYNCS)
-        raise ValueError(
-            f"{SYNC_ENV}={raw!r} is not a sync strategy; use one of: {allowed}, in any case (unset means "
-            "torchmetrics). See docs/fused-sync.md."
-        ) from None
+    """Read ``TORCHMETRICS_GRADPATCH_SYNC`` (the rule of ``patch(sync=...)``; unset or blank: torchmetrics)."""
+    return _read(SYNC_ENV, "torchmetrics", check_sync, ", ".join(STRATEGIES), "See docs/fused-sync.md.")
 
 
-def apply_environment(*, first_import: bool) -> None:
-    """What the import does: read the variables (any may raise), set the default mode and sync, and -- at the
-    process's first import of this package -- patch unless ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to.
-
-    A reload, or a second copy imported after clearing ``sys.modules``, finds the engine's state and leaves the
-    ``patch()`` switch as the program set it.
-    """
-    mode = mode_requested()
-    sync = sync_requested()
-    autopatch = autopatch_requested()
-    _engine.set_default_mode(mode)
-    _engine.set_default_sync(sync)
-    if autopatch and first_import:
+def apply_environment() -> None:
+    """What the import does: read the variables (any may raise), set the default mode and sync, and patch unless
+    ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to."""
+    mode, sync, autopatch = mode_requested(), sync_requested(), autopatch_requested()
+    _engine.set_defaults(mode=mode, sync=sync)
+    if autopatch:
         _engine.set_manual(True, by="import")
 
 
@@ -168,8 +152,6 @@ def reset_for_tests() -> str | None:
     why this process should not be reused (a block was left open).
     """
     left = _engine.close_all_blocks()
-    _engine.set_compile_support(False)
-    _engine.set_default_mode(mode_requested())
-    _engine.set_default_sync(sync_requested())
+    _engine.set_defaults(mode=mode_requested(), sync=sync_requested(), compile_support=False)
     _engine.set_manual(autopatch_requested(), by="import")
     return "the test left a torchmetrics_gradpatch.patched() block open" if left else None

@@ -31,8 +31,8 @@ from typing import Any, TypeVar, cast, overload
 import wrapt
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch.fused import check_sync
 from torchmetrics_gradpatch._modes import check_mode
+from torchmetrics_gradpatch._syncs import check_sync
 
 __all__ = ["patched"]
 

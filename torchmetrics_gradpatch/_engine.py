@@ -3,16 +3,16 @@
 Role: the one owner of the process's patch state (docs/design.md, "The state model"): the ``patch()`` switch,
 the open ``patched()`` blocks, the modes, the sync strategies, compile support, and what that means for
 torchmetrics' function and ``Metric._sync_dist``. Every change goes through a function here (:func:`set_manual`,
-:func:`enter_block`, :func:`exit_block`, :func:`set_default_mode`, :func:`set_default_sync`,
-:func:`set_compile_support`) and :func:`view` is the one derived picture of it.
+:func:`enter_block`, :func:`exit_block`, :func:`set_defaults`) and :func:`observe` takes one consistent reading of
+it for ``status()``.
 
 Invariants:
 
 * all state changes happen under one lock; :func:`dispatch`, the hot path, reads without it what the last change
   decided (``_State.gather``), so a gather never sees half a change;
-* ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch.fused`: the effective sync, behind one graph
-  break under ``torch.compile``) exactly while the patch is in force and the effective sync is ``"fused"`` or the
-  trampoline is wanted, and torchmetrics' own function object comes back otherwise;
+* ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch._syncs`: the effective sync strategy, behind one
+  graph break under ``torch.compile``) exactly while the patch is in force and the effective strategy is not
+  torchmetrics' own or the trampoline is wanted, and torchmetrics' own function object comes back otherwise;
 * only ``__code__`` of torchmetrics' own function (the one its ``torchmetrics.metric`` namespace and
   ``Metric._sync_dist``'s default hold, whatever the module attribute now holds) is ever changed, by one
   assignment, and the original code object itself is what comes back;
@@ -22,8 +22,10 @@ Invariants:
 * what is derived from the records and switches (counts, mode, the gather dispatch calls, ``__code__``,
   ``Metric._sync_dist``) is brought in line by :func:`_settle`, and ``_State.settled`` is cleared before every
   change and set only when that has run to its end: an asynchronous exception landing in between leaves it
-  clear, and the next change, reading of the state or dispatched gather settles again;
-* one state per process, kept on :mod:`sys`, so reloaded or re-imported copies of this module share it.
+  clear, and the next change, reading of the state or dispatched gather settles again.
+
+Reloading this module (or the package) is not supported: a reload makes a second state that knows nothing of
+what the first one swapped (docs/design.md, "Non-goals").
 
 Longer than the package's other modules because every transition and the code swap share one lock and one set of
 helpers (``_refresh``, ``_sync``, ``_sweep``); split, the lock and those helpers would be reached across modules.
@@ -38,43 +40,35 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import wrapt
 
-from torchmetrics_gradpatch import _compile, _modes, _view
-from torchmetrics_gradpatch import fused as _fused
-from torchmetrics_gradpatch._target import ORIGINAL_ATTR as _ORIGINAL_ATTR
+from torchmetrics_gradpatch import _compile, _modes, _syncs
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, held_functions, own_function, recognise
 
 __all__ = [
     "DISPATCH_NAME",
-    "TARGET_MODULE",
-    "TARGET_NAME",
+    "Observation",
     "close_all_blocks",
     "configure",
     "dispatch",
     "effective_mode",
+    "effective_sync",
     "enter_block",
     "exit_block",
     "in_force",
     "installed",
+    "observe",
     "refresh",
-    "set_compile_support",
-    "set_default_mode",
-    "set_default_sync",
+    "set_defaults",
     "set_manual",
     "snapshot",
-    "view",
 ]
 #: The one name the trampoline looks up: put into torchmetrics' module namespace (the patched function's
 #: ``__globals__``) when the trampoline is first installed, and left there, so a call already inside the
 #: trampoline while another thread unpatches still finds it.
 DISPATCH_NAME = "__torchmetrics_gradpatch_dispatch__"
-#: Where the process-wide state lives: an attribute of :mod:`sys`.
-SHARED_NAME = "_torchmetrics_gradpatch_engine"
-_SCHEMA = 6  # bumped whenever _State changes shape; a state of another shape is not shared
-
 #: One open block: its mode (or None), a weak reference to what keeps its ``with`` statement alive (or None for
 #: a block entered by calling ``__enter__`` directly, open until exited), and its sync strategy (or None).
 Record = tuple["str | None", "weakref.ref[Any] | None", "str | None"]
@@ -82,7 +76,7 @@ Record = tuple["str | None", "weakref.ref[Any] | None", "str | None"]
 
 @dataclass
 class _State:
-    """Everything the engine knows; mutated only under ``lock``. One per process (see :func:`_shared_state`)."""
+    """Everything the engine knows; mutated only under ``lock``. One per process."""
 
     manual: bool = False  # the patch()/unpatch() switch is on
     manual_from: str = "patch()"  # who last switched it on: "patch()" or "import"
@@ -102,7 +96,7 @@ class _State:
     compile_native: bool = False  # compile_support(): install local mode on native torchmetrics too
     default_sync: str = "torchmetrics"  # TORCHMETRICS_GRADPATCH_SYNC, set at import
     manual_sync: str = "torchmetrics"  # the sync patch() was given
-    sync_replaced: bool = False  # the engine has asked _fused to replace Metric._sync_dist
+    sync_replaced: bool = False  # the engine has asked _syncs to replace Metric._sync_dist
     settled: bool = True  # the derived fields, __code__ and Metric._sync_dist match the records and switches
     # Derived from the above by _refresh(), under the lock:
     in_force: bool = False  # manual or any record
@@ -115,22 +109,10 @@ class _State:
     # recognised, else None (dispatch then runs the original).
     gather: Callable[..., Any] | None = None
     is_compiling: Callable[[], bool] = field(default=lambda: False)  # torch's check, set with ``gather``
-    trampoline: types.CodeType | None = None  # the trampoline code object every copy of this module installs
-    schema: int = _SCHEMA
     lock: Any = field(default_factory=threading.RLock)
 
 
-def _shared_state() -> _State:
-    """The process's engine state: the one an earlier import (or copy) of this module left on :mod:`sys`, else new."""
-    existing: Any = getattr(sys, SHARED_NAME, None)
-    if getattr(existing, "schema", None) == _SCHEMA:
-        return existing  # type: ignore[no-any-return]
-    state = _State()
-    setattr(sys, SHARED_NAME, state)
-    return state
-
-
-_state = _shared_state()
+_state = _State()
 _lock = _state.lock
 
 
@@ -141,16 +123,7 @@ def _trampoline(result, group=None):  # type: ignore[no-untyped-def]
     return __torchmetrics_gradpatch_dispatch__(result, group)  # type: ignore[name-defined]  # noqa: F821
 
 
-if _state.trampoline is None:
-    _state.trampoline = _trampoline.__code__
-_TRAMPOLINE_CODE: types.CodeType = _state.trampoline
-
-
-def _is_trampoline(code: types.CodeType) -> bool:
-    """True for our trampoline, including one installed by an earlier, re-imported copy of this module."""
-    return code is _TRAMPOLINE_CODE or (
-        code.co_name == _TRAMPOLINE_CODE.co_name and code.co_filename == _TRAMPOLINE_CODE.co_filename
-    )
+_TRAMPOLINE_CODE: types.CodeType = _trampoline.__code__
 
 
 def dispatch(result: Any, group: Any = None) -> list[Any]:
@@ -181,8 +154,7 @@ def _adopt(module: types.ModuleType) -> None:
         function = recognise(module, _state.torchmetrics_version, native=_state.native)
         if _state.function is function:
             return
-        saved = function.__dict__.get(_ORIGINAL_ATTR)
-        original = saved if saved is not None and _is_trampoline(function.__code__) else function.__code__
+        original = function.__code__
         _state.settled = False
         _state.function = function
         _state.original_code = original
@@ -246,8 +218,14 @@ def refresh() -> None:
 
 
 def effective_mode() -> str:
-    """The gradient mode a sync called now uses (the fused sync asks at every sync; one attribute read, no lock)."""
+    """The gradient mode a sync called now uses (a strategy asks at every sync; one attribute read, no lock)."""
     return _state.mode
+
+
+def effective_sync() -> str:
+    """The sync strategy a Metric sync called now uses: the chosen one while the patch is in force, else
+    ``"torchmetrics"`` (one attribute read, no lock)."""
+    return _state.sync if _state.in_force else "torchmetrics"
 
 
 def _sync() -> None:
@@ -257,19 +235,20 @@ def _sync() -> None:
 
 
 def _sync_metric() -> None:
-    """Replace ``Metric._sync_dist`` while in force with sync "fused" or the trampoline wanted; else put it back.
+    """Replace ``Metric._sync_dist`` while in force with a feature's strategy or the trampoline wanted; else put it
+    back.
 
-    The replacement runs the effective sync, behind one graph break under ``torch.compile``
-    (:mod:`torchmetrics_gradpatch.fused`). The fused sync replaces torchmetrics' method, not its gather, so it is
+    The replacement runs the effective strategy, behind one graph break under ``torch.compile``
+    (:mod:`torchmetrics_gradpatch._syncs`). A strategy replaces torchmetrics' method, not its gather, so it is
     installed on native torchmetrics too. Only a replacement the engine asked for is taken out, so
-    :mod:`torchmetrics_gradpatch.fused` used directly is left alone.
+    :mod:`torchmetrics_gradpatch._syncs` used directly is left alone.
     """
     # the flag is set before and cleared after the (idempotent) call, so an interrupted one is finished later
-    if _state.in_force and (_state.sync == "fused" or _wanted()):
+    if _state.in_force and (_state.sync != "torchmetrics" or _wanted()):
         _state.sync_replaced = True
-        _fused.install(_state.sync, mode=effective_mode, guard=True)  # idempotent: wraps at most once
+        _syncs.install(_state.sync, mode=effective_mode)  # idempotent: wraps at most once
     elif _state.sync_replaced:
-        _fused.uninstall()
+        _syncs.uninstall()
         _state.sync_replaced = False
 
 
@@ -286,21 +265,19 @@ def _sync_gather() -> None:
             function.__globals__[DISPATCH_NAME] = dispatch  # this copy's (a reloaded module's) dispatch
             _state.ours_installed = True
             return
-        if current is not _state.original_code and not _is_trampoline(current):
+        if current is not _state.original_code:
             raise RuntimeError(
                 f"torchmetrics_gradpatch: {TARGET_MODULE}.{TARGET_NAME} has been modified in place by another "
                 "tool (its __code__ is neither the original nor ours); refusing to overwrite it. "
                 "Remove the other patch, or import torchmetrics_gradpatch before it."
             )
-        function.__dict__[_ORIGINAL_ATTR] = _state.original_code
         function.__globals__[DISPATCH_NAME] = dispatch
         _state.ours_installed = True  # before the swap: an interrupt after it must not look like another tool
         function.__code__ = _TRAMPOLINE_CODE
         _compile.watch_dynamo()  # torch.compile: the graph break's wrapper, once dynamo is imported
-    elif _is_trampoline(current) or current is _state.original_code:
+    elif current is _TRAMPOLINE_CODE or current is _state.original_code:
         if current is not _state.original_code:  # (it is after an uninstall an interrupt cut short)
             function.__code__ = _state.original_code
-        function.__dict__.pop(_ORIGINAL_ATTR, None)
         _state.ours_installed = False
     elif _state.ours_installed:
         _state.ours_installed = False
@@ -390,32 +367,23 @@ def set_manual(on: bool, mode: str | None = None, *, by: str = "patch()", sync: 
         _change(undo)
 
 
-def set_default_mode(mode: str) -> None:
-    """Set the mode used when neither ``patch()`` nor a ``patched()`` block names one."""
+def set_defaults(*, mode: str | None = None, sync: str | None = None, compile_support: bool | None = None) -> None:
+    """Set what applies when neither ``patch()`` nor a ``patched()`` block names one: the default ``mode`` and
+    ``sync`` (from the environment at import), and ``compile_support`` (on native torchmetrics, install the
+    trampoline in local mode too). ``None`` leaves a field as it is."""
+    if compile_support is not None:
+        _compile.watch_dynamo()
     with _lock:
-        previous = _state.default_mode
+        previous = _state.default_mode, _state.default_sync, _state.compile_native
+
+        def undo() -> None:
+            _state.default_mode, _state.default_sync, _state.compile_native = previous
+
         _state.settled = False
-        _state.default_mode = mode
-        _change(lambda: setattr(_state, "default_mode", previous))
-
-
-def set_default_sync(sync: str) -> None:
-    """Set the sync strategy used when neither ``patch()`` nor a ``patched()`` block names one."""
-    with _lock:
-        previous = _state.default_sync
-        _state.settled = False
-        _state.default_sync = sync
-        _change(lambda: setattr(_state, "default_sync", previous))
-
-
-def set_compile_support(enabled: bool) -> None:
-    """``compile_support()``: on native torchmetrics, install the trampoline in local mode too."""
-    _compile.watch_dynamo()
-    with _lock:
-        previous = _state.compile_native
-        _state.settled = False
-        _state.compile_native = enabled
-        _change(lambda: setattr(_state, "compile_native", previous))
+        _state.default_mode = previous[0] if mode is None else mode
+        _state.default_sync = previous[1] if sync is None else sync
+        _state.compile_native = previous[2] if compile_support is None else compile_support
+        _change(undo)
 
 
 def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None, sync: str | None = None) -> int:
@@ -500,11 +468,25 @@ def snapshot() -> _State:
 def installed() -> bool:
     """Whether torchmetrics' function currently runs our trampoline."""
     function = _state.function
-    return function is not None and _is_trampoline(function.__code__)
+    return function is not None and function.__code__ is _TRAMPOLINE_CODE
 
 
-def view() -> _view.EngineView:
-    """The derived picture of the state (:class:`~torchmetrics_gradpatch._view.EngineView`), taken under the lock.
+class Observation(NamedTuple):
+    """One consistent reading of the engine, taken under its lock: what ``status()`` is derived from."""
+
+    state: _State  #: a copy of the engine's state
+    installed: bool  #: our trampoline is torchmetrics' function's code now (in force or not)
+    imported: bool  #: ``torchmetrics.utilities.distributed`` is imported
+    function: Any  #: torchmetrics' own gather (``None`` when torchmetrics is not imported)
+    held: dict[
+        str, Any
+    ]  #: what each path into the gather holds (:func:`~torchmetrics_gradpatch._target.held_functions`)
+    sync_dist: str | None  #: the strategy ``Metric._sync_dist``'s replacement runs now, ``None`` when not in place
+    sites: tuple[str, ...]  #: further sites the strategy in force has put in place
+
+
+def observe() -> Observation:
+    """Read the engine and what torchmetrics' paths hold, under the lock.
 
     torchmetrics' function is the adopted one, or (native torchmetrics in local mode, never adopted) the one
     torchmetrics holds, reported without judging its signature.
@@ -515,11 +497,12 @@ def view() -> _view.EngineView:
         function = _state.function
         if function is None and module is not None:
             function = own_function(module)
-        return _view.derive(
-            snapshot(),
+        return Observation(
+            state=snapshot(),
             installed=installed(),
             imported=module is not None,
             function=function,
             held=held_functions(module) if module is not None else {},
-            fused_installed=_fused.installed(),
+            sync_dist=_syncs.installed(),
+            sites=_syncs.sites(),
         )

@@ -7,8 +7,9 @@ module knows both; the engine's dispatch and the public :func:`gather_all_tensor
 
 Invariants:
 
-* :func:`check_mode` is the spelling rule everywhere a mode is given (API, environment variable, command line):
-  case-insensitive, surrounding blanks ignored; anything else, of any type, is a ``ValueError`` naming the argument;
+* :func:`check_name` is the one spelling rule for every name a user gives (a mode or a sync strategy, through the
+  API, an environment variable or the command line): case-insensitive, surrounding blanks ignored; anything else,
+  of any type, is a ``ValueError`` naming the argument and the allowed names;
 * importing this module imports neither torch nor the gathers: each gather is imported on first use and kept in
   :data:`GATHERS`, so ``import torchmetrics_gradpatch`` stays torch-free.
 """
@@ -20,13 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from torchmetrics_gradpatch import _compile
 
-# re-exported: code (and the global gather of older copies) imported the error from here
-from torchmetrics_gradpatch._errors import GradModeMismatchError as GradModeMismatchError
-
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GATHERS", "MODES", "GradModeMismatchError", "check_mode", "gather_all_tensors", "gather_for"]
+__all__ = ["GATHERS", "MODES", "check_mode", "check_name", "gather_all_tensors", "gather_for"]
 
 #: The gradient modes, see docs/gradient-modes.md.
 MODES = ("local", "global")
@@ -35,17 +33,21 @@ MODES = ("local", "global")
 GATHERS: dict[str, Callable[..., list[Any]]] = {}
 
 
+def check_name(value: object, allowed: tuple[str, ...], what: str, noun: str) -> str:
+    """Return the name in ``allowed`` that ``value`` spells (any case, blanks around ignored), else raise a
+    ``ValueError`` saying that ``what={value!r}`` is not ``noun`` and listing ``allowed``."""
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in allowed:
+            return name
+    hint = " (to decorate a function, write @patched or @patched(mode=...))" if callable(value) else ""
+    names = ", ".join(repr(a) for a in allowed)
+    raise ValueError(f"torchmetrics_gradpatch: {what}={value!r} is not {noun}; use one of {names}, in any case{hint}.")
+
+
 def check_mode(mode: object, what: str = "mode") -> str:
     """Return the mode ``mode`` names (lower case), else raise a ``ValueError`` naming ``what``."""
-    if isinstance(mode, str):
-        name = mode.strip().lower()
-        if name in MODES:
-            return name
-    allowed = ", ".join(repr(m) for m in MODES)
-    hint = ""
-    if callable(mode):
-        hint = " (to decorate a function, write @patched or @patched(mode=...))"
-    raise ValueError(f"torchmetrics_gradpatch: {what}={mode!r} is not a gradient mode; use one of {allowed}{hint}.")
+    return check_name(mode, MODES, what, "a gradient mode")
 
 
 def gather_for(mode: object) -> Callable[..., list[Any]]:

@@ -1,11 +1,14 @@
-"""``status()``: what is patched, where, in which gradient mode, and why -- for a person debugging a job.
+"""``status()``: what is patched, where, in which gradient mode and sync strategy, and why.
 
-Role: turn the engine's derived view (:func:`torchmetrics_gradpatch._engine.view`, one snapshot taken under the
-engine's lock) into :class:`Status`, its JSON and its text; the command line prints the same object.
+Role: turn one reading of the engine (:func:`torchmetrics_gradpatch._engine.observe`, taken under its lock) into
+:class:`Status`, its JSON and its text; the command line prints the same object. Every field comes from that one
+reading (plus the installed versions and the environment), so a status never contradicts itself:
 
-Invariants: every field comes from that one snapshot (plus the installed versions and the environment), so a
-status never contradicts itself; the text says who put the patch in force (the import or ``patch()``) and, on
-native torchmetrics in local mode, that nothing is needed.
+* ``in_force == (state != "off")`` and ``bool(applied_to) == (state == "patched")``;
+* ``state == "patched"`` only when our trampoline *is* torchmetrics' code now **and** the patch is in force (a
+  trampoline another tool put back after ``unpatch()`` runs the original, and is not reported as patched);
+* ``sync_applied_to`` lists every other place this package has replaced now, so ``applied_to`` and it together
+  are everything a default install puts in place.
 """
 
 from __future__ import annotations
@@ -16,20 +19,21 @@ from typing import Any
 
 from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch._api import AUTOPATCH_ENV, MODE_ENV, SYNC_ENV, autopatch_requested
-from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME
+from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, describe
 from torchmetrics_gradpatch._version import installed_version
 
 __all__ = ["Status", "status"]
+
+_GATHER = f"{TARGET_MODULE}.{TARGET_NAME}"
 
 
 @dataclass(frozen=True)
 class Status:
     """What a person debugging a cluster job needs to know about the patch in this process.
 
-    ``state`` says in one word what a gather called now runs, and ties the other fields together:
+    ``state`` says in one word what a gather called now runs:
 
     * ``"patched"``: the patch is in force and this package's gather runs in place of torchmetrics' own;
-      ``applied_to`` names where (never empty in this state, and empty in every other);
     * ``"native"``: the patch is in force on a torchmetrics that keeps the graph itself (1.6.0 and newer) in local
       mode: nothing needs applying, torchmetrics' own gather runs and keeps the graph;
     * ``"pending"``: the patch is in force and lands the moment torchmetrics is imported;
@@ -39,36 +43,39 @@ class Status:
 
     torch_version: str
     torchmetrics_version: str
-    native: bool  #: this torchmetrics keeps the local graph itself (1.6.0+)
-    in_force: bool  #: the import's patch or patch() is on, or a patched() block is open (state is not "off")
+    state: str  #: "patched", "native", "pending" or "off" (see above)
+    in_force: bool  #: the patch switch is on or a patched() block is open (state is not "off")
+    switched_on_by: str  #: who turned the patch switch on: "import", "patch()", or "" while it is off
+    open_blocks: int  #: patched() blocks open now
     graph_preserving: bool  #: a gather called now keeps the local rank's graph
-    torchmetrics_imported: bool
-    applied_to: tuple[str, ...]  #: where our code is installed: non-empty exactly when state is "patched"
-    references: dict[str, bool]  #: known paths into the gather and whether each reaches torchmetrics' own function
-    autopatch: bool  #: what TORCHMETRICS_GRADPATCH_AUTOPATCH asked of the import
-    mode: str = "local"  #: gradient mode a gather called now uses: "local", "global", or "off" when not in force
-    default_mode: str = "local"  #: TORCHMETRICS_GRADPATCH_MODE (or "local"): the mode of patch() without one
-    state: str = "off"  #: "patched", "native", "pending" or "off" (see the class docstring)
-    manual: bool = False  #: the patch()/unpatch() switch is on (the import turns it on, unpatch() off)
-    blocks: int = 0  #: patched() blocks open now
-    #: what chose ``mode``: "patched(mode=...)", "patch()", "import" (the import's patch), "default", or "" when off
-    mode_from: str = ""
-    #: what ``torchmetrics.utilities.distributed.gather_all_tensors`` holds when it is not torchmetrics' own
-    #: function (another tool replaced it; torchmetrics' own, which torchmetrics calls, is the one patched), else ""
-    attribute: str = ""
-    manual_from: str = ""  #: who switched ``manual`` on: "import" or "patch()"; "" while it is off
-    #: the sync strategy a Metric sync called now uses: "fused" (two collectives per Metric sync,
-    #: docs/fused-sync.md) or "torchmetrics" (its own collectives; also whenever the patch is not in force)
-    sync: str = "torchmetrics"
+    native: bool  #: this torchmetrics keeps the local rank's graph itself (1.6.0 and newer)
+    mode: str  #: the gradient mode a gather called now uses: "local", "global", or "off" when not in force
+    #: what chose ``mode``: "patched(mode=...)", "patch()", "import", "default", or "" when not in force
+    mode_chosen_by: str
+    default_mode: str  #: the mode of patch() without one: TORCHMETRICS_GRADPATCH_MODE, else "local"
+    sync: str  #: the sync strategy a Metric sync called now uses: "torchmetrics" or "fused"
     #: what chose ``sync``: "patched(sync=...)", "patch()", "import", "default", or "" when not in force
-    sync_from: str = ""
-    default_sync: str = "torchmetrics"  #: TORCHMETRICS_GRADPATCH_SYNC (or "torchmetrics"): the sync of patch()
-    fused_installed: bool = False  #: torchmetrics' ``Metric._sync_dist`` is the fused sync's replacement now
+    sync_chosen_by: str
+    default_sync: str  #: the sync of patch() without one: TORCHMETRICS_GRADPATCH_SYNC, else "torchmetrics"
+    compile_support: bool  #: compile_support() is on (matters on torchmetrics >= 1.6 only)
+    torchmetrics_imported: bool
+    #: where this package's gather runs in place of torchmetrics' own: non-empty exactly when state is "patched"
+    applied_to: tuple[str, ...]
+    #: the other places replaced now: ``torchmetrics.Metric._sync_dist`` (the sync strategy, behind one graph break
+    #: under torch.compile) and any site of the strategy in force
+    sync_applied_to: tuple[str, ...]
+    #: every path torchmetrics uses to reach its gather, and whether it reaches torchmetrics' own function
+    references: dict[str, bool]
+    #: what another tool put in the module attribute ``torchmetrics.utilities.distributed.gather_all_tensors``
+    #: (torchmetrics calls its own function, which is the one patched), or None when it holds torchmetrics' own
+    attribute_replaced_by: str | None
+    autopatch: bool  #: what TORCHMETRICS_GRADPATCH_AUTOPATCH asked of the import
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         data = asdict(self)
         data["applied_to"] = list(self.applied_to)
+        data["sync_applied_to"] = list(self.sync_applied_to)
         return data
 
     def to_json(self) -> str:
@@ -81,10 +88,10 @@ class Status:
                 return "no: unpatch() has switched off the patch the import put in force"
             return f"no: {AUTOPATCH_ENV}=0 kept the import from patching, and patch() has not been called"
         reasons = []
-        if self.manual:
-            reasons.append("the import patched" if self.manual_from == "import" else "patch() is on")
-        if self.blocks:
-            reasons.append(f"{self.blocks} patched() block{'s are' if self.blocks > 1 else ' is'} open")
+        if self.switched_on_by:
+            reasons.append("the import patched" if self.switched_on_by == "import" else "patch() is on")
+        if self.open_blocks:
+            reasons.append(f"{self.open_blocks} patched() block{'s are' if self.open_blocks > 1 else ' is'} open")
         if self.state == "native":
             return (
                 "nothing is needed in local mode (torchmetrics >= 1.6 keeps the graph itself); switched on: "
@@ -111,19 +118,16 @@ class Status:
             "patch()": "the mode given to patch()",
             "import": "the default mode, which the import patched with",
             "default": "the default mode",
-        }.get(self.mode_from, self.mode_from)
+        }.get(self.mode_chosen_by, self.mode_chosen_by)
         return f"{self.mode}, {chosen}; patch() without a mode uses {default}"
 
     def _sync_text(self) -> str:
         default = f"{self.default_sync} (from {SYNC_ENV})" if self.default_sync != "torchmetrics" else "torchmetrics"
         if self.sync == "fused":
-            where = (
-                "Metric._sync_dist is the fused sync"
-                if self.fused_installed
-                else "installed when torchmetrics is imported"
+            chosen = (
+                " (chosen by an open patched(sync=...) block)" if self.sync_chosen_by == "patched(sync=...)" else ""
             )
-            chosen = {"patched(sync=...)": "chosen by an open patched(sync=...) block"}.get(self.sync_from, "")
-            return f"fused: two collectives per Metric sync ({where}{'; ' + chosen if chosen else ''})"
+            return f"fused: two collectives per Metric sync, one exchange per MetricCollection{chosen}"
         own = "torchmetrics: its own collectives per state"
         return own + (f"; patch() without a sync uses {default}" if default != "torchmetrics" else "")
 
@@ -139,11 +143,11 @@ class Status:
             f"at import:        {'patched' if self.autopatch else 'not patched'} ({AUTOPATCH_ENV}"
             f"{'' if self.autopatch else '=0'})",
         ]
-        lines += [f"applied to:       {where}" for where in self.applied_to]
-        if self.attribute:
+        lines += [f"applied to:       {where}" for where in (*self.applied_to, *self.sync_applied_to)]
+        if self.attribute_replaced_by is not None:
             lines.append(
-                f"module attribute: {TARGET_MODULE}.{TARGET_NAME} holds {self.attribute}, not torchmetrics' own "
-                "function (torchmetrics calls its own, which is the one the patch applies to)"
+                f"module attribute: {_GATHER} holds {self.attribute_replaced_by}, not torchmetrics' own function "
+                "(torchmetrics calls its own, which is the one the patch applies to)"
             )
         if self.state == "patched":  # only then does "reaching the function" mean reaching the patch
             lines += [
@@ -153,29 +157,58 @@ class Status:
         return "\n".join(lines)
 
 
+def _chosen_by(in_force: bool, blocks_chose: bool, block: str, switched_on_by: str) -> str:
+    if not in_force:
+        return ""
+    if blocks_chose:
+        return block
+    return switched_on_by or "default"
+
+
 def status() -> Status:
-    """Report versions, whether the patch is in force and where it is applied, and whether the graph is kept."""
-    view = _engine.view()
+    """Report versions, whether the patch is in force, everything it has replaced, and whether the graph is kept."""
+    seen = _engine.observe()
+    state, function = seen.state, seen.function
+    in_force = bool(state.in_force)
+    if in_force and seen.installed and state.gather is not None:
+        where = "patched"
+    elif in_force and state.native and state.mode == "local":
+        where = "native"
+    elif in_force and not seen.imported:
+        where = "pending"
+    else:  # not in force, or in force with torchmetrics imported and our gather not running: adoption failed
+        where = "off"
+    applied: tuple[str, ...] = ()
+    if where == "patched":
+        applied = (f"{_GATHER}.__code__ (function object at {id(function):#x}; every reference to it sees the patch)",)
+    sync_applied: tuple[str, ...] = ()
+    if seen.sync_dist is not None:
+        sync_applied = (
+            f"torchmetrics.Metric._sync_dist (runs the {seen.sync_dist!r} sync; one graph break under torch.compile)",
+            *seen.sites,
+        )
+    switched_on_by = state.manual_from if state.manual else ""
+    attribute = seen.held.get(_GATHER, function)
     return Status(
         torch_version=installed_version("torch") or "not installed",
-        torchmetrics_version=view.torchmetrics_version,
-        native=view.native,
-        in_force=view.in_force,
-        graph_preserving=view.graph_preserved,
-        torchmetrics_imported=view.torchmetrics_imported,
-        applied_to=view.applied_to,
-        references=dict(view.references),
+        torchmetrics_version=state.torchmetrics_version,
+        state=where,
+        in_force=in_force,
+        switched_on_by=switched_on_by,
+        open_blocks=len(state.records),
+        graph_preserving=bool(state.native) or where in ("patched", "pending"),
+        native=bool(state.native),
+        mode=state.mode if in_force else "off",
+        mode_chosen_by=_chosen_by(in_force, bool(state.block_modes), "patched(mode=...)", switched_on_by),
+        default_mode=state.default_mode,
+        sync=state.sync if in_force else "torchmetrics",
+        sync_chosen_by=_chosen_by(in_force, bool(state.block_syncs), "patched(sync=...)", switched_on_by),
+        default_sync=state.default_sync,
+        compile_support=bool(state.compile_native),
+        torchmetrics_imported=seen.imported,
+        applied_to=applied,
+        sync_applied_to=sync_applied,
+        references={path: obj is function for path, obj in seen.held.items()} if function is not None else {},
+        attribute_replaced_by=None if function is None or attribute is function else describe(attribute),
         autopatch=autopatch_requested(),
-        mode=view.mode,
-        default_mode=view.default_mode,
-        state=view.state,
-        manual=view.manual,
-        blocks=view.blocks,
-        mode_from=view.mode_from,
-        attribute=view.attribute,
-        manual_from=view.manual_from if view.manual else "",
-        sync=view.sync,
-        sync_from=view.sync_from,
-        default_sync=view.default_sync,
-        fused_installed=view.fused_installed,
     )

@@ -21,13 +21,10 @@ from typing import Any
 
 from torchmetrics_gradpatch._errors import UnsupportedVersionError
 
-__all__ = ["ORIGINAL_ATTR", "TARGET_MODULE", "TARGET_NAME", "held_functions", "own_function", "recognise"]
+__all__ = ["TARGET_MODULE", "TARGET_NAME", "describe", "held_functions", "own_function", "recognise"]
 
 TARGET_MODULE = "torchmetrics.utilities.distributed"
 TARGET_NAME = "gather_all_tensors"
-#: Set on the function while our trampoline is installed: the original code object (a re-imported copy of this
-#: package finds it there).
-ORIGINAL_ATTR = "__torchmetrics_gradpatch_original__"
 
 
 def _unwrap(obj: Any) -> Any:
@@ -94,8 +91,7 @@ def recognise(module: types.ModuleType, torchmetrics_version: str, *, native: bo
         raise UnsupportedVersionError(f"{where}: the function does not exist. {advice}")
     if not isinstance(function, types.FunctionType):
         raise UnsupportedVersionError(f"{where}: expected a Python function, found {type(function).__name__}. {advice}")
-    saved = function.__dict__.get(ORIGINAL_ATTR)
-    code = saved if isinstance(saved, types.CodeType) else function.__code__  # patched by an earlier copy of ours
+    code = function.__code__
     plain_positional = not code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
     if not (
         plain_positional

@@ -17,8 +17,7 @@ import sys
 
 from packaging.version import InvalidVersion, Version
 
-# the error lives with the package's others; re-exported here for code that imported it from this module
-from torchmetrics_gradpatch._errors import UnsupportedVersionError as UnsupportedVersionError
+from torchmetrics_gradpatch._errors import UnsupportedVersionError
 
 #: Upstream documents the graph-preserving gather for PyTorch 2.0 and newer only.
 MIN_TORCH = Version("2.0")
@@ -55,35 +54,37 @@ def parse(version: str, what: str) -> Version:
         ) from None
 
 
-def check_torch(version: str | None) -> Version:
-    """Return the parsed torch version, or raise :class:`UnsupportedVersionError` when it is below 2.0."""
-    if version is None:
-        raise UnsupportedVersionError(
-            "torchmetrics_gradpatch needs PyTorch >= 2.0, and PyTorch is not installed: pip install 'torch>=2.0'."
-        )
-    parsed = parse(version, "torch")
-    if Version(parsed.base_version) < MIN_TORCH:
-        raise UnsupportedVersionError(
-            f"torchmetrics_gradpatch supports PyTorch >= {MIN_TORCH} only, and torch {version} is installed. "
-            "The graph-preserving gather it installs (torchmetrics PR #2754) is defined for PyTorch 2.0 and newer; "
-            "nothing was patched. Upgrade torch (pip install 'torch>=2.0') or do not import torchmetrics_gradpatch."
-        )
-    return parsed
+#: distribution -> (the oldest release line accepted, why, what to install)
+_MINIMA = {
+    "torch": (
+        MIN_TORCH,
+        "The graph-preserving gather it installs (torchmetrics PR #2754) is defined for PyTorch 2.0 and newer",
+        "pip install 'torch>=2.0'",
+    ),
+    "torchmetrics": (
+        MIN_TORCHMETRICS,
+        "Older torchmetrics are not tested, so they are refused rather than patched untested",
+        "pip install 'torchmetrics>=0.11'",
+    ),
+}
 
 
-def check_torchmetrics(version: str | None) -> Version:
-    """Return the parsed torchmetrics version; raise :class:`UnsupportedVersionError` when it is missing or below
-    0.11 (release part compared, as for torch: ``0.11.0rc1`` is the 0.11 line)."""
+def check(distribution: str, version: str | None) -> Version:
+    """Return the parsed version of ``distribution`` ("torch" or "torchmetrics"); raise
+    :class:`UnsupportedVersionError` when it is missing or below its minimum.
+
+    The *release* part is compared: ``2.0.0rc1`` and ``2.0.0.dev...`` builds are the 2.0 line and are accepted.
+    """
+    minimum, why, install = _MINIMA[distribution]
     if version is None:
         raise UnsupportedVersionError(
-            "torchmetrics_gradpatch patches torchmetrics, which is not installed: pip install torchmetrics."
+            f"torchmetrics_gradpatch needs {distribution} >= {minimum}, and {distribution} is not installed: {install}."
         )
-    parsed = parse(version, "torchmetrics")
-    if Version(parsed.base_version) < MIN_TORCHMETRICS:
+    parsed = parse(version, distribution)
+    if Version(parsed.base_version) < minimum:
         raise UnsupportedVersionError(
-            f"torchmetrics_gradpatch supports torchmetrics >= {MIN_TORCHMETRICS} only, and torchmetrics {version} is "
-            "installed; nothing was patched. Upgrade torchmetrics (pip install 'torchmetrics>=0.11') or do not "
-            "import torchmetrics_gradpatch."
+            f"torchmetrics_gradpatch supports {distribution} >= {minimum} only, and {distribution} {version} is "
+            f"installed. {why}; nothing was patched. Upgrade ({install}) or do not import torchmetrics_gradpatch."
         )
     return parsed
 

@@ -1,0 +1,219 @@
+"""The sync strategies, and the one replacement of ``torchmetrics.Metric._sync_dist`` that runs them.
+
+While the patch is in force and either a strategy other than torchmetrics' own is chosen or the trampoline is
+installed, the engine sets ``Metric._sync_dist`` to :func:`_replacement`'s function. It runs the effective strategy
+when the sync function is torchmetrics' own gather (any other ``dist_sync_fn`` goes to torchmetrics' method
+unchanged), and inside ``torch.compile`` it runs the whole sync behind one graph break: dynamo never traces
+torchmetrics' ``apply_to_collection`` (torch 2.15's dynamo cannot guard it for a ``cat`` state) nor a strategy's
+packing. :func:`uninstall` puts the very same original function object back.
+
+Strategies are registered, never imported: ``"torchmetrics"`` (torchmetrics' own collectives) is built in; a
+feature (``torchmetrics_gradpatch.fused``) calls :func:`register` with its sync function and, optionally, an
+``install``/``uninstall`` pair for further patch sites it needs while it is the strategy in force.
+
+Every rank of a group must use the same strategy: strategies issue different collectives. This module imports
+neither torch nor torchmetrics; :func:`install` applies at once when ``torchmetrics.metric`` is imported, else the
+moment it is (a ``wrapt`` post-import hook).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from torchmetrics_gradpatch import _compile
+from torchmetrics_gradpatch._modes import check_name
+
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "check_sync",
+    "guarded",
+    "install",
+    "installed",
+    "original_sync_dist",
+    "register",
+    "uninstall",
+]
+
+_MODULE = "torchmetrics.metric"
+_MARK = "__torchmetrics_gradpatch_sync__"  # set on our replacement, so it is told apart from another tool's
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A sync strategy: ``sync(metric, process_group, mode)`` syncs one Metric's states as ``_sync_dist`` would;
+    ``install`` / ``uninstall`` (idempotent) put further patch sites in place while it is the strategy in force."""
+
+    sync: Callable[[Any, Any, str], None]
+    install: Callable[[], None] | None = None
+    uninstall: Callable[[], None] | None = None
+    #: what ``status()`` reports as the strategy's further sites when they are in place (``None``: it has none)
+    sites: Callable[[], tuple[str, ...]] | None = None
+
+
+#: name -> strategy; ``None`` stands for torchmetrics' own sync.
+STRATEGIES: dict[str, Strategy | None] = {"torchmetrics": None}
+
+#: What was asked (``on``, ``sync``, ``mode``), whether the import hook is registered, the strategy whose further
+#: sites are in place. ``sync`` is read at every call of the replacement, so switching strategies replaces nothing.
+_wanted: dict[str, Any] = {
+    "on": False,
+    "sync": "torchmetrics",
+    "mode": "local",
+    "hook": False,
+    "sites": None,
+    "ours": None,  # the replacement this module set, so another tool's replacement on top of it is noticed
+}
+
+
+def register(name: str, strategy: Strategy) -> None:
+    """Make ``name`` a sync strategy (``patch(sync=name)``, ``TORCHMETRICS_GRADPATCH_SYNC``)."""
+    STRATEGIES[name] = strategy
+
+
+def check_sync(sync: object, what: str = "sync") -> str:
+    """Return the strategy ``sync`` names (the spelling rule of :func:`~torchmetrics_gradpatch._modes.check_name`)."""
+    return check_name(sync, tuple(STRATEGIES), what, "a sync strategy")
+
+
+def _mode_now() -> str:
+    mode = _wanted["mode"]
+    return mode() if callable(mode) else str(mode)
+
+
+def _is_torchmetrics_gather(fn: object, original: Any) -> bool:
+    """Whether ``fn`` is torchmetrics' own gather (the object the original method's default names)."""
+    default = (original.__defaults__ or (None,))[0]
+    if fn is default:
+        return True
+    module = sys.modules.get("torchmetrics.utilities.distributed")
+    return module is not None and fn is getattr(module, "gather_all_tensors", None)
+
+
+def _run(original: Any, metric: Any, dist_sync_fn: Any, process_group: Any) -> None:
+    strategy = STRATEGIES.get(_wanted["sync"])
+    if strategy is not None and _is_torchmetrics_gather(dist_sync_fn, original):
+        strategy.sync(metric, process_group, _mode_now())
+    else:
+        original(metric, dist_sync_fn, process_group)
+
+
+def _replacement(original: Any) -> Callable[..., None]:
+    def _sync_dist(self: Any, dist_sync_fn: Any = None, process_group: Any | None = None) -> None:
+        if _compile.is_compiling():  # under torch.compile: one graph break, the whole sync runs eagerly
+            _compile.run_eagerly(_run, original, self, dist_sync_fn, process_group)
+        else:
+            _run(original, self, dist_sync_fn, process_group)
+
+    functools.update_wrapper(_sync_dist, original)  # name, doc, __wrapped__ = the original, restored by uninstall
+    _sync_dist.__defaults__ = original.__defaults__  # the same default gather object as torchmetrics'
+    setattr(_sync_dist, _MARK, True)
+    return _sync_dist
+
+
+def _metric_class() -> Any:
+    """``torchmetrics.Metric``, or ``None`` while ``torchmetrics.metric`` is not imported or still being imported."""
+    return getattr(sys.modules.get(_MODULE), "Metric", None)
+
+
+def _apply_sites() -> None:
+    """Put the chosen strategy's further sites in place, and take out another strategy's."""
+    want = _wanted["sync"] if _wanted["on"] else None
+    current = _wanted["sites"]
+    if current == want:
+        return
+    old = STRATEGIES.get(current) if current is not None else None
+    if old is not None and old.uninstall is not None:
+        old.uninstall()
+    _wanted["sites"] = None
+    new = STRATEGIES.get(want) if want is not None else None
+    if new is not None and new.install is not None:
+        _wanted["sites"] = want  # before the call: an interrupted install is finished (or undone) next time
+        new.install()
+
+
+def _apply(module: Any = None) -> None:
+    """Bring ``Metric._sync_dist`` in line with :data:`_wanted`.
+
+    While ``torchmetrics.metric`` is still being imported (a hook of the gather's module, which it imports, changed
+    the strategy) there is no class yet: the post-import hook registered by :func:`install` applies it once the
+    import is done.
+    """
+    metric = _metric_class()
+    if metric is None:
+        return
+    current = metric.__dict__["_sync_dist"]
+    ours = getattr(current, _MARK, False)
+    if _wanted["on"] and not ours:
+        metric._sync_dist = _wanted["ours"] = _replacement(current)
+    elif not _wanted["on"] and ours:
+        metric._sync_dist = current.__wrapped__
+        _wanted["ours"] = None
+    _apply_sites()
+
+
+def _on_import(module: Any) -> None:
+    _wanted["hook"] = False
+    _apply(module)
+
+
+def install(sync: str = "torchmetrics", *, mode: str | Callable[[], str] = "local") -> None:
+    """Set the replacement running ``sync`` (see :data:`STRATEGIES`) for every Metric; ``mode`` is the gradient mode,
+    or a function giving it at each sync (the engine's effective mode). Idempotent: wraps at most once."""
+    _wanted["on"], _wanted["sync"], _wanted["mode"] = True, check_sync(sync), mode
+    _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
+    if _MODULE in sys.modules:  # being imported: the hook registered earlier applies it at the end
+        _apply()
+    elif not _wanted["hook"]:
+        _wanted["hook"] = True
+        wrapt.register_post_import_hook(_on_import, _MODULE)
+
+
+def uninstall() -> None:
+    """Put torchmetrics' original ``Metric._sync_dist`` back (the same object) and a strategy's sites; idempotent."""
+    _wanted["on"] = False
+    metric = _metric_class()
+    if metric is None:
+        return
+    current = metric.__dict__["_sync_dist"]
+    ours, _wanted["ours"] = _wanted["ours"], None
+    if getattr(current, _MARK, False):
+        metric._sync_dist = current.__wrapped__
+    elif ours is not None:
+        warnings.warn(
+            "torchmetrics_gradpatch: another tool has replaced Metric._sync_dist on top of this package's; "
+            "leaving it in place.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    _apply_sites()
+
+
+def guarded() -> bool:
+    """Whether ``torchmetrics.Metric._sync_dist`` currently is this package's replacement (any strategy)."""
+    metric = _metric_class()
+    return metric is not None and bool(getattr(metric.__dict__["_sync_dist"], _MARK, False))
+
+
+def installed() -> str | None:
+    """The strategy the replacement runs now (``"torchmetrics"`` too), or ``None`` when it is not in place."""
+    return _wanted["sync"] if _wanted["on"] and guarded() else None
+
+
+def sites() -> tuple[str, ...]:
+    """The further sites the strategy in force has put in place (what ``status()`` lists)."""
+    strategy = STRATEGIES.get(_wanted["sites"]) if _wanted["sites"] is not None else None
+    return strategy.sites() if strategy is not None and strategy.sites is not None else ()
+
+
+def original_sync_dist() -> Any:
+    """torchmetrics' own ``Metric._sync_dist`` (what the replacement wraps, if it is in place); needs torchmetrics."""
+    current = sys.modules[_MODULE].Metric.__dict__["_sync_dist"]
+    return current.__wrapped__ if getattr(current, _MARK, False) else current
