@@ -35,21 +35,13 @@ PACKAGE = "torchmetrics_gradpatch"
 DIST_NAME = "torchmetrics_gradpatch"  # normalised distribution name in artifact file names
 #: tracked files a downstream packager does not need (the sdist is not a git checkout)
 NOT_IN_SDIST = (".gitignore",)
-#: run records kept in the repository but not shipped (MANIFEST.in prunes them): raw runs and CI logs
-NOT_IN_SDIST_PREFIXES = (
-    "results/raw/",
-    "results/raw-compile/",
-    "results/raw-compile-2.15/",
-    "results/raw-compile-4ef58dc/",
-    "results/raw-compile-4ef58dc-ci/",
-)
+#: run records (git-ignored, never shipped: MANIFEST.in prunes them)
+RECORDS = ("results/", "benchmarks/.envs/")
 
 
 def shipped(name: str) -> bool:
-    """Whether a tracked file belongs in the sdist (MANIFEST.in's rules, restated for the check)."""
-    if name in NOT_IN_SDIST or name.startswith(NOT_IN_SDIST_PREFIXES):
-        return False
-    return not (name.startswith("results/") and name.endswith(".log"))
+    """Whether a file belongs in the sdist (MANIFEST.in's rules, restated for the check)."""
+    return name not in NOT_IN_SDIST and not name.startswith(RECORDS)
 
 
 class CheckError(Exception):
@@ -66,7 +58,7 @@ def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None =
 
 def source_version() -> str:
     """``__version__`` as written in the package's ``__init__.py``: the one place the version lives."""
-    tree = ast.parse((ROOT / "src" / PACKAGE / "__init__.py").read_text())
+    tree = ast.parse((ROOT / PACKAGE / "__init__.py").read_text())
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
@@ -99,7 +91,7 @@ def check_sdist(sdist: Path, version: str) -> None:
         raise CheckError(f"the sdist lacks {len(missing)} file(s) (add them to MANIFEST.in): {', '.join(missing)}")
     stray = sorted(m for m in members if "__pycache__" in m or not shipped(m))
     if stray:
-        raise CheckError(f"the sdist carries build or run leftovers: {', '.join(stray)}")
+        raise CheckError(f"the sdist carries build leftovers or run records: {', '.join(stray)}")
     print(f"sdist: {len(members)} files, every tracked file included" if tracked else f"sdist: {len(members)} files")
 
 
