@@ -1,9 +1,8 @@
 """One benchmark job in a fresh interpreter: ``python benchmarks/_worker.py JOB JSON-ARGS``; prints JSON.
 
-Run by ``run_all.py`` in this environment or in the second (native torchmetrics) one, with the repository
+Run by ``bench_gather.py`` in this environment or in the second (native torchmetrics) one, with the repository
 root on ``PYTHONPATH``. Jobs: ``gather`` (patched vs unpatched, spawned ranks), ``shipped`` (the gather as
-the environment ships it, spawned ranks), ``memory`` (spawned ranks), ``toggle`` and ``trampoline``
-(in-process; the latter is ``bench_percall.py``'s one-rank section).
+the environment ships it, spawned ranks), ``memory`` (spawned ranks) and ``toggle`` (in-process).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 
 
 def _spawn(fn: Any, world_size: int, args: tuple[Any, ...]) -> list[Any]:
-    from torchmetrics_gradpatch.testing import spawn_ranks
+    from tests.harness import spawn_ranks
 
     return spawn_ranks(fn, world_size, args=args, timeout=900)
 
@@ -66,13 +65,6 @@ def toggle(rounds: int, toggles: int) -> dict[str, Any]:
     return out
 
 
-def trampoline(rounds: int, calls: int) -> dict[str, Any]:
-    """What the package adds per call, one-rank gloo group: ``benchmarks/bench_percall.py``'s one-rank section."""
-    from benchmarks.bench_percall import one_rank
-
-    return one_rank(rounds, calls)
-
-
 def main() -> None:
     job, raw = sys.argv[1], sys.argv[2]
     args = json.loads(raw)
@@ -92,8 +84,6 @@ def main() -> None:
         result = _spawn(_memory.gather_memory, args["world_size"], (args["rounds"], args["rows"], args["cols"]))
     elif job == "toggle":
         result = toggle(args["rounds"], args["toggles"])
-    elif job == "trampoline":
-        result = trampoline(args["rounds"], args["calls"])
     else:
         raise SystemExit(f"unknown job {job!r}")
     print("RESULT " + json.dumps(result))

@@ -1,6 +1,6 @@
 """What torch.compile support costs the eager hot path: per-call differences, measured side by side in one run.
 
-    python benchmarks/bench_compile.py [--rounds 41] [--calls 20000] [--out results/compile/bench]
+    python benchmarks/bench_compile.py [--rounds 41] [--calls 20000]
 
 The support is one call of torch's ``is_compiling`` check in ``_engine.dispatch``, the trampoline's path
 (dynamo folds it to ``True`` and takes a graph break into ``torch.compiler.disable``; in eager mode it returns
@@ -15,14 +15,13 @@ The support is one call of torch's ``is_compiling`` check in ``_engine.dispatch`
   one-rank gloo group (barrier and collectives included), so the check can be read against a real gather's noise.
 
 Reported: per-call medians in ns, the median per-round difference with its 95% confidence interval, and the
-machine load at start and end. Writes ``<out>.json`` and ``<out>.md``.
+machine load at start and end.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import platform
 import sys
@@ -32,15 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code measured) and benchmarks first
+if __package__ in (None, ""):  # run as a script: this checkout's package and benchmarks first
     _root = Path(__file__).resolve().parent.parent
-    sys.path[:0] = [str(_root / "src"), str(_root)]
+    sys.path.insert(0, str(_root))
 
-from benchmarks._pages import artifact_name, replace_region
-from benchmarks._provenance import commit
 from benchmarks._stats import spread
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _without_check(engine: Any) -> Callable[..., Any]:
@@ -133,8 +128,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--calls", type=int, default=20000)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "compile" / "bench")
-    parser.add_argument("--update-docs", action="store_true", help="write the summary into docs/design.md")
     args = parser.parse_args()
     import torch
 
@@ -145,7 +138,6 @@ def main() -> int:
     command = "python benchmarks/bench_compile.py " + " ".join(sys.argv[1:])
     record = {
         "command": command.strip(),
-        "commit": commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
@@ -155,12 +147,10 @@ def main() -> int:
         "calls": args.calls,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         "# torch.compile support: eager cost per call",
         "",
-        f"Command: `{record['command']}`; commit {record['commit']}; torch {record['torch']}, Python "
+        f"Command: `{record['command']}`; torch {record['torch']}, Python "
         f"{record['python']}, {record['cpus']} CPUs; load average (1, 5, 15 min) at start {record['load_start']}, "
         f"at end {record['load_end']}. {args.rounds} rounds, order alternating.",
         "",
@@ -171,29 +161,8 @@ def main() -> int:
         if isinstance(value, dict):
             lines.append(f"| {name} | {value['median']:.0f} | {value['ci95_lo']:.0f} to {value['ci95_hi']:.0f} |")
     lines += ["", f"`is_compiling` is `{results['is_compiling']}`."]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if args.update_docs:
-        _update_docs(record, args.out.with_suffix(".md"))
     return 0
-
-
-def _update_docs(record: dict[str, Any], artifact: Path) -> None:
-    """Write the measured figures into docs/design.md between the compile-cost markers."""
-    r = record["results"]
-
-    def fig(name: str) -> str:
-        return f"{r[name]['median']:.0f} ns (95% CI {r[name]['ci95_lo']:.0f} to {r[name]['ci95_hi']:.0f})"
-
-    text = (  # the run's command, commit and load are in the artifact's header, not on the page
-        f"From `{artifact_name(artifact)}` (torch {record['torch']}), per call: the check adds "
-        f"{fig('dispatch_with_check - dispatch_without_check')} to the trampoline's dispatch in front of a no-op "
-        f"gather; calling through `torch.compiler.disable` instead would add {fig('disable_wrapper - plain_call')}. "
-        f"A real gather in a one-rank gloo group takes {r['gather_without_check']['median']:.0f} ns, and the "
-        f"difference with and without the check there is {fig('gather_with_check - gather_without_check')}."
-    )
-    if not replace_region(ROOT / "docs" / "design.md", "compile-cost", text):
-        raise SystemExit("docs/design.md has no compile-cost markers")
 
 
 if __name__ == "__main__":

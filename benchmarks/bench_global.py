@@ -1,12 +1,10 @@
 """Cost of the global gradient mode: forward+backward ratios, measured side by side in one run.
 
-    python benchmarks/bench_global.py [--world-sizes 2 3] [--reps 30] [--out DIR] [--json out.json]
-    python benchmarks/bench_global.py --out benchmarks/results/global   # the committed artifact
+    python benchmarks/bench_global.py [--world-sizes 2 3] [--reps 30]
     python benchmarks/bench_global.py --quick     # a smoke test of the script (seconds; the figures mean nothing)
 
-The report starts with the command, the commit measured, the versions and the load average at start, and ends
-with the load average at end; ``--out DIR`` writes it to ``DIR/bench_global.txt`` and the summary (the same
-provenance included) to ``DIR/bench_global.json``.
+The report starts with the command, the versions and the load average at start, and ends with the load average
+at end.
 
 Each spawned rank (gloo on loopback, one intra-op thread) repeats, for every case, one timed block per method in
 rotating order. A block is a fixed number of steps (more for small tensors, so that one scheduler hiccup on a
@@ -26,14 +24,12 @@ Targets: global / ``torch.distributed.nn.functional.all_gather`` <= 1.1 at a sca
 ``all_gather`` (shapes), ``all_gather`` (data) forward and nothing backward; global mode ``all_gather``
 (shapes and flags), ``all_gather`` (data) forward (a scalar: one ``all_gather``) and one ``all_to_all_single``
 backward; torch's ``all_gather`` one ``all_gather`` forward and one ``all_to_all`` backward on gloo.
-``main()`` returns a JSON-able dict so ``benchmarks/run_all.py`` can call it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import statistics
@@ -45,11 +41,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code measured) and benchmarks first
+if __package__ in (None, ""):  # run as a script: this checkout's package and benchmarks first
     _root = Path(__file__).resolve().parent.parent
-    sys.path[:0] = [str(_root / "src"), str(_root)]
+    sys.path.insert(0, str(_root))
 
-from benchmarks._provenance import commit, load
 from benchmarks._stats import spread
 
 #: name -> (rows per rank as a function of rank, columns); elements per rank = rows * columns
@@ -175,7 +170,7 @@ def run(
     """Spawn ``world_size`` ranks, measure, and summarise (see the module docstring)."""
     import torch
 
-    from torchmetrics_gradpatch.testing import spawn_ranks
+    from tests.harness import spawn_ranks
 
     raw = spawn_ranks(_rank_bench, world_size, args=(reps, steps_scale, profile_steps), timeout=900)[0]
     summary: dict[str, Any] = {
@@ -243,17 +238,8 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _shown_command(argv: list[str]) -> str:
-    """The command as run, without where its output went (``--out DIR``, ``--json FILE``)."""
-    shown: list[str] = []
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg in ("--out", "--json") and args:
-            args.pop(0)
-        elif not arg.startswith(("--out=", "--json=")):
-            shown.append(arg)
-    return " ".join(["python benchmarks/bench_global.py", *shown])
+def load() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
 
 
 def _load_text(values: list[float] | None) -> str:
@@ -261,17 +247,14 @@ def _load_text(values: list[float] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Command-line entry point; returns the JSON-able summary (also for ``benchmarks/run_all.py``)."""
+    """Command-line entry point: prints the report and returns the summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--out", type=Path, help="write bench_global.txt and bench_global.json here")
-    parser.add_argument("--json", type=Path, help="also write the summary here")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 blocks of a few steps; figures meaningless")
     args = parser.parse_args(argv)
     provenance: dict[str, Any] = {
-        "command": _shown_command(sys.argv[1:] if argv is None else argv),
-        "commit": commit(),
+        "command": " ".join(["python benchmarks/bench_global.py", *(sys.argv[1:] if argv is None else argv)]),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": platform.python_version(),
         "torch": importlib.metadata.version("torch"),
@@ -281,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     header = [
         f"command: {provenance['command']}   (run from the repository root)",
-        f"commit {provenance['commit']}; {provenance['when']}; Python {provenance['python']}, torch "
+        f"{provenance['when']}; Python {provenance['python']}, torch "
         f"{provenance['torch']}, torchmetrics {provenance['torchmetrics']}, {provenance['cpus']} CPUs",
         f"load average at start: {_load_text(provenance['loadavg_start'])}",
     ]
@@ -294,14 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     body = "\n\n".join(render(one) for one in runs)
     footer = f"load average at end: {_load_text(provenance['loadavg_end'])}"
     print(body + "\n" + footer)
-    summary: dict[str, Any] = {**provenance, "runs": runs, "text": "\n".join([*header, body, footer])}
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_global.txt").write_text(summary["text"] + "\n")
-        (args.out / "bench_global.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return {**provenance, "runs": runs}
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """What the package adds to one gather call, in µs, measured side by side in one run.
 
-    python benchmarks/bench_percall.py                   # 41 rounds; writes benchmarks/results/percall.{json,md}
-    python benchmarks/bench_percall.py --rounds 81 --out DIR
+    python benchmarks/bench_percall.py                   # 41 rounds, one rank and two ranks; prints the tables
+    python benchmarks/bench_percall.py --rounds 81 --skip-two-ranks
     python benchmarks/bench_percall.py --quick           # a smoke test of the script (figures mean nothing)
-    python benchmarks/bench_percall.py --update-docs     # also put its tables into docs/performance.md
 
 The targets (patched - unpatched <= 2 µs, trampoline + dispatch <= 1 µs per call, on one rank) are judged in the
-artifact ``percall.md`` only; the page gets figures.
+printed report.
 
 **One rank** (this process, a world-size-1 gloo group on a ``HashStore``): the collectives are as cheap as they get,
 so what the package adds in Python is not buried under another rank's scheduling. Each round times one block of
@@ -37,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform
 import sys
@@ -50,11 +48,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if __package__ in (None, ""):  # run as a script: this checkout's src/ (the code measured) and benchmarks first
-    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+if __package__ in (None, ""):  # run as a script: this checkout's package and benchmarks first
+    sys.path.insert(0, str(ROOT))
 
-from benchmarks._pages import artifact_name, replace_region  # noqa: E402
-from benchmarks._provenance import commit  # noqa: E402
 from benchmarks._stats import spread  # noqa: E402
 
 ONE_RANK_CASES = {"scalar": (), "1k": (1000,)}
@@ -215,7 +211,7 @@ def _two_rank_main(rounds: int, calls: int) -> dict[str, Any]:
 
 
 def two_ranks(rounds: int, calls: int) -> dict[str, Any]:
-    from torchmetrics_gradpatch.testing import spawn_ranks
+    from tests.harness import spawn_ranks
 
     raw = spawn_ranks(_two_rank_main, 2, args=(rounds, calls), timeout=1800)[0]
     out: dict[str, Any] = {}
@@ -241,7 +237,6 @@ def machine() -> dict[str, Any]:
 
     return {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
@@ -283,7 +278,7 @@ def markdown(results: dict[str, Any]) -> str:
     load = ", ".join(f"{v:.2f}" for v in m["loadavg_start"])
     load_end = ", ".join(f"{v:.2f}" for v in results["loadavg_end"])
     lines = [
-        f"Measured {m['when']} with `{results['command']}` at commit {m['commit']}: Python {m['python']}, "
+        f"Measured {m['when']} with `{results['command']}`: Python {m['python']}, "
         f"torch {m['torch']}, torchmetrics {m['torchmetrics']}, {m['cpus']} CPUs, load average at start {load} "
         f"(end: {load_end}). µs per call: medians, and for differences the median of the per-round differences "
         "[95% confidence interval].",
@@ -350,15 +345,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--two-rank-calls", type=int, default=150, help="calls per two-rank block (default 150)")
     parser.add_argument("--skip-two-ranks", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 rounds of few calls")
-    parser.add_argument("--out", type=Path, default=HERE / "results", help="directory for percall.json/.md")
-    parser.add_argument("--update-docs", action="store_true", help="put the tables into docs/performance.md")
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.rounds, opts.calls, opts.two_rank_rounds, opts.two_rank_calls = 3, 50, 3, 10
-    shown = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-docs"]
-    if "--out" in shown:
-        at = shown.index("--out")
-        del shown[at : at + 2]
+    shown = list(sys.argv[1:] if argv is None else argv)
     results: dict[str, Any] = {
         "command": " ".join(["python benchmarks/bench_percall.py", *shown]),
         "machine": machine(),
@@ -369,63 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not opts.skip_two_ranks:
         results["two_ranks"] = two_ranks(opts.two_rank_rounds, opts.two_rank_calls)
     results["loadavg_end"] = list(os.getloadavg())
-    report = markdown(results)
-    results["text"] = report
-    opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "percall.json").write_text(json.dumps(results, indent=2) + "\n")  # cases in measured order
-    (opts.out / "percall.md").write_text(report + "\n")
-    print(report)
-    if opts.update_docs:
-        update_docs(results, artifact_name(opts.out / "percall.md"))
+    print(markdown(results))
     return results
-
-
-#: The rows docs/performance.md shows (the artifact has every series and difference)
-PAGE_ROWS = (
-    "unpatched",
-    "patched",
-    "direct",
-    "patched - unpatched",
-    "trampoline + dispatch (no-op gather behind it)",
-    "global mode forward - local mode",
-)
-
-
-def page_blocks(results: dict[str, Any], where: str) -> dict[str, str]:
-    """docs/performance.md's two regions: the one-rank and two-rank tables with their artifact, no verdicts."""
-    blocks: dict[str, str] = {}
-    one = results.get("one_rank")
-    if one:
-        calls = next(iter(one.values()))["calls_per_block"]["gathers"]
-
-        def one_cell(case: str, row: str) -> str:
-            if row in one[case]["us"]:
-                return f"{one[case]['us'][row]['median']:.2f}"
-            return _interval(one[case]["difference_us"][row])
-
-        title = f"One rank, µs per call, from `{where}` ({results['rounds']} rounds of {calls} calls per series):"
-        blocks["percall-one-rank"] = "\n".join(_table(title, list(one), list(PAGE_ROWS), one_cell))
-    two = results.get("two_ranks")
-    if two:
-        first = next(iter(two.values()))
-
-        two_cell = functools.partial(_two_rank_cell, two)
-
-        rows = [row for row in PAGE_ROWS if row in first["wall"]["us"] or row in first["wall"]["difference_us"]]
-        title = (
-            f"Two ranks, rank 0, wall time / CPU time, from `{where}` ({results['two_rank_rounds']} rounds of "
-            f"{first['calls_per_block']} calls per series):"
-        )
-        blocks["percall-two-ranks"] = "\n".join(_table(title, list(two), rows, two_cell))
-    return blocks
-
-
-def update_docs(results: dict[str, Any], where: str) -> None:
-    """Put this run's tables into docs/performance.md (the targets' verdicts stay in the artifact)."""
-    page = ROOT / "docs" / "performance.md"
-    for name, body in page_blocks(results, where).items():
-        if not replace_region(page, name, body):
-            print(f"docs/performance.md has no {name} markers; not updated", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,7 @@
 """Soak: does anything grow over many gathers and Metric-loss steps? RSS and live tensors, sampled along the way.
 
     python benchmarks/bench_soak.py                      # 10,000 gathers, 1,000 steps per mode (several minutes)
-    python benchmarks/bench_soak.py --gathers 600 --steps 120   # a smoke test (not written to results/)
-    python benchmarks/bench_soak.py --update-docs                # also put the figures into docs/memory.md
-    python benchmarks/bench_soak.py --docs-from benchmarks/results/soak/soak.json   # only the docs, from a run
+    python benchmarks/bench_soak.py --gathers 600 --steps 120   # a smoke test
 
 Two spawned gloo ranks per gradient mode (``local``, ``global``), each a fresh pair of processes, and, as a
 reference, ``unpatched``: torchmetrics' own gather with the patch off, gathers only (unpatched torchmetrics < 1.6
@@ -21,8 +19,7 @@ Every ``len // samples`` operations each rank records its RSS (``/proc/self/stat
 changing) and the number of ``torch.Tensor`` objects the garbage collector tracks, after ``gc.collect()``.
 Verdict per mode, phase and rank, from the first sample after warm-up (10% of the run) to the last: the live
 tensor count must not change and RSS must grow by less than ``--rss-bound`` MiB; the least-squares slope and
-the growth over the second half of the run are reported beside it. Without ``--out`` the full run writes
-``benchmarks/results/soak/soak.json`` and ``soak.md``.
+the growth over the second half of the run are reported beside it. Exit status 1 when something is not flat.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import platform
 import sys
@@ -41,14 +37,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # this checkout's src/ (the code measured) and benchmarks first
+sys.path.insert(0, str(ROOT))  # this checkout's package and benchmarks first
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._memory import live_tensors, settled_rss_kib  # noqa: E402
-from benchmarks._pages import artifact_name, replace_region  # noqa: E402
-from benchmarks._provenance import commit, load  # noqa: E402
 from tests._workloads import LossSteps, run_phase  # noqa: E402 - the workload tests/test_leak.py checks
 from tests._workloads import soak_gather_input as gather_input  # noqa: E402
 
@@ -138,7 +132,7 @@ def verdict(samples: list[dict[str, int]], per: int, unit: str, rss_bound_mib: f
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [
-        f"Measured {m['when']} with `{results['command']}` at commit {results['commit']}: Python {m['python']}, "
+        f"Measured {m['when']} with `{results['command']}`: Python {m['python']}, "
         f"torch {m['torch']}, torchmetrics {m['torchmetrics']}, {m['cpus']} CPUs, load average at start "
         f"{', '.join(f'{v:.1f}' for v in m['loadavg'])} (end: {', '.join(f'{v:.1f}' for v in results['loadavg_end'])}"
         f"); {results['seconds']:.0f} s.",
@@ -162,38 +156,8 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def docs_block(results: dict[str, Any], artifact: str) -> str:
-    """The soak's figures for docs/memory.md: a table naming its artifact, without run details or verdict."""
-    lines = [
-        f"From `{artifact}` (its command, commit and machine load are stated there): {results['gathers']:,} gathers "
-        f"and {results['steps']:,} Metric-loss steps with backward per gradient mode, 2 gloo ranks; unpatched "
-        "torchmetrics' own gather as the reference. Growth is counted from the end of the warm-up (the first "
-        "tenth of each phase) to the last sample.",
-        "",
-        "| mode | phase | rank | RSS growth | in the second half | live tensors |",
-        "|------|-------|-----:|-----------:|-------------------:|-------------:|",
-    ]
-    for mode in results["modes"]:
-        for phase in ("gathers", "steps"):
-            for rank in results["runs"][mode]:
-                if phase in rank:
-                    samples = rank[phase]["samples"]  # the verdict's own arithmetic, unrounded, as in soak.md
-                    total = samples[-1]["done"]
-                    first = next(s for s in samples if s["done"] >= WARMUP * total)
-                    half = next(s for s in samples if s["done"] >= total / 2)
-                    growth, second = ((samples[-1]["rss_kib"] - s["rss_kib"]) / 1024 for s in (first, half))
-                    lines.append(
-                        f"| {mode} | {phase} | {rank['rank']} | {growth:+.1f} MiB | {second:+.1f} MiB | "
-                        f"{first['tensors']} -> {samples[-1]['tensors']} |"
-                    )
-    return "\n".join(lines)  # the verdict against --rss-bound stays in soak.md
-
-
-def update_docs(results: dict[str, Any], artifact: Path) -> None:
-    """Put :func:`docs_block` between the ``soak`` markers of docs/memory.md."""
-    page = ROOT / "docs" / "memory.md"
-    if not replace_region(page, "soak", docs_block(results, artifact_name(artifact.with_suffix(".md")))):
-        raise SystemExit(f"no soak markers in {page}")
+def load() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,31 +172,16 @@ def main(argv: list[str] | None = None) -> int:
         help="MiB of RSS growth after warm-up still 'flat'",
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--update-docs", action="store_true", help="put the figures into docs/memory.md")
-    parser.add_argument("--docs-from", type=Path, help="only put this saved soak.json's figures into docs/memory.md")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="directory for soak.json/.md (default: results/soak for a full run)",
-    )
     opts = parser.parse_args(argv)
-    if opts.docs_from:
-        update_docs(json.loads(opts.docs_from.read_text()), opts.docs_from)
-        return 0
-    full = (opts.gathers, opts.steps) == (10_000, 1_000)
-    out_dir = opts.out or (HERE / "results" / "soak" if full else None)
 
     from benchmarks import (
         bench_soak,
     )  # this module by name, so the spawned ranks can unpickle soak_rank
-    from torchmetrics_gradpatch.testing import spawn_ranks
+    from tests.harness import spawn_ranks
 
-    shown = [a for a in (sys.argv[1:] if argv is None else argv)]
-    if "--out" in shown:
-        del shown[shown.index("--out") : shown.index("--out") + 2]
+    shown = list(sys.argv[1:] if argv is None else argv)
     results: dict[str, Any] = {
         "command": " ".join(["python benchmarks/bench_soak.py", *shown]),
-        "commit": commit(),
         "machine": {
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(),
@@ -277,17 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         for phase in ("gathers", "steps")
         if phase in rank
     )
-    report = markdown(results)
-    print(report)
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "soak.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        (out_dir / "soak.md").write_text(report + "\n")
-        print(f"wrote {out_dir / 'soak.json'} and soak.md")
-    if opts.update_docs:
-        if out_dir is None:
-            raise SystemExit("--update-docs needs a written artifact: a full run or --out")
-        update_docs(results, out_dir / "soak.json")
+    print(markdown(results))
     return 0 if results["flat"] else 1
 
 

@@ -1,12 +1,12 @@
 """Fused sync against torchmetrics' own sync: collectives and wall time per Metric sync, side by side in one run.
 
-    python benchmarks/bench_sync.py [--world-sizes 2 4] [--rounds 15] [--out benchmarks/results/sync]
+    python benchmarks/bench_sync.py [--world-sizes 2 4] [--rounds 15]
     python benchmarks/bench_sync.py --quick     # a smoke test of the script (seconds; the figures mean nothing)
 
 Each spawned rank (gloo on loopback, one intra-op thread) builds every case's Metric, updates it once with an
 uneven batch, and then, for ``--rounds`` rounds, times one block of syncs per method, the order of the two methods
 alternating from round to round. A sync is ``Metric._sync_dist`` as torchmetrics ships it, with torchmetrics'
-gather (``torchmetrics``), or :func:`torchmetrics_gradpatch._fused.fused_sync` in local mode (``fused``); the
+gather (``torchmetrics``), or :func:`torchmetrics_gradpatch.fused.fused_sync` in local mode (``fused``); the
 states are put back after each sync, so every sync starts from the same local states. Ranks meet at a barrier
 before each block, and a block's time is the slowest rank's. Reported per case: collectives per sync (the
 process group's sequence number), the median time per sync of each method, and the median of the per-round
@@ -18,7 +18,7 @@ the local states.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +27,6 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._provenance import commit, load
 from benchmarks._stats import spread
 
 #: syncs per timed block, per case (more for the fast ones, so that a scheduler hiccup does not decide a block)
@@ -76,8 +75,8 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
     from torchmetrics import Metric
     from torchmetrics.utilities.distributed import gather_all_tensors
 
-    from torchmetrics_gradpatch import _fused_pack
-    from torchmetrics_gradpatch._fused import fused_sync
+    from torchmetrics_gradpatch.fused import fused_sync
+    from torchmetrics_gradpatch.fused import wire as _fused_pack
 
     torch.set_num_threads(1)
     original = Metric.__dict__["_sync_dist"]
@@ -146,16 +145,19 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
     return out
 
 
+def _load() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
 def run(world_sizes: list[int], rounds: int, cases: dict[str, int]) -> dict[str, Any]:
     import torch
     import torchmetrics
 
-    from torchmetrics_gradpatch.testing import spawn_ranks
+    from tests.harness import spawn_ranks
 
     result: dict[str, Any] = {
         "command": "python benchmarks/bench_sync.py " + " ".join(sys.argv[1:]),
-        "commit": commit(),
-        "load_at_start": load(),
+        "load_at_start": _load(),
         "torch": torch.__version__,
         "torchmetrics": torchmetrics.__version__,
         "rounds": rounds,
@@ -163,13 +165,13 @@ def run(world_sizes: list[int], rounds: int, cases: dict[str, int]) -> dict[str,
     }
     for world_size in world_sizes:
         result["worlds"][str(world_size)] = spawn_ranks(_rank_main, world_size, args=(rounds, cases), timeout=1800)[0]
-    result["load_at_end"] = load()
+    result["load_at_end"] = _load()
     return result
 
 
 def as_text(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['command']}  (commit {result['commit']}, torch {result['torch']}, torchmetrics "
+        f"{result['command']}  (torch {result['torch']}, torchmetrics "
         f"{result['torchmetrics']}, load {result['load_at_start']} -> {result['load_at_end']}, "
         f"{result['rounds']} rounds)",
         "A 'sync' is one Metric's (the collection: every member's, one after another).",
@@ -196,17 +198,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=None, help="write result.json and result.txt there")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     cases = {name: 1 for name in CASES} if args.quick else CASES
     result = run([2] if args.quick else args.world_sizes, 2 if args.quick else args.rounds, cases)
-    text = as_text(result)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "result.txt").write_text(text)
+    print(as_text(result))
 
 
 if __name__ == "__main__":
