@@ -1,5 +1,6 @@
 """Every relative link in README.md, CHANGELOG.md and docs/ resolves: the file exists, and a ``#fragment`` names a
-heading (or an explicit ``<a id>``) of the target page, as GitHub renders it.
+heading (or an explicit ``<a id>``) of the target page, as GitHub renders it. The pages name no run records
+(``results/`` is git-ignored) and no commit hashes.
 
 Links are read from Markdown (``[text](target)``, ``![alt](target)``, ``[id]: target``) and from HTML ``href`` /
 ``src`` attributes, outside fenced code blocks and inline code. Absolute URLs are not fetched.
@@ -26,6 +27,8 @@ _HTML_ATTR = re.compile(r"""\b(?:href|src)\s*=\s*["']([^"']+)["']""", re.IGNOREC
 _HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$")
 _HTML_ID = re.compile(r"""<a\s+[^>]*\b(?:id|name)\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+#: a word of 7 to 40 hex digits with both a digit and a letter: what a commit hash looks like
+_HASH = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 
 
 def prose_lines(text: str, *, keep_code: bool = False) -> list[tuple[int, str]]:
@@ -91,6 +94,26 @@ def broken(page: Path, root: Path = ROOT) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: Path) -> None:
     assert not broken(page), "\n".join(broken(page))
+
+
+def records_and_hashes(page: Path) -> list[str]:
+    """Lines of ``page`` (code included) that name a run record or a commit hash."""
+    return [
+        f"{page.name}:{number}: {line.strip()}"
+        for number, line in prose_lines(page.read_text(), keep_code=True)
+        if _HASH.search(line) or re.search(r"(?<![\w/])(benchmarks/)?results/(?!raw/)", line)
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_name_no_run_records_and_no_commits(page: Path) -> None:
+    assert not records_and_hashes(page), "\n".join(records_and_hashes(page))
+
+
+def test_the_record_check_finds_a_record_and_a_hash(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("See `results/ci/run.json`.\nFixed in 4ef58dc.\nWritten to results/raw/<env>.json.\n")
+    assert [line.split(":")[1] for line in records_and_hashes(page)] == ["1", "2"]
 
 
 def test_the_pages_are_found() -> None:
