@@ -2,30 +2,52 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
+def suite_path() -> str:
+    """A directory holding only a link to this checkout's ``tests/``: put it on ``PYTHONPATH`` (or run there) so a
+    subprocess imports ``tests...`` while ``torchmetrics_gradpatch`` still comes from site-packages. The checkout's
+    root would not do: it holds the package's source, which would then shadow the installed copy."""
+    where = tempfile.mkdtemp(prefix="tmgp-suite-path-")
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    (Path(where) / "tests").symlink_to(ROOT / "tests", target_is_directory=True)
+    return where
+
+
+def python_path(*first: str | None) -> str:
+    """``PYTHONPATH`` for a subprocess: ``first`` (e.g. fake distributions), the suite, then the inherited value."""
+    return os.pathsep.join(filter(None, [*first, suite_path(), os.environ.get("PYTHONPATH")]))
+
+
 def run_python(
     code: str, *, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` with this interpreter, the repository on ``sys.path`` and ``env`` added to the environment.
+    """Run ``code`` with this interpreter, the suite (not the checkout's package) importable and ``env`` added to
+    the environment.
 
-    A ``PYTHONPATH`` in ``env`` is kept (after the repository), so a test can put fake distributions on the path.
+    A ``PYTHONPATH`` in ``env`` comes first, so a test can put fake distributions on the path. It runs in
+    :func:`suite_path`: ``-c`` puts the working directory first on ``sys.path``.
     """
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    full_env["PYTHONPATH"] = python_path((env or {}).get("PYTHONPATH"))
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         env=full_env,
+        cwd=suite_path(),
         timeout=timeout,
         check=False,
     )
@@ -83,14 +105,16 @@ def cli(
     command: list[str] | None = None,
     timeout: float = 180,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the CLI (``python -m torchmetrics_gradpatch`` unless ``command`` says otherwise) in a fresh process."""
+    """Run the CLI (``python -m torchmetrics_gradpatch`` unless ``command`` says otherwise) in a fresh process, in
+    :func:`suite_path` (``-m`` puts the working directory first on ``sys.path``)."""
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join([*(pythonpath or []), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    full_env["PYTHONPATH"] = python_path(*(pythonpath or []))
     return subprocess.run(
         [*(command or [sys.executable, "-m", "torchmetrics_gradpatch"]), *args],
         capture_output=True,
         text=True,
         env=full_env,
+        cwd=suite_path(),
         timeout=timeout,
         check=False,
     )

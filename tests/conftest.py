@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 
-# --- the project's own tests use @pytest.mark.ranks --------------------------------------------------------------
-# Loading the plugin imports the package (so the pytest process is patched from the start, as the test modules'
-# own imports made it anyway). On torch below 2.0 the import refuses: that environment runs only the refusal
-# and CLI tests, which never use the marker, so the plugin stays out there. Any other import error is raised.
+# --- the suite's rank harness: @pytest.mark.ranks (tests/harness/plugin.py) -------------------------------------
+# Its ranks import the package; on torch below 2.0 that import refuses by design. That environment runs only the
+# refusal and CLI tests, which never use the marker, so the harness stays out there. Any other error is raised.
 def _ranks_plugin() -> list[str]:
     try:
         import torchmetrics_gradpatch  # noqa: F401
@@ -29,13 +28,22 @@ def _ranks_plugin() -> list[str]:
         if type(error).__name__ != "UnsupportedVersionError":
             raise
         return []
-    return ["torchmetrics_gradpatch.pytest_plugin"]
+    return ["tests.harness.plugin"]
 
 
 pytest_plugins = _ranks_plugin()
 
 # --- fixtures several modules share ------------------------------------------------------------------------------
 # Each imports the package inside the fixture (see the module docstring: torch1.13 loads this file too).
+
+
+@pytest.fixture
+def suite_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Subprocesses (pytester's runs included) can import ``tests.harness`` and still import the installed package,
+    not the checkout's copy (see ``tests._subprocess.suite_path``)."""
+    from tests._subprocess import python_path
+
+    monkeypatch.setenv("PYTHONPATH", python_path())
 
 
 @pytest.fixture

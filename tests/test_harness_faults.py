@@ -21,17 +21,16 @@ import pytest
 import torch.distributed as dist
 from packaging.version import Version
 
-import torchmetrics_gradpatch
 from tests._procs import alive
+from tests._subprocess import suite_path
 from tests.harness import RankError, _pool, spawn_ranks
 
-pytestmark = pytest.mark.harness  # tox's harness environment runs this module
+pytestmark = [pytest.mark.harness, pytest.mark.usefixtures("suite_importable")]  # tox's harness environment
 
 pytest_plugins = ["pytester"]
 
+PLUGIN = "tests.harness.plugin"
 TIMEOUT = 60.0
-#: Where the imported package lives, for the subprocesses here to import the same one.
-SRC = str(Path(torchmetrics_gradpatch.__file__).resolve().parents[1])
 
 
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
@@ -95,8 +94,7 @@ def test_ranks_die_with_a_killed_parent_even_in_c_code_holding_the_gil(tmp_path:
         "from tests.harness import spawn_ranks\n"
         f"spawn_ranks(job.hold_the_gil, 2, args=({str(tmp_path)!r},), timeout=600)\n"
     )
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    parent = subprocess.Popen([sys.executable, "-c", script], env=env)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=suite_path())
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -160,13 +158,14 @@ print(json.dumps(seen))
     "thread hits EMFILE, so there is no cause to surface",
 )
 def test_a_pool_start_that_fails_raises_its_own_cause_and_leaves_nothing(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "TMPDIR": str(tmp_path),
-    }
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-c", START_UNDER_EMFILE], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", START_UNDER_EMFILE],
+        env=env,
+        cwd=suite_path(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -350,7 +349,7 @@ def test_sigterm_to_pytest_leaves_no_temp_directory_or_process(pytester: pytest.
     out.mkdir()
     pytester.makepyfile(test_sigtermed=SIGTERMED)
     env = {**os.environ, "TMPDIR": str(temp), "TMGP_OUT": str(out)}
-    command = [sys.executable, "-m", "pytest", "-p", "torchmetrics_gradpatch.pytest_plugin", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider"]
     proc = subprocess.Popen(command, cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -402,7 +401,7 @@ def test_outlasts_pytest_timeout():
 def test_the_marker_settings_and_timeout_story(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_marked=MARKED)
     result = pytester.runpytest_subprocess(
-        "-p", "torchmetrics_gradpatch.pytest_plugin", "-p", "no:cacheprovider", "-p", "timeout", "--timeout=2",
+        "-p", PLUGIN, "-p", "no:cacheprovider", "-p", "timeout", "--timeout=2",
         "--ranks-timeout=50", "-rs", timeout=300,
     )  # fmt: skip
     out = result.stdout.str()
@@ -418,7 +417,7 @@ def test_the_marker_settings_and_timeout_story(pytester: pytest.Pytester) -> Non
 
 def test_a_bad_command_line_value_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "torchmetrics_gradpatch.pytest_plugin", "--ranks-timeout=soon")
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "--ranks-timeout=soon")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "--ranks-timeout: timeout must be a number of seconds, got 'soon'" in result.stderr.str()
 
@@ -442,9 +441,7 @@ def test_command_line_wins_over_ini():
 def test_marker_over_command_line_over_ini(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nranks_timeout = 60\n")
     pytester.makepyfile(test_precedence=PRECEDENCE)
-    result = pytester.runpytest_subprocess(
-        "-p", "torchmetrics_gradpatch.pytest_plugin", "-p", "no:cacheprovider", "--ranks-timeout=1.5", timeout=300
-    )
+    result = pytester.runpytest_subprocess("-p", PLUGIN, "-p", "no:cacheprovider", "--ranks-timeout=1.5", timeout=300)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*_ test_command_line_wins_over_ini _*", "rank 0 of 1 timed out:*"])
     assert "ranks: timeout 1.5s (--ranks-timeout)" in result.stdout.str()
@@ -452,7 +449,7 @@ def test_marker_over_command_line_over_ini(pytester: pytest.Pytester) -> None:
 
 # --- the layout: one way, no engine; working without the patch -----------------------------------------------------
 
-TESTING = Path(torchmetrics_gradpatch.__file__).parent / "testing"
+HARNESS = Path(__file__).resolve().parent / "harness"
 RANK_SIDE = {"_rank", "_worker", "_in_rank", "_records", "_coverage"}
 PARENT_SIDE = {"_spawn", "_processes", "_collect", "_pool", "_reaper", "plugin", "_settings", "_sending", "_outcome"}
 
@@ -471,13 +468,14 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_the_harness_imports_no_module_of_the_core_and_the_rank_side_nothing_of_the_parent_side() -> None:
-    assert {path.stem for path in TESTING.glob("*.py")} == RANK_SIDE | PARENT_SIDE | {"__init__"}
-    for path in [*TESTING.glob("*.py"), TESTING.parent / "pytest_plugin.py"]:
-        ours = {name for name in _imports(path) if name.startswith("torchmetrics_gradpatch")}
-        outside = {name for name in ours if not name.startswith("tests.harness")}
-        assert outside == set(), f"{path.name} imports the core: {outside}"
+def test_the_harness_imports_nothing_of_the_package_and_the_rank_side_nothing_of_the_parent_side() -> None:
+    assert {path.stem for path in HARNESS.glob("*.py")} == RANK_SIDE | PARENT_SIDE | {"__init__"}
+    for path in HARNESS.glob("*.py"):
+        imported = _imports(path)
+        package = {name for name in imported if name.startswith("torchmetrics_gradpatch")}
+        assert package == set(), f"{path.name} imports the package: {package}"
         if path.stem in RANK_SIDE:
+            ours = {name for name in imported if name.startswith("tests.harness")}
             parent = {name for name in ours if name.rpartition(".")[2] in PARENT_SIDE}
             assert parent == set(), f"{path.name} (rank side) imports the parent side: {parent}"
 

@@ -1,5 +1,6 @@
-"""The suite tests the installed package, never the checkout: the src layout keeps the source tree off
-``sys.path``, so the pytest process and every rank import the wheel tox built and installed."""
+"""The suite tests the installed package, never the checkout: pytest's ``--import-mode=append`` puts the checkout's
+root after site-packages on ``sys.path``, so the pytest process and every rank import the wheel tox built and
+installed, although the package's source sits at the checkout's root."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def imported_from() -> Path:
 
 def assert_installed(where: Path) -> None:
     env = Path(os.environ["TOX_ENV_DIR"]).resolve()
-    assert ROOT / "src" not in where.parents, f"imported from the checkout: {where}"
+    assert ROOT not in where.parents, f"imported from the checkout: {where}"
     assert env in where.parents and "site-packages" in where.parts, f"not the environment's wheel: {where}"
 
 

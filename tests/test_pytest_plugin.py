@@ -1,4 +1,4 @@
-"""The ``ranks`` marker (torchmetrics_gradpatch.pytest_plugin), checked the way a user meets it: pytest run in a
+"""The ``ranks`` marker (tests/harness/plugin.py), checked the way a user meets it: pytest run in a
 subprocess on example test files, enabled with ``-p``.
 
 The example project below keeps its tests in a ``tests/`` folder without ``__init__.py`` and imports a helper
@@ -25,8 +25,9 @@ import torchmetrics_gradpatch
 from tests._procs import alive
 
 pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.usefixtures("suite_importable")
 
-PLUGIN = "torchmetrics_gradpatch.pytest_plugin"
+PLUGIN = "tests.harness.plugin"
 #: the hang case's marker timeout, and how much later its failure may come (stack dump + terminate/kill grace).
 #: The hang runs on warm ranks, where a test takes 0.03 s at load 8 on 2 cores before its body's first line; a
 #: fresh spawn's timeout would have to cover the ranks' start too (seconds, more than 10 under load).
@@ -473,7 +474,7 @@ def test_tb_line_points_at_the_test_file_and_given_is_refused(project: tuple[pyt
     result = pytester.runpytest_subprocess("-p", PLUGIN, "--tb=line", "-p", "no:cacheprovider", path, given)
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines([f"{pytester.path}/tests/test_line.py:9: rank 0 of 1 raised: assert 1 == 2"])
-    assert "torchmetrics_gradpatch/testing/" not in result.stdout.str().partition("test_given")[0]
+    assert "tests/harness/" not in result.stdout.str().partition("test_given")[0]
     result.stdout.fnmatch_lines(["*@given cannot be combined with @pytest.mark.ranks*"])
 
 

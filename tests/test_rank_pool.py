@@ -21,11 +21,11 @@ import pytest
 from tests._procs import alive, interrupt_once
 from tests.harness import _pool
 
-pytestmark = pytest.mark.harness  # tox's harness environment runs this module
+pytestmark = [pytest.mark.harness, pytest.mark.usefixtures("suite_importable")]  # tox's harness environment
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = "torchmetrics_gradpatch.pytest_plugin"
+PLUGIN = "tests.harness.plugin"
 #: The hanging test's timeout. It runs on warm ranks (the test before it started the pool), where a test takes
 #: 0.03 s at load 8 on 2 cores before its body's first line: 3 s is a hundred times that.
 HANG_TIMEOUT = 3.0

@@ -1,7 +1,7 @@
 """Run code on real gloo ranks: :func:`spawn_ranks`, and the ``ranks`` pytest marker built on it.
 
-Public names: :func:`spawn_ranks`, :class:`RankError`, :data:`DEFAULT_TIMEOUT`. The plugin is
-:mod:`tests.harness.plugin` (``-p torchmetrics_gradpatch.pytest_plugin`` names it).
+The suite's own harness (tests/conftest.py registers :mod:`tests.harness.plugin`); no part of the wheel.
+Names for the tests: :func:`spawn_ranks`, :class:`RankError`, :data:`DEFAULT_TIMEOUT`.
 
 Layout, one way (parent side -> rank side, never back):
 
@@ -15,7 +15,7 @@ Layout, one way (parent side -> rank side, never back):
   process), ``_coverage`` (coverage measured in the ranks, merged in the parent).
 
 The names here are loaded on first use, so that a rank, which imports this package to reach ``_rank``, loads
-nothing of the parent side. Nothing here imports the patch engine.
+nothing of the parent side. Nothing here imports the package under test.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class RankError(RuntimeError):
         starting: whether it happened while a warm pool was starting, before the test ran.
     """
 
-    __module__ = "tests.harness"  # where users import it from, and how tracebacks name it
+    __module__ = "tests.harness"  # where tests import it from, and how tracebacks name it
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """Spawned-rank runner, parent side: run a function on N real processes, each inside its own gloo group.
 
-``spawn_ranks(fn, world_size)`` is what this project's DDP tests run on, and is public so users can test their own
-metrics the same way. Its guarantees (the rank's side is :mod:`._rank`; docs/design.md tells why each is there):
+``spawn_ranks(fn, world_size)`` is what the suite's DDP tests and the ``ranks`` marker run on. Its guarantees (the
+rank's side is :mod:`._rank`):
 
 * **Process r joins as rank r, then calls fn**; nothing else ever runs in it.
 * **No free-port race**: the parent hosts the rendezvous ``TCPStore`` on port 0 and keeps it bound.
@@ -14,8 +14,8 @@ metrics the same way. Its guarantees (the rank's side is :mod:`._rank`; docs/des
   process a rank started goes with it; a rank dies with its parent; stack dumps go to unlinked files.
 * **Fresh interpreters** (the ``spawn`` start method): ``fn`` and ``args`` must be picklable.
 
-The harness never imports the patch engine: a rank imports :mod:`torchmetrics_gradpatch` (its parent package),
-so the patch is in force there exactly as at program start unless ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0``.
+The harness imports nothing of the package: a fresh rank has the patch when ``fn``'s module imports the package,
+exactly as a program would (``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` included).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """pytest plugin: ``@pytest.mark.ranks(n)`` runs a test's body on ``n`` real spawned gloo ranks.
 
-Enabled explicitly, with ``-p torchmetrics_gradpatch.pytest_plugin`` (which names this module) or in a conftest's
-``pytest_plugins``; no ``pytest11`` entry point, so installing the package never changes another project's test
-run (docs/testing-your-metrics.md says why). The fixtures are set up in the pytest process, their values pickled
-and sent to the ranks, which import the test module as pytest did and call the test (:mod:`._in_rank`); the
+The suite's own plugin: tests/conftest.py lists it in ``pytest_plugins``; a pytest run elsewhere (the harness's own
+tests) names it with ``-p tests.harness.plugin``. The package ships no plugin and no ``pytest11`` entry point. The
+fixtures are set up in the pytest process, their values pickled and sent to the ranks, which import the test module as pytest did and call the test (:mod:`._in_rank`); the
 outcome is decided from every rank's record (a failure on any rank wins, then xfail, then skip, then pass).
 
 Settings, one rule: the marker's argument > the command line (``--ranks-timeout``, ``--ranks-reuse``) > the ini

@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric
 
-import torchmetrics_gradpatch  # noqa: F401  (your training code imports it; the plugin does too)
+import torchmetrics_gradpatch  # noqa: F401  (the training code imports it)
 
 
 class MeanSquaredError(Metric):  # the user's own metric
