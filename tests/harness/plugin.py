@@ -2,8 +2,9 @@
 
 The suite's own plugin: tests/conftest.py lists it in ``pytest_plugins``; a pytest run elsewhere (the harness's own
 tests) names it with ``-p tests.harness.plugin``. The package ships no plugin and no ``pytest11`` entry point. The
-fixtures are set up in the pytest process, their values pickled and sent to the ranks, which import the test module as pytest did and call the test (:mod:`._in_rank`); the
-outcome is decided from every rank's record (a failure on any rank wins, then xfail, then skip, then pass).
+fixtures are set up in the pytest process, their values pickled and sent to the ranks, which import the test module
+as pytest did and call the test (:mod:`._in_rank`); the outcome is decided from every rank's record (a failure on
+any rank wins, then xfail, then skip, then pass).
 
 Settings, one rule: the marker's argument > the command line (``--ranks-timeout``, ``--ranks-reuse``) > the ini
 key (``ranks_timeout``, ``ranks_reuse``) > the default. One timeout per marked test: the marker's (the pool's
