@@ -18,7 +18,7 @@ import torchmetrics.utilities.distributed as tm_dist
 
 import torchmetrics_gradpatch as tg
 from tests._subprocess import ok
-from torchmetrics_gradpatch import _engine, _fused
+from torchmetrics_gradpatch import _engine, _syncs
 
 NATIVE = tg.status().native
 MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
@@ -94,7 +94,7 @@ thread.join()
 signal.signal(signal.SIGINT, signal.default_int_handler)
 after = tg.status()
 print("interrupts", counts["interrupts"], "rounds", counts["rounds"])
-print("after", after.blocks, after.in_force, after.state, after.mode)
+print("after", after.open_blocks, after.in_force, after.state, after.mode)
 tg.patch(MODE)
 tg.unpatch()
 print("unpatched", tg.is_patched(), tg.status().state, tg.status().mode, FUNCTION.__code__ is ORIGINAL)
@@ -145,9 +145,9 @@ def interrupt_at(code: types.CodeType, line: int) -> Iterator[list[int]]:
 
 def assert_unpatched(original: types.CodeType, where: str) -> None:
     status = tg.status()
-    assert (tg.is_patched(), status.blocks, status.state) == (False, 0, "off"), where
+    assert (tg.is_patched(), status.open_blocks, status.state) == (False, 0, "off"), where
     assert tm_dist.gather_all_tensors.__code__ is original and not _engine.installed(), where
-    assert not _fused.guarded(), where
+    assert not _syncs.guarded(), where
 
 
 @pytest.mark.parametrize("step", ["enter", "exit"])
@@ -207,7 +207,7 @@ def test_an_exit_that_never_ran_closes_the_block_once_the_with_statement_is_gone
     block.__enter__()
     assert tg.is_patched() and _engine.installed() is not (NATIVE and MODE == "local")
     del exit_  # the with statement is gone: its __exit__ was interrupted before it ran a line
-    assert not tg.is_patched() and tg.status().blocks == 0 and not _engine.installed()
+    assert not tg.is_patched() and tg.status().open_blocks == 0 and not _engine.installed()
 
 
 def test_an_enter_interrupted_after_the_record_leaves_no_block() -> None:
@@ -226,16 +226,16 @@ def test_an_enter_interrupted_after_the_record_leaves_no_block() -> None:
             block.__enter__()
     finally:
         _engine.enter_block = real_enter_block
-    assert tg.status().blocks == 1, "the record was made (the case under test)"
+    assert tg.status().open_blocks == 1, "the record was made (the case under test)"
     del exit_  # `with` drops its exit when __enter__ raises
-    assert not tg.is_patched() and tg.status().blocks == 0
+    assert not tg.is_patched() and tg.status().open_blocks == 0
 
 
 def test_a_stray_exit_raises_and_closes_no_other_block() -> None:
     with tg.patched(MODE):
         with pytest.raises(RuntimeError, match=r"patched\(\).__exit__\(\) called on a block with no entry open"):
             tg.patched().__exit__(None, None, None)
-        assert tg.is_patched() and tg.status().blocks == 1, "another block was closed by the stray exit"
+        assert tg.is_patched() and tg.status().open_blocks == 1, "another block was closed by the stray exit"
     block = tg.patched()
     block.__enter__()
     block.__exit__(None, None, None)
@@ -248,8 +248,8 @@ def test_one_block_object_entered_many_times_exits_each_entry_exactly() -> None:
     block = tg.patched(mode="global")
     with block:
         with block:
-            assert tg.status().blocks == 2
-        assert tg.status().blocks == 1 and tg.status().mode == "global"
+            assert tg.status().open_blocks == 2
+        assert tg.status().open_blocks == 1 and tg.status().mode == "global"
     assert not tg.is_patched()
     entered = threading.Barrier(4)
     seen: list[int] = []
@@ -257,7 +257,7 @@ def test_one_block_object_entered_many_times_exits_each_entry_exactly() -> None:
     def worker() -> None:
         with block:
             entered.wait(10)
-            seen.append(tg.status().blocks)
+            seen.append(tg.status().open_blocks)
             entered.wait(10)
 
     threads = [threading.Thread(target=worker) for _ in range(3)]

@@ -241,7 +241,6 @@ def test_a_foreign_code_swap_on_top_is_left_alone(from_unpatched: tuple[Any, ...
         assert FUNCTION.__code__ is other.__code__
     finally:
         FUNCTION.__code__ = original_code()
-        FUNCTION.__dict__.pop(_engine._ORIGINAL_ATTR, None)
     assert_pristine(from_unpatched)
 
 

@@ -11,32 +11,37 @@ import ast
 from pathlib import Path
 
 PACKAGE = "torchmetrics_gradpatch"
-ROOT = Path(__file__).resolve().parent.parent / "src" / PACKAGE
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-#: The core: the patch engine and its public API. Everything else of the package (gathers, CLI, rank harness)
-#: may import the core; the core imports only itself, and the gathers lazily (to keep the import torch-free).
+#: The core: the version gate, the target, the gathers, the modes, the sync strategies' replacement, the engine,
+#: the switches and the status. It imports only itself (the gathers lazily, to keep the import torch-free);
+#: features register with it and are never imported by it.
 CORE = {
     f"{PACKAGE}.{name}"
     for name in (
         "_errors",
-        "_fused_errors",
-        "_fused",
         "_version",
         "_compile",
         "_modes",
         "_target",
-        "_view",
+        "_gather",
+        "_global",
+        "_bytes",
+        "_syncs",
         "_engine",
         "_blocks",
         "_api",
         "_status",
     )
 }
+#: The features, each a subpackage: what each may import besides the core and itself.
+FEATURES = {f"{PACKAGE}.fused": set(), f"{PACKAGE}.cli": {f"{PACKAGE}.fused"}}
 #: What the core may import lazily, inside a function: the two gathers (they import torch).
-LAZY_ALLOWED = {
-    f"{PACKAGE}._modes": {f"{PACKAGE}._gather", f"{PACKAGE}._global"},
-    f"{PACKAGE}._fused": {f"{PACKAGE}._fused_sync"},
-}
+LAZY_ALLOWED = {f"{PACKAGE}._modes": {f"{PACKAGE}._gather", f"{PACKAGE}._global"}}
+
+
+def _feature(module: str) -> str | None:
+    return next((f for f in FEATURES if module == f or module.startswith(f + ".")), None)
 
 
 def _modules() -> dict[str, Path]:
@@ -136,8 +141,26 @@ def test_the_core_imports_one_way() -> None:
     assert edges[f"{PACKAGE}._compile"] == set(), "the torch.compile shim is a leaf"
 
 
+def test_every_module_is_the_core_a_feature_or_the_facade() -> None:
+    modules = set(_modules())
+    assert modules - CORE - {PACKAGE, f"{PACKAGE}.__main__"} == {m for m in modules if _feature(m)}, sorted(modules)
+    assert modules >= CORE, sorted(CORE - modules)
+
+
+def test_a_feature_imports_the_core_and_itself_only() -> None:
+    edges, _ = import_graph()
+    for name, targets in sorted(edges.items()):
+        feature = _feature(name)
+        if feature is None:
+            continue
+        allowed = CORE | FEATURES[feature]
+        outside = {t for t in targets if t not in allowed and _feature(t) != feature}
+        outside = {t for t in outside if not any(t == a or t.startswith(a + ".") for a in FEATURES[feature])}
+        assert not outside, f"{name} imports {sorted(outside)}"
+
+
 def test_the_package_import_graph_has_no_cycle() -> None:
-    """The whole package, harness and CLI included (the package's ``__init__`` imports the CLI's refusal printer
-    on the refused-import path, so the CLI must import the core modules it needs, not the package)."""
+    """The whole package, features included (the package's ``__init__`` imports the CLI's refusal printer on the
+    refused-import path, so the CLI must import the core modules it needs, not the package)."""
     edges, _ = import_graph()
     assert cycles(edges) == [], {name: sorted(targets) for name, targets in edges.items() if targets}

@@ -23,10 +23,10 @@ from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch as tg
 from tests._subprocess import ok, run_python
-from torchmetrics_gradpatch import _api, _engine, _fused
+from torchmetrics_gradpatch import _api, _engine, _syncs
 from torchmetrics_gradpatch.cli import build_parser
 
-ORIGINAL_SYNC_DIST = _fused.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
+ORIGINAL_SYNC_DIST = _syncs.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 F64 = torch.float64
 
 
@@ -48,7 +48,7 @@ def one_step(sync: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, int, int
     preds.requires_grad_()
     metric = MeanSquaredError(dist_sync_on_step=True).set_dtype(F64)
     with tg.patched(mode=mode, sync=sync):
-        assert tg.status().sync == sync and _fused.installed() == (sync == "fused")
+        assert tg.status().sync == sync and (_syncs.installed() == "fused") == (sync == "fused")
         before = calls()
         loss = metric(preds, target)
         forward = calls() - before
@@ -97,12 +97,12 @@ def installed_sync() -> str:
     current = Metric.__dict__["_sync_dist"]
     if current is ORIGINAL_SYNC_DIST:
         return "torchmetrics"
-    assert current.__wrapped__ is ORIGINAL_SYNC_DIST and _fused.guarded(), current
-    return "fused" if _fused.installed() else "torchmetrics"
+    assert current.__wrapped__ is ORIGINAL_SYNC_DIST and _syncs.guarded(), current
+    return "fused" if _syncs.installed() == "fused" else "torchmetrics"
 
 
 def restored_identically() -> bool:
-    return Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.guarded()
+    return Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _syncs.guarded()
 
 
 def test_patch_and_blocks_choose_the_sync_and_restore_the_identical_method(
@@ -116,13 +116,13 @@ def test_patch_and_blocks_choose_the_sync_and_restore_the_identical_method(
     with tg.patched(sync="torchmetrics"):
         assert installed_sync() == "torchmetrics"
         with tg.patched(sync="fused"), tg.patched(mode="global"):  # a newer block naming no sync leaves it alone
-            assert installed_sync() == "fused" and tg.status().sync_from == "patched(sync=...)"
+            assert installed_sync() == "fused" and tg.status().sync_chosen_by == "patched(sync=...)"
         assert installed_sync() == "torchmetrics"
-    assert installed_sync() == "fused" and tg.status().sync_from == "patch()"
+    assert installed_sync() == "fused" and tg.status().sync_chosen_by == "patch()"
     tg.patch()  # no sync named: the default, torchmetrics' own
     assert installed_sync() == "torchmetrics"
     # torchmetrics' own sync is behind the replacement (a graph break under torch.compile) with the trampoline
-    assert _fused.guarded() == _engine.installed()
+    assert _syncs.guarded() == _engine.installed()
     tg.unpatch()
     with tg.patched(sync="fused"):  # a block alone puts the patch, and the fused sync, in force
         assert installed_sync() == "fused"
@@ -162,14 +162,10 @@ def test_the_environment_variable_sets_the_default_sync(restored: None, monkeypa
     _api.reset_for_tests()  # what a fresh import does with the environment
     assert installed_sync() == "fused"
     status = tg.status()
-    assert (status.sync, status.default_sync, status.sync_from, status.fused_installed) == (
-        "fused",
-        "fused",
-        "import",
-        True,
-    )
+    assert (status.sync, status.default_sync, status.sync_chosen_by) == ("fused", "fused", "import")
+    assert status.sync_applied_to[0].startswith("torchmetrics.Metric._sync_dist (runs the 'fused' sync"), status
     assert "sync:             fused: two collectives per Metric sync" in str(status), str(status)
-    assert status.as_dict()["sync"] == "fused" and status.as_dict()["fused_installed"] is True
+    assert status.as_dict()["sync"] == "fused" and status.as_dict()["sync_applied_to"] == list(status.sync_applied_to)
     tg.patch(sync="torchmetrics")
     assert installed_sync() == "torchmetrics" and tg.status().default_sync == "fused"
     monkeypatch.setenv(_api.SYNC_ENV, "fast")
@@ -182,7 +178,7 @@ def test_status_when_off_and_unchosen(restored: None, monkeypatch: pytest.Monkey
     _api.reset_for_tests()
     tg.unpatch()
     status = tg.status()
-    assert (status.sync, status.sync_from, status.fused_installed) == ("torchmetrics", "", False)
+    assert (status.sync, status.sync_chosen_by, status.sync_applied_to) == ("torchmetrics", "", ())
     assert restored_identically()
     assert "sync:             torchmetrics: its own collectives per state" in str(status), str(status)
 
@@ -197,8 +193,8 @@ def test_the_import_reads_the_variable_and_stays_torch_free() -> None:
         "assert 'torch' not in sys.modules and 'torchmetrics' not in sys.modules, sorted(sys.modules)\n"
         "assert 'FusedSyncError' in tg.__all__ and issubclass(tg.FusedSyncError, RuntimeError)\n"
         "from torchmetrics import Metric\n"
-        "assert tg.status().sync == 'fused' and tg.status().fused_installed, tg.status()\n"
-        "assert Metric._sync_dist.__torchmetrics_gradpatch_fused__\n",
+        "assert tg.status().sync == 'fused' and \"'fused'\" in tg.status().sync_applied_to[0], tg.status()\n"
+        "assert Metric._sync_dist.__torchmetrics_gradpatch_sync__\n",
         env={_api.SYNC_ENV: "FUSED"},
     )
 

@@ -245,7 +245,7 @@ code = tm_dist.gather_all_tensors.__code__
 try:
     import torchmetrics_gradpatch
 except ValueError as err:
-    assert "TORCHMETRICS_GRADPATCH_AUTOPATCH='maybe'" in str(err) and "use 0" in str(err), err
+    assert "TORCHMETRICS_GRADPATCH_AUTOPATCH='maybe'" in str(err) and "use one of: 0, false, no, off" in str(err), err
 else:
     raise SystemExit("accepted a bad flag")
 assert tm_dist.gather_all_tensors.__code__ is code

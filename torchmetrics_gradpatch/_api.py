@@ -96,9 +96,9 @@ def compile_support(enabled: bool = True) -> None:
     _engine.set_defaults(compile_support=enabled)
 
 
-def _read(variable: str, unset: str, check: Callable[[str], str], allowed: str, see: str) -> str:
-    """``variable``'s value as ``check`` spells it (unset or blank: ``unset``); else a ``ValueError`` naming the
-    variable, what it may hold and where to read more."""
+def _read(variable: str, unset: str, check: Callable[[str], str], noun: str, allowed: str, see: str) -> str:
+    """``variable``'s value as ``check`` spells it (unset or blank: ``unset``); else a ``ValueError`` saying that
+    the variable's value is not ``noun``, what it may hold and where to read more."""
     raw = os.environ.get(variable, "")
     if not raw.strip():
         return unset
@@ -106,7 +106,7 @@ def _read(variable: str, unset: str, check: Callable[[str], str], allowed: str, 
         return check(raw)
     except ValueError:
         raise ValueError(
-            f"{variable}={raw!r} is not understood; use one of: {allowed}, in any case (unset means {unset}). {see}"
+            f"{variable}={raw!r} is not {noun}; use one of: {allowed}, in any case (unset means {unset}). {see}"
         ) from None
 
 
@@ -122,17 +122,18 @@ def _flag(raw: str) -> str:
 def autopatch_requested() -> bool:
     """Read ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (unset or blank: patch at import)."""
     allowed = f"{', '.join(_FALSE)} (import without patching) / {', '.join(_TRUE)} (patch, the default)"
-    return _read(AUTOPATCH_ENV, "1", _flag, allowed, "") == "1"
+    return _read(AUTOPATCH_ENV, "1", _flag, "a flag", allowed, "").strip() == "1"
 
 
 def mode_requested() -> str:
     """Read ``TORCHMETRICS_GRADPATCH_MODE`` (the rule of ``patch(mode=...)``; unset or blank: local)."""
-    return _read(MODE_ENV, "local", check_mode, "local, global", "See the README section 'Gradient modes'.")
+    return _read(MODE_ENV, "local", check_mode, "a gradient mode", "local, global", "See the README.")
 
 
 def sync_requested() -> str:
     """Read ``TORCHMETRICS_GRADPATCH_SYNC`` (the rule of ``patch(sync=...)``; unset or blank: torchmetrics)."""
-    return _read(SYNC_ENV, "torchmetrics", check_sync, ", ".join(STRATEGIES), "See docs/fused-sync.md.")
+    strategies = ", ".join(STRATEGIES)
+    return _read(SYNC_ENV, "torchmetrics", check_sync, "a sync strategy", strategies, "See docs/fused-sync.md.")
 
 
 def apply_environment() -> None:

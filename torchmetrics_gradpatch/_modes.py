@@ -42,7 +42,7 @@ def check_name(value: object, allowed: tuple[str, ...], what: str, noun: str) ->
             return name
     hint = " (to decorate a function, write @patched or @patched(mode=...))" if callable(value) else ""
     names = ", ".join(repr(a) for a in allowed)
-    raise ValueError(f"torchmetrics_gradpatch: {what}={value!r} is not {noun}; use one of {names}, in any case{hint}.")
+    raise ValueError(f"torchmetrics_gradpatch: {what}={value!r} is not {noun}; use one of {names}{hint}, in any case.")
 
 
 def check_mode(mode: object, what: str = "mode") -> str:
