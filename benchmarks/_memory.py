@@ -1,4 +1,4 @@
-"""Memory readings shared by the memory section of ``run_all.py`` and ``bench_soak.py``, and the memory rank job.
+"""Memory readings shared by the memory section of ``bench_gather.py`` and ``bench_soak.py``, and the memory rank job.
 
 Why the readings wait ("settle")
 --------------------------------
