@@ -30,7 +30,7 @@ else:  # pragma: no cover - Python 3.10
 
 PYPROJECT: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT: dict[str, Any] = PYPROJECT["project"]
-INIT = ROOT / "src" / "torchmetrics_gradpatch" / "__init__.py"
+INIT = ROOT / "torchmetrics_gradpatch" / "__init__.py"
 #: sha256 of the Apache License 2.0 exactly as apache.org publishes it (LICENSE-2.0.txt, 202 lines)
 #: what the console script's generated wrapper does (entry point torchmetrics_gradpatch.cli:main)
 CONSOLE_SCRIPT = "import sys; from torchmetrics_gradpatch.cli import main; sys.exit(main())"
@@ -72,7 +72,7 @@ def test_pyproject_takes_the_version_from_init() -> None:
 def test_no_other_file_writes_the_version() -> None:
     version = source_version()
     pattern = re.compile(rf"""(?<![\w.]){re.escape(version)}(?![\w.])""")
-    candidates = [ROOT / "pyproject.toml", *(ROOT / "src" / "torchmetrics_gradpatch").glob("*.py")]
+    candidates = [ROOT / "pyproject.toml", *(ROOT / "torchmetrics_gradpatch").glob("*.py")]
     copies = [p.name for p in candidates if p != INIT and pattern.search(p.read_text())]
     assert not copies, f"version {version} also written in {copies}"
 
@@ -121,7 +121,7 @@ def test_classifiers_match_what_is_supported_and_tested() -> None:
         assert f"Programming Language :: Python :: {minor}" in classifiers
     listed = {c.rsplit(" ", 1)[1] for c in classifiers if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)}
     assert listed == set(tested), f"classifiers list {sorted(listed)}, tox tests {tested}"
-    assert "Typing :: Typed" in classifiers and (ROOT / "src" / "torchmetrics_gradpatch" / "py.typed").exists()
+    assert "Typing :: Typed" in classifiers and (ROOT / "torchmetrics_gradpatch" / "py.typed").exists()
     assert any(c.startswith("Development Status ::") for c in classifiers)
 
 
