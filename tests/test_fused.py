@@ -22,9 +22,15 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from tests._rank_tools import destroy_subgroup
 from tests._tensors import gloo_dtypes
-from torchmetrics_gradpatch import _fused
+from torchmetrics_gradpatch import _syncs
+from torchmetrics_gradpatch import fused as _fused
 
-ORIGINAL_SYNC_DIST = _fused.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
+ORIGINAL_SYNC_DIST = _syncs.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
+
+
+def fused_installed() -> bool:
+    """Whether ``Metric._sync_dist`` is the package's replacement running the fused sync."""
+    return _syncs.installed() == "fused"
 
 
 def calls(group: Any = None) -> int:
@@ -172,20 +178,18 @@ def test_install_restores_the_identical_original() -> None:
 
     tg.unpatch()  # the patch in force replaces _sync_dist too (a graph break under torch.compile)
     assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
-    _fused.install("fused")
+    _syncs.install("fused")
     try:
         replacement = Metric.__dict__["_sync_dist"]
-        assert replacement is not ORIGINAL_SYNC_DIST and _fused.installed()
+        assert replacement is not ORIGINAL_SYNC_DIST and fused_installed()
         assert replacement.__defaults__ == ORIGINAL_SYNC_DIST.__defaults__  # torchmetrics' gather stays the default
-        _fused.install("fused")  # idempotent: not wrapped twice
+        _syncs.install("fused")  # idempotent: not wrapped twice
         assert Metric.__dict__["_sync_dist"] is replacement
     finally:
-        _fused.uninstall()
-    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.installed()
-    _fused.install("torchmetrics")  # the default strategy: nothing installed
-    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
+        _syncs.uninstall()
+    assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not fused_installed()
     with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
-        _fused.install("fast")
+        _syncs.install("fast")
     _api.reset_for_tests()
 
 
@@ -217,10 +221,10 @@ def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
         metric.update(*batch)  # two updates: cat lists hold two tensors
     before = calls()
     with tg.patched(sync="torchmetrics"):  # the reference, also where TORCHMETRICS_GRADPATCH_SYNC=fused
-        assert not _fused.installed()
+        assert not fused_installed()
         expected.sync()
     tm_calls = calls() - before
-    _fused.install("fused")
+    _syncs.install("fused")
     try:
         before = calls()
         fused.sync()  # Metric.sync -> _sync_dist(torchmetrics' gather): fused
@@ -229,7 +233,7 @@ def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
         custom.sync(dist_sync_fn=lambda t, group=None: gather_all_tensors(t, group))  # a custom function
         assert calls() - before == tm_calls  # torchmetrics' own path
     finally:
-        _fused.uninstall()
+        _syncs.uninstall()
     for name_, value in states(expected).items():
         assert same(getattr(fused, name_), value), name_
         assert same(getattr(custom, name_), value), name_
@@ -270,13 +274,13 @@ def test_override_calling_super(world_size: int) -> None:
         for name, value in states(build(rank, case)).items():
             setattr(metric, name, value)
     expected.sync()
-    _fused.install("fused")
+    _syncs.install("fused")
     try:
         before = calls()
         fused.sync()
         assert calls() - before == 2
     finally:
-        _fused.uninstall()
+        _syncs.uninstall()
     for name, value in [*states(expected).items(), ("extra", expected.extra)]:
         assert same(getattr(fused, name), value), name
 
@@ -347,7 +351,7 @@ def test_gradients_against_one_process(world_size: int, mode: str) -> None:
     rank = dist.get_rank()
     preds, target = batch(rank)
     preds.requires_grad_()
-    _fused.install("fused", mode=mode)
+    _syncs.install("fused", mode=mode)
     try:
         metric = WeightedLoss()
         before = calls()
@@ -357,7 +361,7 @@ def test_gradients_against_one_process(world_size: int, mode: str) -> None:
         loss.backward()
         assert calls() - before == (1 if mode == "global" else 0)  # one backward collective for every state
     finally:
-        _fused.uninstall()
+        _syncs.uninstall()
     scale = world_size if mode == "global" else 1  # global: every rank's (equal) loss reaches every rank's preds
     torch.testing.assert_close(preds.grad, scale * reference_grads(world_size)[rank], rtol=1e-12, atol=1e-12)
 
@@ -368,7 +372,7 @@ def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
     preds, target = batch(rank)
     if rank != 1:
         preds.requires_grad_()  # rank 1's states have no graph: it still takes part in the backward
-    _fused.install("fused", mode="global")
+    _syncs.install("fused", mode="global")
     try:
         loss = WeightedLoss()(preds, target)
         assert loss.requires_grad
@@ -376,7 +380,7 @@ def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
         loss.backward()
         assert calls() - before == 1
     finally:
-        _fused.uninstall()
+        _syncs.uninstall()
     if rank != 1:
         expected = world_size * reference_grads(world_size)[rank]
         torch.testing.assert_close(preds.grad, expected, rtol=1e-12, atol=1e-12)
@@ -449,14 +453,14 @@ def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
 
     try:
         tg.patch(sync="fused")
-        assert _fused.installed() and tg.status().sync == "fused"
+        assert fused_installed() and tg.status().sync == "fused"
         tg.patch(sync="torchmetrics")
-        assert not _fused.installed() and _fused.original_sync_dist() is ORIGINAL_SYNC_DIST
+        assert not fused_installed() and _syncs.original_sync_dist() is ORIGINAL_SYNC_DIST
         tg.patch()  # no sync named: the default (TORCHMETRICS_GRADPATCH_SYNC, else torchmetrics' own)
-        assert _fused.installed() == (_api.sync_requested() == "fused")
+        assert fused_installed() == (_api.sync_requested() == "fused")
         tg.patch(sync="fused")
         tg.unpatch()
-        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not _fused.installed()
+        assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not fused_installed()
         with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
             tg.patch(sync="fast")
     finally:

@@ -21,9 +21,8 @@ from torchmetrics import __version__ as tm_version
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from tests.test_fused import ORIGINAL_SYNC_DIST, Probe, calls, same, states, values, worlds
-from torchmetrics_gradpatch import _fused
-from torchmetrics_gradpatch._errors import FusedSyncError
-from torchmetrics_gradpatch._modes import GradModeMismatchError
+from torchmetrics_gradpatch import fused as _fused
+from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 
 PLACEHOLDER = Version(tm_version).release >= (1, 4)  # torchmetrics puts tensor([]) in for an empty cat list
 ERROR_BOUND_S = 5.0

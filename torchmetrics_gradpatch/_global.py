@@ -20,18 +20,18 @@ Invariants:
 
 from __future__ import annotations
 
-import math
-import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._errors import GradModeMismatchError
 from torchmetrics_gradpatch._gather import gather_entries, gather_local, size_and_rank
 
-__all__ = ["GradModeMismatchError", "gather_global"]
+__all__ = ["GradModeMismatchError", "gather_global", "scatter_sum"]
 
 _REQUIRES_GRAD = 1  # flag bits each rank sends in its header
 _GRAD_MODE = 2
@@ -44,24 +44,6 @@ _HEADER_WORDS = _BODY + _INLINE_DIMS
 _OK, _CONJUGATE = 0, 1  # status codes
 _CAUSES = {_CONJUGATE: "the tensor has the conjugate bit set; call .resolve_conj() on it before gathering"}
 _END = "Every rank of the group raised this error after the same exchange; none is left waiting."
-
-_DTYPE_CODES: dict[torch.dtype, int] = {}
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    """A code for ``dtype`` that every rank computes alike (from its name, not from torch's enum order)."""
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
-    return code
-
-
-def _dtype_name(code: int) -> str:
-    """The dtype ``code`` stands for (error path only)."""
-    for value in vars(torch).values():
-        if isinstance(value, torch.dtype) and _dtype_code(value) == code:
-            return str(value)
-    return f"a dtype unknown to this rank's torch (code {code})"
 
 
 def _fresh(entry: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -85,51 +67,95 @@ def _fresh(entry: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     return entry.clone()
 
 
-def _scatter_sum(meta: dict[str, Any], grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
-    """The backward's data step: every rank's gradient for entry ``j`` summed on rank ``j`` (``None``: no input grad).
+def scatter_sum(
+    owners: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[torch.Size],
+    grads: Sequence[torch.Tensor | None],
+    rank: int,
+    world_size: int,
+    group: Any,
+    device: torch.device,
+) -> list[torch.Tensor | None]:
+    """Global mode's backward data step: for each entry this rank owns, every rank's gradient for it, summed here.
 
-    One ``all_to_all_single``: rank ``r`` sends its gradient for entry ``j`` to rank ``j`` only; its own piece
-    stays home (split size 0) and is added locally.
+    Entry ``k`` is owned by rank ``owners[k]`` and has ``dtypes[k]`` and ``shapes[k]``; ``grads[k]`` is this rank's
+    gradient for it (``None``: zeros). One ``all_to_all_single`` of bytes: rank ``r`` sends rank ``j`` its
+    gradients for ``j``'s entries, packed as :mod:`torchmetrics_gradpatch._bytes` aligns them; its gradients for its
+    own entries stay home and are added locally. Returns the sums for this rank's entries, in their order (``None``
+    only in a world of one, where nothing is exchanged and no gradient arrived).
     """
-    shapes: list[torch.Size] = meta["shapes"]
-    rank: int = meta["rank"]
-    dtype, device = meta["dtype"], meta["device"]
-    own = grads[rank]
-    if len(shapes) == 1:  # a world of one: nothing to exchange, so no collective (and no gloo work to free)
-        if not meta["needs_grad"]:
-            return None
-        return torch.zeros(shapes[rank], dtype=dtype, device=device) if own is None else own
-    numels = [math.prod(shape) for shape in shapes]
-    mine = numels[rank]
-    send_splits = [0 if j == rank else n for j, n in enumerate(numels)]
-    receive_splits = [0 if j == rank else mine for j in range(len(shapes))]
-    pieces = [
-        (grad, shape, n)
-        for j, (grad, shape, n) in enumerate(zip(grads, shapes, numels, strict=True))
-        if j != rank and n
-    ]
-    if len(pieces) == 1 and pieces[0][0] is not None:  # two ranks: send the gradient itself, no copy
-        send = pieces[0][0].reshape(-1).to(dtype)
+    mine = [k for k, owner in enumerate(owners) if owner == rank]
+    if world_size == 1:  # nothing to exchange, so no collective (and no gloo work to free)
+        return [grads[k] for k in mine]
+    sizes = [_bytes.nbytes(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+
+    def block(keys: list[int]) -> tuple[list[int], int]:
+        # one entry: its own bytes, so a block of them repeats at multiples of its item size; more: aligned
+        found, end = _bytes.offsets(sizes[k] for k in keys)
+        return found, end if len(keys) <= 1 else _bytes.aligned(end)
+
+    own_offsets, own_size = block(mine)
+    send_splits, placed, at = [], [], 0
+    for owner in range(world_size):
+        keys = [k for k in range(len(owners)) if owners[k] == owner] if owner != rank else []
+        found, size = block(keys)
+        send_splits.append(size)
+        placed += [(k, at + offset) for k, offset in zip(keys, found, strict=True)]
+        at += size
+    first = grads[placed[0][0]] if len(placed) == 1 else None
+    if first is not None and sizes[placed[0][0]] == at:  # one entry to send (two ranks): its own bytes, no copy
+        send = _bytes.as_bytes(first.to(dtypes[placed[0][0]]))
     else:
-        send = torch.empty(sum(send_splits), dtype=dtype, device=device)
-        offset = 0
-        for grad, shape, numel in pieces:
-            piece = send[offset : offset + numel]
+        send = (torch.zeros if at > sum(sizes[k] for k, _ in placed) else torch.empty)(
+            at, dtype=torch.uint8, device=device
+        )  # padding is zeros, not this process's memory
+        for k, offset in placed:
+            target = send[offset : offset + sizes[k]]
+            grad = grads[k]
             if grad is None:
-                piece.zero_()
+                target.zero_()
             else:
-                piece.view(shape).copy_(grad)
-            offset += numel
-    received = torch.empty(sum(receive_splits), dtype=dtype, device=device)
-    dist.all_to_all_single(received, send.contiguous(), receive_splits, send_splits, group=meta["group"])
+                target.copy_(_bytes.as_bytes(grad.to(dtypes[k])))
+    sources = world_size - 1
+    received = torch.empty(sources * own_size, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        received, send, [0 if j == rank else own_size for j in range(world_size)], send_splits, group
+    )
+    totals: list[torch.Tensor | None] = []
+    for k, offset in zip(mine, own_offsets, strict=True):
+        if not sizes[k]:  # nothing arrived (and an empty view cannot be reinterpreted as a dtype)
+            total = torch.zeros(shapes[k], dtype=dtypes[k], device=device)
+        elif sources == 1:
+            total = received[offset : offset + sizes[k]].view(dtypes[k]).view(shapes[k])
+        else:  # one row per other rank, summed
+            rows = received.view(sources, own_size)[:, offset : offset + sizes[k]].view(dtypes[k])
+            total = rows.sum(dim=0).view(shapes[k])
+        # ``received`` and the sum are this function's own buffers: add the own gradient into them in place
+        own = grads[k]
+        if own is not None:
+            total.add_(own)
+        totals.append(total)
+    return totals
+
+
+def _scatter_sum(meta: dict[str, Any], grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
+    """:func:`scatter_sum` for one gather, whose entry ``j`` is rank ``j``'s (``None``: no input gradient)."""
+    shapes: list[torch.Size] = meta["shapes"]
+    world_size = len(shapes)
+    (total,) = scatter_sum(
+        range(world_size),
+        [meta["dtype"]] * world_size,
+        shapes,
+        grads,
+        meta["rank"],
+        world_size,
+        meta["group"],
+        meta["device"],
+    )
     if not meta["needs_grad"]:  # this rank's tensor had no graph: it only had to take part
         return None
-    # ``received`` and the sum are this function's own buffers: add the own gradient into them in place
-    others = received if len(shapes) == 2 else received.view(len(shapes) - 1, mine).sum(dim=0)
-    total = others.view(shapes[rank])
-    if own is not None:
-        total.add_(own)
-    return total
+    return torch.zeros(shapes[meta["rank"]], dtype=meta["dtype"], device=meta["device"]) if total is None else total
 
 
 class _GlobalGather(torch.autograd.Function):
@@ -199,7 +225,7 @@ class _ScatterSum(torch.autograd.Function):
 def _own_header(result: torch.Tensor, flags: int) -> torch.Tensor:
     """This rank's header. Nothing here raises on a tensor: what stops this rank is sent as its status."""
     shape = result.shape
-    words = [_OK, flags, _dtype_code(result.dtype), len(shape), *shape[:_INLINE_DIMS]]
+    words = [_OK, flags, _bytes.code(result.dtype), len(shape), *shape[:_INLINE_DIMS]]
     words += [0] * (_HEADER_WORDS - len(words))
     header = torch.tensor(words, dtype=torch.int64, device=result.device)
     if result.is_conj():  # gloo's all_gather refuses it (view_as_real), and it has no bytes of its own to send
@@ -237,7 +263,7 @@ def _refusal(rows: list[list[int]]) -> RuntimeError | None:
         )
     dtypes = [row[_DTYPE] for row in rows]
     if dtypes.count(dtypes[0]) != len(dtypes):
-        each = ", ".join(f"rank {r}: {_dtype_name(code)}" for r, code in enumerate(dtypes))
+        each = ", ".join(f"rank {r}: {_bytes.dtype_name(code)}" for r, code in enumerate(dtypes))
         return RuntimeError(
             f"torchmetrics_gradpatch: global-mode gather: the ranks disagree on the dtype of the gathered tensor "
             f"({each}, ranks within the gather's group). Every rank must gather a tensor of the same dtype. {_END}"

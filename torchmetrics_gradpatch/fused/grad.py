@@ -4,9 +4,9 @@ In global mode (see :mod:`torchmetrics_gradpatch._global` for the semantics) ran
 ``sum_r dL_r/dx_j``. The fused sync gathers every state in one buffer, so it builds one node for all of them: its
 inputs are this rank's own tensors that require grad, its outputs every rank's gathered copies of the tensors
 that required grad on their rank (the *differentiable entries*; every rank knows which from the exchanged
-descriptions). Its backward packs, for each other rank, the gradients of that rank's entries into one byte buffer
-(mixed dtypes, each piece aligned as in the forward payload) and issues **one** ``all_to_all_single``: each rank
-receives exactly the gradients for its own tensors from every other rank, and adds its own.
+descriptions). Its backward is global mode's own (:func:`torchmetrics_gradpatch._global.scatter_sum`): **one**
+``all_to_all_single`` of byte-packed gradients (mixed dtypes), after which each rank holds, for each of its own
+tensors, the sum of every rank's gradient.
 
 As in :mod:`torchmetrics_gradpatch._global`, a rank whose own tensors have no graph ties the node to a fresh
 zero-element leaf, so its loss still reaches the node and its ``backward()`` issues the same collective; every
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from torchmetrics_gradpatch.fused.wire import ALIGN, as_bytes
+from torchmetrics_gradpatch._global import scatter_sum
 
 __all__ = ["Entry", "Plan", "apply"]
 
@@ -51,32 +50,13 @@ class Plan:
     device: torch.device
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """What the backward needs of an entry: its owner, dtype and shape (never the gathered data: a graph that
-    outlives the sync must not keep the receive buffers alive)."""
-
-    owner: int
-    dtype: torch.dtype
-    shape: torch.Size
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
-
-
-def _offsets(items: Sequence[_Shape]) -> tuple[list[int], int]:
-    offsets, at = [], 0
-    for item in items:
-        offsets.append(at)
-        at += -(-item.nbytes // ALIGN) * ALIGN
-    return offsets, at
-
-
 class _FusedGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: Plan, leaf: torch.Tensor | None, *own: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.shapes = [_Shape(e.owner, e.value.dtype, e.value.shape) for e in plan.entries]
+        # owners, dtypes and shapes only: a graph that outlives the sync must not keep the receive buffers alive
+        ctx.owners = [e.owner for e in plan.entries]
+        ctx.dtypes = [e.value.dtype for e in plan.entries]
+        ctx.shapes = [e.value.shape for e in plan.entries]
         ctx.rank, ctx.world_size, ctx.group, ctx.device = plan.rank, plan.world_size, plan.group, plan.device
         ctx.set_materialize_grads(False)  # an entry the loss does not use sends zeros without a gradient tensor
         return tuple(entry.value.clone() if entry.copy else entry.value for entry in plan.entries)
@@ -84,45 +64,13 @@ class _FusedGather(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        rank, world_size = ctx.rank, ctx.world_size
-        by_owner: list[list[tuple[_Shape, torch.Tensor | None]]] = [[] for _ in range(world_size)]
-        for item, grad in zip(ctx.shapes, grads, strict=True):
-            by_owner[item.owner].append((item, grad))
-        mine = by_owner[rank]
-        own_offsets, own_size = _offsets([item for item, _ in mine])
-        totals: list[torch.Tensor | None] = [grad for _, grad in mine]  # this rank's own gradient first
-        if world_size > 1:
-            send_splits, pieces = [], []
-            for owner, items in enumerate(by_owner):
-                offsets, size = _offsets([item for item, _ in items])
-                send_splits.append(0 if owner == rank else size)
-                if owner != rank:
-                    pieces.append((items, offsets, size))
-            send = torch.empty(sum(send_splits), dtype=torch.uint8, device=ctx.device)
-            at = 0
-            for items, offsets, size in pieces:
-                for (item, grad), offset in zip(items, offsets, strict=True):
-                    target = send[at + offset : at + offset + item.nbytes]
-                    if grad is None:
-                        target.zero_()
-                    else:
-                        target.copy_(as_bytes(grad.to(item.dtype)))
-                at += size
-            receive_splits = [0 if owner == rank else own_size for owner in range(world_size)]
-            received = torch.empty(sum(receive_splits), dtype=torch.uint8, device=ctx.device)
-            dist.all_to_all_single(received, send, receive_splits, send_splits, group=ctx.group)
-            for source in range(world_size - 1):  # every other rank's gradients for this rank's tensors
-                base = source * own_size
-                for k, ((item, _), offset) in enumerate(zip(mine, own_offsets, strict=True)):
-                    piece = received[base + offset : base + offset + item.nbytes].view(item.dtype).view(item.shape)
-                    total = totals[k]
-                    totals[k] = piece.clone() if total is None else total + piece
-        needs = ctx.needs_input_grad[2:]
+        totals = scatter_sum(ctx.owners, ctx.dtypes, ctx.shapes, grads, ctx.rank, ctx.world_size, ctx.group, ctx.device)
+        mine = [k for k, owner in enumerate(ctx.owners) if owner == ctx.rank]
         inputs = [
-            (total if total is not None else torch.zeros(item.shape, dtype=item.dtype, device=ctx.device))
+            (total if total is not None else torch.zeros(ctx.shapes[k], dtype=ctx.dtypes[k], device=ctx.device))
             if need
             else None
-            for (item, _), total, need in zip(mine, totals, needs, strict=True)
+            for k, total, need in zip(mine, totals, ctx.needs_input_grad[2:], strict=True)
         ]
         return (None, None, *inputs)
 

@@ -15,19 +15,22 @@ every byte of data at once (collective 2). A sync therefore costs two collective
 rank decides what to do next from the same gathered headers and descriptions.
 
 The description, per state: ``[kind, placeholder, n_pieces]`` then per piece ``[dtype code, requires_grad, ndim,
-*shape]``. A tensor state is one piece; a list state is its elements. Dtype codes index :data:`_DTYPE_NAMES`, a
-fixed list, so they mean the same on every rank even where a torch lacks some dtype.
+*shape]``. A tensor state is one piece; a list state is its elements. Dtype codes, sizes and alignment are
+:mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on every rank even where a torch lacks some dtype;
+a dtype a buffer cannot carry is described as :data:`UNKNOWN_DTYPE` and refused on every rank.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from torchmetrics_gradpatch import _bytes
+from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
 
 __all__ = [
     "ALIGN",
@@ -49,9 +52,8 @@ __all__ = [
     "words_of",
 ]
 
-FORMAT = 0x7467_6673_0001  # "tgfs", format 1: a rank running another format is told so, not misread
+FORMAT = 0x7467_6673_0002  # "tgfs", format 2: a rank running another format is told so, not misread
 HEADER_WORDS = 5
-ALIGN = 16  # every piece starts at a multiple of this, so its bytes can be viewed as any dtype (complex128: 16)
 FLAG_GRAD_MODE = 1
 FLAG_REQUIRES_GRAD = 2
 
@@ -59,27 +61,7 @@ KIND_TENSOR = 0
 KIND_LIST = 1
 KIND_OTHER = 2  # neither a tensor nor a list of tensors: refused on every rank, see _fused_sync
 
-_DTYPE_NAMES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
-    "complex32", "complex64", "complex128", "uint16", "uint32", "uint64",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-)  # fmt: skip
-_DTYPES: dict[int, torch.dtype] = {
-    code: getattr(torch, name)
-    for code, name in enumerate(_DTYPE_NAMES)
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in _DTYPES.items()}
-
-
-def _size(dtype: torch.dtype) -> int:
-    with warnings.catch_warnings():  # complex32: "ComplexHalf support is experimental"
-        warnings.simplefilter("ignore")
-        return torch.empty((), dtype=dtype).element_size()
-
-
-_SIZES: dict[torch.dtype, int] = {dtype: _size(dtype) for dtype in _CODES}
-UNKNOWN_DTYPE = -1
+UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
 
 
 @dataclass(frozen=True)
@@ -92,10 +74,7 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * (_SIZES[self.dtype] if self.dtype is not None else 0)
+        return _bytes.nbytes(self.shape, self.dtype) if self.dtype is not None else 0
 
 
 @dataclass(frozen=True)
@@ -110,12 +89,12 @@ class State:
 
 def sendable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or an empty stand-in when its dtype is unknown to the format (described, refused, never sent)."""
-    return tensor if tensor.dtype in _CODES else torch.empty(0, dtype=torch.uint8)
+    return tensor if _bytes.plain(tensor.dtype) else torch.empty(0, dtype=torch.uint8)
 
 
 def piece_of(tensor: torch.Tensor) -> Piece:
     """The description of ``tensor``."""
-    return Piece(tensor.dtype if tensor.dtype in _CODES else None, tuple(tensor.shape), tensor.requires_grad)
+    return Piece(tensor.dtype if _bytes.plain(tensor.dtype) else None, tuple(tensor.shape), tensor.requires_grad)
 
 
 def encode(states: Sequence[State]) -> list[int]:
@@ -124,7 +103,7 @@ def encode(states: Sequence[State]) -> list[int]:
     for state in states:
         words += [state.kind, int(state.placeholder), len(state.pieces)]
         for piece in state.pieces:
-            code = UNKNOWN_DTYPE if piece.dtype is None else _CODES[piece.dtype]
+            code = UNKNOWN_DTYPE if piece.dtype is None else _bytes.code(piece.dtype)
             words += [code, int(piece.requires_grad), len(piece.shape), *piece.shape]
     if len(words) % 2:
         words.append(0)
@@ -143,34 +122,19 @@ def decode(words: Sequence[int]) -> list[State]:
             code, requires_grad, ndim = words[at : at + 3]
             shape = tuple(words[at + 3 : at + 3 + ndim])
             at += 3 + ndim
-            pieces.append(Piece(_DTYPES.get(code), shape, bool(requires_grad)))
+            dtype = _bytes.dtype_of(code)
+            pieces.append(
+                Piece(dtype if dtype is not None and _bytes.plain(dtype) else None, shape, bool(requires_grad))
+            )
         states.append(State(kind, tuple(pieces), bool(placeholder)))
     return states
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def layout(states: Sequence[State], start: int) -> tuple[list[list[int]], int]:
     """Each piece's byte offset in the payload (pieces from ``start`` on, each aligned), and the payload's size."""
-    offsets: list[list[int]] = []
-    at = _aligned(start)
-    for state in states:
-        mine = []
-        for piece in state.pieces:
-            mine.append(at)
-            at = _aligned(at + piece.nbytes)
-        offsets.append(mine)
-    return offsets, at
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s memory as a flat ``uint8`` tensor (a view when it is contiguous)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:  # expanded gradients (stride 0) pass is_contiguous at one element
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8)
+    found, end = _bytes.offsets((piece.nbytes for state in states for piece in state.pieces), start)
+    at = iter(found)
+    return [[next(at) for _ in state.pieces] for state in states], _bytes.aligned(end)
 
 
 def pack(
