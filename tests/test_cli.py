@@ -63,7 +63,7 @@ def assert_clean_refusal(proc: subprocess.CompletedProcess[str]) -> None:
     assert first == (
         f"torchmetrics-gradpatch: cannot run with torch {old_version()} and torchmetrics {TORCHMETRICS}."
     ), show(proc)
-    assert "PyTorch >= 2.0" in proc.stderr, show(proc)
+    assert "torch >= 2.0" in proc.stderr, show(proc)
 
 
 @pytest.mark.parametrize(
@@ -157,11 +157,11 @@ def test_module_target(orig_argv: list[str], target: str | None) -> None:
     ],
 )
 def test_launched_as_cli(monkeypatch: pytest.MonkeyPatch, argv0: str, orig_argv: list[str], expected: bool) -> None:
-    from torchmetrics_gradpatch import _cli
+    from torchmetrics_gradpatch.cli import exit as cli_exit
 
     monkeypatch.setattr(sys, "argv", [argv0])
     monkeypatch.setattr(sys, "orig_argv", orig_argv)
-    assert _cli.launched_as_cli() is expected
+    assert cli_exit.launched_as_cli() is expected
 
 
 # --- --version and --help answer without torch -------------------------------------------------------------------
@@ -279,13 +279,12 @@ def test_check_reports_ranks_that_cannot_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A rank that dies or raises before the checks is reported with the runner's details and exit status 3."""
-    from torchmetrics_gradpatch import testing
-    from torchmetrics_gradpatch.cli import main
+    from torchmetrics_gradpatch.cli import _ranks, main
 
     def failing_runner(*args: object, **kwargs: object) -> None:
-        raise testing.RankError(1, "died", "process was killed by SIGKILL")
+        raise _ranks.RankError(1, "died", "process was killed by SIGKILL")
 
-    monkeypatch.setattr(testing, "spawn_ranks", failing_runner)
+    monkeypatch.setattr(_ranks, "run", failing_runner)
     assert main(["check"]) == 3
     err = capsys.readouterr().err
     assert "cannot run here: rank 1 died before the checks could run" in err and "starting 2 gloo ranks" in err
@@ -385,3 +384,12 @@ def test_installed_console_script_checks_three_ranks() -> None:
     assert proc.returncode == 0, show(proc)
     assert "3 ranks" in proc.stdout and "starting 3 gloo ranks" in proc.stderr, show(proc)
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
+
+
+def test_the_sync_line_says_whether_the_fused_sync_is_in_place() -> None:
+    from torchmetrics_gradpatch.cli.check import _sync
+
+    in_place = ["torchmetrics.Metric._sync_dist (runs the 'fused' sync; one graph break under torch.compile)"]
+    assert _sync({"sync": "fused", "sync_applied_to": in_place}) == "fused (two collectives per Metric sync)"
+    assert _sync({"sync": "fused", "sync_applied_to": []}).endswith(", NOT installed")
+    assert _sync({"sync": "torchmetrics"}) == "torchmetrics (its own collectives)"

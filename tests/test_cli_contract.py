@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.version import Version
@@ -41,7 +42,7 @@ def assert_one_message(proc: subprocess.CompletedProcess[str], status: int, *nee
 COMMANDS = [["status"], ["status", "--json"], ["check"], ["--version"]]
 BAD_VARIABLES = {
     "TORCHMETRICS_GRADPATCH_MODE": ("foo", ["TORCHMETRICS_GRADPATCH_MODE='foo'", "local, global"]),
-    "TORCHMETRICS_GRADPATCH_AUTOPATCH": ("maybe", ["TORCHMETRICS_GRADPATCH_AUTOPATCH='maybe'", "use 0", "1"]),
+    "TORCHMETRICS_GRADPATCH_AUTOPATCH": ("maybe", ["TORCHMETRICS_GRADPATCH_AUTOPATCH='maybe'", "0, false", "1, true"]),
 }
 
 
@@ -77,7 +78,7 @@ def test_status_after_a_plain_import_credits_the_import_not_patch() -> None:
     assert text.returncode == 0 and in_force in text.stdout and "the import patched" in text.stdout, show(text)
     assert "patch() is on" not in text.stdout, show(text)
     data = json.loads(cli("status", "--json").stdout)
-    assert data["in_force"] and data["mode_from"] != "patch()", data
+    assert data["in_force"] and data["mode_chosen_by"] != "patch()", data
 
 
 # --- arguments ------------------------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_a_run_that_times_out_in_the_checks_says_the_ranks_had_started(tmp_path:
 @pytest.mark.parametrize(
     ("details", "status", "says"),
     [
-        ('File "/x/_checks.py", line 9 in _run_one\nprocess was killed by SIGSEGV', 1, "while running the checks"),
+        ('File "/x/checks.py", line 9 in _run_one\nprocess was killed by SIGSEGV', 1, "while running the checks"),
         ("process exited with code 1 without returning", 3, "cannot run here: rank 1 died before the checks"),
     ],
     ids=["inside-a-check", "before-the-checks"],
@@ -176,13 +177,12 @@ def test_a_rank_that_died_is_cannot_run_here_only_before_the_checks(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], details: str, status: int, says: str
 ) -> None:
     """The runner's report decides: a rank that crashed inside a check failed it (1); one that never got there is 3."""
-    from torchmetrics_gradpatch import testing
-    from torchmetrics_gradpatch.cli import main
+    from torchmetrics_gradpatch.cli import _ranks, main
 
     def dying_runner(*args: object, **kwargs: object) -> None:
-        raise testing.RankError(1, "died", details)
+        raise _ranks.RankError(1, "died", details)
 
-    monkeypatch.setattr(testing, "spawn_ranks", dying_runner)
+    monkeypatch.setattr(_ranks, "run", dying_runner)
     assert main(["check"]) == status
     err = capsys.readouterr().err
     assert says in err and details in err, err
@@ -246,3 +246,58 @@ def test_check_compile_says_whether_a_compiled_metric_loss_needs_compile_support
     row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("Metric loss, sum state"))
     assert row.rstrip().endswith("with compile_support() only"), show(proc)
     assert "needs compile_support()" in proc.stdout and "allgather" in proc.stdout, show(proc)
+
+
+# --- the ranks check runs on: a named failure, a deadline, nothing left behind ----------------------------------------
+
+
+def _raise_on_rank_one(pid_dir: str) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    Path(pid_dir, str(os.getpid())).write_text("")
+    if dist.get_rank() == 1:
+        raise ValueError("rank one's own error")
+    dist.barrier()  # rank 0 waits for the rank that raised, as a peer in a collective would
+    return 0
+
+
+def _exit_without_returning(pid_dir: str) -> None:
+    import os
+
+    Path(pid_dir, str(os.getpid())).write_text("")
+    os._exit(7)
+
+
+def _sleep_in_the_body(pid_dir: str) -> None:
+    import os
+    import time
+
+    Path(pid_dir, str(os.getpid())).write_text("")
+    time.sleep(600)
+
+
+@pytest.mark.parametrize(
+    ("fn", "world_size", "timeout", "rank", "reason", "says"),
+    [
+        (_raise_on_rank_one, 2, 120.0, 1, "raised", "ValueError: rank one's own error"),
+        (_exit_without_returning, 1, 120.0, 0, "died", "process exited with code 7"),
+        (_sleep_in_the_body, 1, 8.0, 0, "timed out", "in _sleep_in_the_body"),
+    ],
+    ids=["raised", "died", "timed-out"],
+)
+def test_the_ranks_name_the_failing_rank_and_leave_no_process(
+    tmp_path: Path, fn: Any, world_size: int, timeout: float, rank: int, reason: str, says: str
+) -> None:
+    """Fresh ranks by design: what is tested is how the command's own runner starts, fails and ends them."""
+    from tests._procs import alive
+    from torchmetrics_gradpatch.cli import _ranks
+
+    with pytest.raises(_ranks.RankError) as caught:
+        _ranks.run(fn, world_size, args=(str(tmp_path),), timeout=timeout)
+    assert (caught.value.rank, caught.value.reason) == (rank, reason), caught.value
+    assert says in caught.value.details, caught.value.details
+    assert caught.value.started, caught.value  # every rank had joined the group before the body ran
+    pids = [int(path.name) for path in tmp_path.iterdir()]
+    assert len(pids) == world_size and not [pid for pid in pids if alive(pid)]

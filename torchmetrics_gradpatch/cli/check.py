@@ -1,9 +1,10 @@
 """The ``check`` command: run :mod:`torchmetrics_gradpatch.cli.checks` on spawned gloo ranks and print the table.
 
-Ranks run through :func:`tests.harness.spawn_ranks`; every rank's gradients are compared with the
-single-process reference computed here. What cannot run here (versions refused, no loopback port, a rank that
-could not start) is exit 3; a run that outlives ``--timeout`` is exit 1 and says how to give it more time (the
-statuses: :mod:`torchmetrics_gradpatch.cli.exit`). torch is imported inside the functions, once the command runs.
+Ranks run through :func:`torchmetrics_gradpatch.cli._ranks.run` (torch's ``start_processes`` with a deadline);
+every rank's gradients are compared with the single-process reference computed here. What cannot run here
+(versions refused, no loopback port, a rank that could not start) is exit 3; a run that outlives ``--timeout`` is
+exit 1 and says how to give it more time (the statuses: :mod:`torchmetrics_gradpatch.cli.exit`). torch is
+imported inside the functions, once the command runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from torchmetrics_gradpatch._version import installed_version
 from torchmetrics_gradpatch.cli.exit import (
     EXIT_CANNOT_RUN,
     EXIT_CHECK_FAILED,
@@ -23,7 +25,6 @@ from torchmetrics_gradpatch.cli.exit import (
     torchmetrics_refused,
     usage_error,
 )
-from torchmetrics_gradpatch._version import installed_version
 
 
 class _Progress:
@@ -73,7 +74,8 @@ def _mode(state: dict[str, Any]) -> str:
 
 def _sync(state: dict[str, Any]) -> str:
     if state.get("sync") == "fused":
-        return "fused (two collectives per Metric sync)" + ("" if state.get("fused_installed") else ", NOT installed")
+        installed = any("'fused'" in where for where in state.get("sync_applied_to", ()))
+        return "fused (two collectives per Metric sync)" + ("" if installed else ", NOT installed")
     return "torchmetrics (its own collectives)"
 
 
@@ -119,8 +121,7 @@ def _in_checks(details: str) -> bool:
     return "in _run_one" in details  # a traceback's "line N, in f" and faulthandler's "line N in f" alike
 
 
-def _timed_out(args: argparse.Namespace, details: str) -> list[str]:
-    started = "_checks.py" in details  # a rank was running the checks' module: it had joined the group
+def _timed_out(args: argparse.Namespace, details: str, started: bool) -> list[str]:
     doing = "the ranks had started and were still running the checks" if started else "the ranks were still starting"
     lines = [f"{PROG}: check did not finish within --timeout {args.timeout:g} s: {doing}.", *_where_ranks_were(details)]
     hint = "Give it more time with --timeout SECONDS"
@@ -131,8 +132,8 @@ def _timed_out(args: argparse.Namespace, details: str) -> list[str]:
 
 def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: bool = False) -> tuple[int, list[Any]]:
     """Run the checks on the ranks until ``deadline``: ``(EXIT_OK, results)``, or an exit status, said why."""
+    from torchmetrics_gradpatch.cli import _ranks
     from torchmetrics_gradpatch.cli import checks as _checks
-    from tests.harness import RankError, spawn_ranks
 
     world_size: int = args.world_size
     text = f"starting {world_size} gloo rank{'s' if world_size > 1 else ''} on loopback (each imports torch)..."
@@ -140,15 +141,15 @@ def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: b
         text = "running the checks again with compile_support() on..."
     timeout = deadline - time.monotonic()
     if timeout <= 0:  # the first run used all of --timeout
-        print("\n".join(_timed_out(args, "")), file=sys.stderr)
+        print("\n".join(_timed_out(args, "", started=False)), file=sys.stderr)
         return EXIT_CHECK_FAILED, []
     try:
         with _Progress(text):
             run_args = (args.mode, args.compile, with_compile_support, getattr(args, "sync", None))
-            results = spawn_ranks(_checks.rank_main, world_size, args=run_args, timeout=timeout)
-    except RankError as err:
+            results = _ranks.run(_checks.rank_main, world_size, args=run_args, timeout=timeout)
+    except _ranks.RankError as err:
         if err.reason == "timed out":
-            print("\n".join(_timed_out(args, err.details)), file=sys.stderr)
+            print("\n".join(_timed_out(args, err.details, err.started)), file=sys.stderr)
             return EXIT_CHECK_FAILED, []
         if _in_checks(err.details):  # a rank crashed inside a check (rank_main reports what checks raise)
             print(f"{PROG}: check FAILED: rank {err.rank} {err.reason} while running the checks:", file=sys.stderr)
