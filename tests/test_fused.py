@@ -400,7 +400,8 @@ def test_description_round_trip_and_alignment() -> None:
         fp.State(fp.KIND_LIST, (fp.piece_of(torch.tensor([])),), placeholder=True),
     ]
     words = fp.encode(described)
-    assert fp.decode(words) == described and len(words) % 2 == 0
+    assert fp.decode(words) == ([], described) and len(words) % 2 == 0
+    assert fp.decode(fp.encode(described, [7, 8, 9])) == ([7, 8, 9], described)
     offsets, size = fp.layout(described, 8 * len(words))
     assert all(o % fp.ALIGN == 0 for state in offsets for o in state) and size % fp.ALIGN == 0
     buffer = fp.pack(words, [[tensors[0]], tensors[1:], [torch.tensor([])]], offsets, size + 32, torch.device("cpu"))

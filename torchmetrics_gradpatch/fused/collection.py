@@ -1,16 +1,345 @@
-"""Placeholder until the one-exchange collection sync lands: nothing is replaced."""
+"""One exchange per ``MetricCollection``: under the fused sync, ``compute()`` syncs every member that syncs at once.
+
+:func:`install` replaces the class attribute ``torchmetrics.MetricCollection.compute`` (the method ``compute()`` runs
+on every torchmetrics line from 0.11 to 1.9; from 1.0 on it calls ``_compute_and_reduce("compute")``, which
+``forward`` shares, so that is left alone); :func:`uninstall` puts the very same object back. While the engine's
+effective sync is ``"fused"``, the replacement:
+
+1. takes the members as ``compute()`` does (``items(keep_base=True, copy_state=False)``, which links the states of
+   a compute group's members to its first member's);
+2. exchanges, in two collectives over the default group whatever the number of members and states, a member table
+   (each member's fingerprint, whether it joins the exchange or why not, whether it needs a sync) and the states of
+   every member that joins; a state object shared by several members (a compute group) is one slot, sent once;
+3. from those same facts on every rank: refuses with the same :class:`~torchmetrics_gradpatch.FusedSyncError`
+   (naming the member and the state) what cannot be synced, before any state changes; else sets each joining
+   member's synced states through the member's own ``sync()`` (so its cache of local states is taken as its
+   torchmetrics takes it), with its ``_sync_dist`` replaced for that one call by the step-3 reduction;
+4. runs torchmetrics' own ``compute()`` with those members' own sync skipped: each member computes on its synced
+   states and its own ``unsync()`` restores its local states, as after torchmetrics' own sync.
+
+A member opts out, and syncs in its own ``compute()`` as it does today, when it does not sync on compute
+(``sync_on_compute=False``), syncs with a ``dist_sync_fn`` of its own or over a process group of its own,
+overrides ``_sync_dist``, is not distributed (its ``distributed_available_fn``) or is synced already; every rank
+sends why, and ranks that disagree raise the same error. A member whose result is cached is synced only when some
+rank has to (that rank's cache is then dropped, so every rank computes from the same states). The exchange runs
+whenever the replacement is in force and the default group is initialised, even with nothing to sync (one
+collective then), so no rank can wait alone. Under ``torch.compile`` the whole of it runs behind one graph break.
+"""
 
 from __future__ import annotations
 
+import functools
+import sys
+import warnings
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import wrapt
+
+from torchmetrics_gradpatch import _compile, _engine
+
+__all__ = ["install", "installed", "sync_members", "uninstall"]
+
+_MODULE = "torchmetrics.collections"
+_MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
+
+#: Whether the replacement is wanted, whether the import hook is registered, and the replacement this module set.
+_wanted: dict[str, Any] = {"on": False, "hook": False, "ours": None}
+
+# Why a member does or does not join the exchange; sent by every rank, so they agree or all raise.
+JOINS, NO_SYNC, OWN_SYNC_FN, OWN_GROUP, OWN_SYNC_DIST, NOT_DISTRIBUTED, SYNCED = range(7)
+_HOW = {
+    JOINS: "joins the collection's exchange",
+    NO_SYNC: "does not sync on compute (sync_on_compute=False)",
+    OWN_SYNC_FN: "syncs with a dist_sync_fn of its own",
+    OWN_GROUP: "syncs over a process group of its own",
+    OWN_SYNC_DIST: "overrides _sync_dist",
+    NOT_DISTRIBUTED: "is not distributed (its distributed_available_fn)",
+    SYNCED: "is synced already",
+}
+_NEEDS = 4  # header flag: this rank has a member to sync (beside the wire's grad-mode and requires-grad flags)
+_MEMBER_WORDS = 3  # per member in the table: fingerprint, how, needs; then its slot references
+
+
+def _how(metric: Any) -> int:
+    """Whether ``metric`` joins the exchange, else why not: the same tests its own ``compute()`` makes, in order."""
+    import torch.distributed as dist
+    import torchmetrics.utilities.distributed as tm_distributed
+    from torchmetrics import Metric
+
+    if not metric._to_sync:
+        return NO_SYNC
+    if metric._is_synced:
+        return SYNCED  # its compute() raises "already synced", as today
+    available = metric.distributed_available_fn
+    if not (callable(available) and available()):
+        return NOT_DISTRIBUTED
+    if metric.dist_sync_fn not in (None, tm_distributed.gather_all_tensors):
+        return OWN_SYNC_FN
+    if metric.process_group not in (None, dist.group.WORLD):
+        return OWN_GROUP
+    if type(metric)._sync_dist is not Metric.__dict__["_sync_dist"]:
+        return OWN_SYNC_DIST  # it may post-process (CompositionalMetric syncs nothing, its operands sync)
+    return JOINS
+
+
+def _member_name(key: str, metric: Any) -> str:
+    return f"{type(metric).__name__} (MetricCollection member {key!r})"
+
+
+def _fingerprint(key: str, metric: Any) -> int:
+    from torchmetrics_gradpatch.fused.sync import reduction_name
+
+    text = "|".join(
+        [key, type(metric).__qualname__, *(f"{a}:{reduction_name(r)}" for a, r in metric._reductions.items())]
+    )
+    return zlib.crc32(text.encode())
+
+
+def _table_error(members: list[tuple[str, Any]], tables: list[list[int]]) -> Exception | None:
+    """The error every rank raises when the ranks' member tables disagree (``None``: they agree)."""
+    from torchmetrics_gradpatch.fused.sync import structure_error
+
+    counts = {r: table[0] for r, table in enumerate(tables)}
+    if len(set(counts.values())) > 1:
+        return structure_error(
+            "a MetricCollection",
+            None,
+            "the ranks are computing collections of different sizes",
+            {r: f"{n} members" for r, n in counts.items()},
+        )
+    rows = [_rows(table) for table in tables]
+    for i, (key, metric) in enumerate(members):
+        name = _member_name(key, metric)
+        if len({row[i][0] for row in rows}) > 1:
+            return structure_error(
+                name,
+                None,
+                "the ranks hold different metrics as this member (another key, class, or other states or reductions)",
+                {r: f"fingerprint {row[i][0]:#x}" for r, row in enumerate(rows)},
+            )
+        if len({row[i][1] for row in rows}) > 1:
+            return structure_error(
+                name,
+                None,
+                "the ranks disagree on whether it syncs in the collection's exchange",
+                {r: _HOW.get(row[i][1], f"reason {row[i][1]}") for r, row in enumerate(rows)},
+            )
+    return None
+
+
+def _rows(table: list[int]) -> list[tuple[int, int, int, list[int]]]:
+    """A member table read back: per member its fingerprint, how, needs and slot references."""
+    rows = []
+    at = 1
+    for _ in range(table[0]):
+        fingerprint, how, needs = table[at : at + _MEMBER_WORDS]
+        count = table[at + _MEMBER_WORDS]
+        refs = table[at + _MEMBER_WORDS + 1 : at + _MEMBER_WORDS + 1 + count]
+        rows.append((fingerprint, how, needs, list(refs)))
+        at += _MEMBER_WORDS + 1 + count
+    return rows
+
+
+def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
+    """The one exchange over the default group: set the synced states of every member that joins and needs it.
+
+    A collective: every rank of the default group calls it with its collection's members. Returns the members now
+    synced (each through its own ``sync()``: ``_is_synced`` set, its local states in its cache).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from torchmetrics_gradpatch._gather import size_and_rank
+    from torchmetrics_gradpatch.fused import sync as fs
+    from torchmetrics_gradpatch.fused import wire as fp
+
+    group = dist.group.WORLD
+    world_size, rank = size_and_rank(group)
+    hows = [_how(metric) for _, metric in members]
+    slots: list[fs.Local] = []
+    states: list[list[fs.Local]] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    table = [len(members)]
+    any_needs = False
+    for (key, metric), how in zip(members, hows, strict=True):
+        refs: list[int] = []
+        mine: list[fs.Local] = []
+        if how == JOINS:
+            rule = fs.placeholder_rule(metric)
+            for attr, reduction in metric._reductions.items():
+                value = getattr(metric, attr)
+                # what step 1 makes of a state depends on these alone: one slot for a compute group's shared state
+                # (the placeholder, made from the Metric's dtype and device, exists from torchmetrics 1.4 on only)
+                slot_key = (id(value), fs.is_cat(reduction), (metric.dtype, str(metric.device)) if rule else None)
+                index = seen.get(slot_key)
+                if index is None:
+                    index = seen[slot_key] = len(slots)
+                    slots.append(fs.prepare_state(metric, attr, reduction, rule))
+                slot = slots[index]
+                mine.append(fs.Local(attr, reduction, slot.is_cat, slot.value, slot.tensors, slot.described))
+                refs.append(index)
+        needs = how == JOINS and metric._computed is None
+        any_needs = any_needs or needs
+        table += [_fingerprint(key, metric), how, int(needs), len(refs), *refs]
+        states.append(mine)
+    described = [slot.described for slot in slots]
+    words = fp.encode(described, table)
+    offsets, size = fp.layout(described, 8 * len(words))
+    flags = fs.flags_of(slots) | (_NEEDS if any_needs else 0)
+    agreed = zlib.crc32(str([(row[0], row[1]) for row in _rows(table)]).encode())  # what every rank must share
+    joining = [metric for how, (_, metric) in zip(hows, members, strict=True) if how == JOINS]
+    device = torch.device((joining or [members[0][1]])[0].device)
+    name = "a MetricCollection"
+    with torch.no_grad():
+        rows = fs.headers(name, words, size, flags, agreed, group, world_size, device)
+        if len({row[4] for row in rows}) == 1 and not any(row[3] & _NEEDS for row in rows):
+            return []  # every rank agrees and none has anything to sync: no payload
+        got = fs.payloads(words, slots, offsets, rows, rank, group, world_size, device)
+        error = _table_error(members, got.tables)
+        if error is not None:
+            raise error
+        fs.check_grad_modes(name, rows, mode)
+        tables = [_rows(t) for t in got.tables]
+        joined = [i for i, how in enumerate(hows) if how == JOINS and any(t[i][2] for t in tables)]
+        views: dict[int, list[list[fp.State]]] = {}
+        for i in joined:
+            views[i] = [[got.slots[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
+            fs.validate(_member_name(*members[i]), states[i], views[i])
+    keep = [[False] * len(got.slots[r]) for r in range(world_size)]
+    for i in joined:
+        for s, state in enumerate(states[i]):
+            if state.described.kind == fp.KIND_LIST and not state.is_cat:
+                for r in range(world_size):
+                    keep[r][tables[r][i][3][s]] = True
+    synced = fs.entries(slots, got, keep, rank, world_size, None, fs.node_wanted(rows, mode), device)
+    done: list[Any] = []
+    try:
+        for i in joined:
+            metric = members[i][1]
+            per_rank = [[synced[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
+            _set_synced(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank))
+            done.append(metric)
+    except BaseException:
+        for metric in done:
+            metric.unsync()
+        raise
+    return done
+
+
+def _set_synced(metric: Any, reduce: Callable[[], None]) -> None:
+    """Sync ``metric`` through its own ``sync()`` with ``reduce`` standing in for its ``_sync_dist`` (one call)."""
+    metric._computed = None  # another rank had to sync it: this rank computes afresh from the same states too
+
+    def _sync_dist(dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        reduce()
+
+    metric._sync_dist = _sync_dist  # an instance attribute, over the class's, for this one call
+    try:
+        metric.sync(should_sync=True, distributed_available=lambda: True)
+    finally:
+        del metric._sync_dist
+
+
+def _compute(original: Callable[[Any], Any], collection: Any) -> Any:
+    """The collection's ``compute()`` with one exchange for every member that joins (see the module docstring)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return original(collection)
+    members = [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)]
+    if not members:
+        return original(collection)
+    joined = sync_members(members, _engine.effective_mode())
+    if not joined:
+        return original(collection)
+    to_sync = [metric._to_sync for metric in joined]
+    try:
+        for metric in joined:
+            metric._to_sync = False  # its own sync in compute() is skipped; its unsync still runs
+        # compute() links compute groups again first; done now, it would give each member its group's first
+        # member's synced states (the link was made above, before the exchange)
+        collection._state_is_copy = True
+        return original(collection)
+    except BaseException:
+        for metric in joined:
+            if metric._is_synced and metric._should_unsync:
+                metric.unsync()  # what the failure left synced goes back to its local states
+        raise
+    finally:
+        collection._state_is_copy = False  # as compute()'s items(copy_state=False) leaves it
+        for metric, value in zip(joined, to_sync, strict=True):
+            metric._to_sync = value
+
+
+def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
+    def compute(self: Any) -> Any:
+        if _engine.effective_sync() != "fused":
+            return original(self)
+        if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
+            return _compile.run_eagerly(_compute, original, self)
+        return _compute(original, self)
+
+    setattr(compute, _MARK, True)
+    return compute
+
+
+def _collection_class() -> Any:
+    """``torchmetrics.MetricCollection``, or ``None`` while its module is not imported or still being imported."""
+    return getattr(sys.modules.get(_MODULE), "MetricCollection", None)
+
+
+def _apply() -> None:
+    cls = _collection_class()
+    if cls is None:
+        return
+    current = cls.__dict__["compute"]
+    ours = getattr(current, _MARK, False)
+    if _wanted["on"] and not ours:
+        cls.compute = _wanted["ours"] = _replacement(current)
+    elif not _wanted["on"] and ours:
+        cls.compute = current.__wrapped__
+        _wanted["ours"] = None
+
+
+def _on_import(module: Any) -> None:
+    _wanted["hook"] = False
+    _apply()
+
 
 def install() -> None:
-    """Nothing to install yet."""
+    """Replace ``MetricCollection.compute`` (now, or when ``torchmetrics.collections`` is imported); idempotent."""
+    _wanted["on"] = True
+    _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
+    if _collection_class() is not None:
+        _apply()
+    elif not _wanted["hook"]:
+        _wanted["hook"] = True
+        wrapt.register_post_import_hook(_on_import, _MODULE)
 
 
 def uninstall() -> None:
-    """Nothing to uninstall yet."""
+    """Put torchmetrics' own ``MetricCollection.compute`` back (the same object); idempotent."""
+    _wanted["on"] = False
+    cls = _collection_class()
+    if cls is None:
+        return
+    current = cls.__dict__["compute"]
+    ours, _wanted["ours"] = _wanted["ours"], None
+    if getattr(current, _MARK, False):
+        cls.compute = current.__wrapped__
+    elif ours is not None:
+        warnings.warn(
+            "torchmetrics_gradpatch: another tool has replaced MetricCollection.compute on top of this package's; "
+            "leaving it in place.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def installed() -> bool:
-    """Nothing is installed."""
-    return False
+    """Whether ``torchmetrics.MetricCollection.compute`` currently is this package's replacement."""
+    cls = _collection_class()
+    return cls is not None and bool(getattr(cls.__dict__["compute"], _MARK, False))

@@ -28,6 +28,12 @@ what one process holding all the data would get or raises the same :class:`Fused
 Gradients: in local mode each rank's own entries are its own tensors (as the graph-preserving gather puts them
 back), so its states keep their graphs; in global mode :mod:`torchmetrics_gradpatch.fused.grad` builds one node
 for the whole sync.
+
+The steps are functions of their own, shared with the one-exchange sync of a whole ``MetricCollection``
+(:mod:`torchmetrics_gradpatch.fused.collection`): :func:`prepare_state` (step 1), :func:`headers` and
+:func:`payloads` (the two collectives), :func:`validate`, :func:`entries` and :func:`reduce` (step 3). They work on
+*slots* (what one rank sends: a prepared state) and on *states* (what a Metric sets), so a slot shared by several
+states crosses the wire once.
 """
 
 from __future__ import annotations
@@ -40,13 +46,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
+from torchmetrics_gradpatch._gather import size_and_rank
+from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch.fused import grad as _fused_grad
 from torchmetrics_gradpatch.fused import wire as fp
-from torchmetrics_gradpatch._errors import FusedSyncError
-from torchmetrics_gradpatch._gather import size_and_rank
-from torchmetrics_gradpatch._modes import GradModeMismatchError, check_mode
 
-__all__ = ["fused_sync"]
+__all__ = [
+    "Exchanged",
+    "Local",
+    "check_grad_modes",
+    "entries",
+    "flags_of",
+    "fused_sync",
+    "headers",
+    "is_cat",
+    "node_wanted",
+    "payloads",
+    "placeholder_rule",
+    "prepare_state",
+    "reduce",
+    "reduction_name",
+    "structure_error",
+    "validate",
+]
 
 
 def structure_error(metric: str, attr: str | None, rule: str, seen: dict[int, str]) -> FusedSyncError:
@@ -64,7 +87,7 @@ def structure_error(metric: str, attr: str | None, rule: str, seen: dict[int, st
 
 
 @dataclass
-class _Local:
+class Local:
     """One state of this rank after step 1: its tensors (the pieces it sends) and what the description says."""
 
     attr: str
@@ -75,76 +98,152 @@ class _Local:
     described: fp.State
 
 
-def _reduction_name(fn: object) -> str:
+def reduction_name(fn: object) -> str:
+    """How a reduction is named in a fingerprint (its qualified name; ``None``: \"None\")."""
     return "None" if fn is None else str(getattr(fn, "__qualname__", type(fn).__qualname__))
 
 
-def _prepare(metric: Any) -> list[_Local]:
-    """Step 1, exactly as torchmetrics' ``_sync_dist`` does it, and each state's description."""
+def placeholder_rule(metric: Any) -> bool:
+    """Whether ``metric``'s torchmetrics puts ``tensor([])`` in for an empty ``cat`` list (step 1)."""
     import torchmetrics.metric as tm_metric
-    from torchmetrics.utilities.data import dim_zero_cat  # the object torchmetrics.metric compares with
 
     # 1.4.0 reads the module's flag, 1.4.1+ the instance's; 0.11-1.3 have neither and insert no placeholder
-    placeholder_rule = getattr(
-        metric, "_TORCH_GREATER_EQUAL_2_1", getattr(tm_metric, "_TORCH_GREATER_EQUAL_2_1", False)
-    )
-    states = []
-    for attr, reduction in metric._reductions.items():
-        value = getattr(metric, attr)
-        is_cat = reduction == dim_zero_cat
-        placeholder = False
-        if is_cat and isinstance(value, list) and len(value) > 1:
-            value = [dim_zero_cat(value)]
-        if placeholder_rule and is_cat and isinstance(value, list) and len(value) == 0:
-            value = [torch.tensor([], device=metric.device, dtype=metric.dtype)]
-            placeholder = True
-        if isinstance(value, torch.Tensor):
-            tensors = [value.contiguous()]
-            described = fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0]),))
-        elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
-            tensors = [v.contiguous() for v in value]
-            described = fp.State(fp.KIND_LIST, tuple(fp.piece_of(t) for t in tensors), placeholder)
-        else:
-            tensors, described = [], fp.State(fp.KIND_OTHER, ())
-        states.append(_Local(attr, reduction, is_cat, value, tensors, described))
-    return states
+    return bool(getattr(metric, "_TORCH_GREATER_EQUAL_2_1", getattr(tm_metric, "_TORCH_GREATER_EQUAL_2_1", False)))
 
 
-def _fingerprint(metric: Any, states: list[_Local]) -> int:
-    text = "|".join([type(metric).__qualname__, *(f"{s.attr}:{_reduction_name(s.reduction)}" for s in states)])
+def is_cat(reduction: object) -> bool:
+    """Whether ``reduction`` is torchmetrics' ``dim_zero_cat`` (compared as torchmetrics.metric compares it)."""
+    from torchmetrics.utilities.data import dim_zero_cat
+
+    return bool(reduction == dim_zero_cat)
+
+
+def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool) -> Local:
+    """Step 1 for one state, exactly as torchmetrics' ``_sync_dist`` does it, and the state's description."""
+    from torchmetrics.utilities.data import dim_zero_cat  # the object torchmetrics.metric compares with
+
+    value = getattr(metric, attr)
+    cat = is_cat(reduction)
+    placeholder = False
+    if cat and isinstance(value, list) and len(value) > 1:
+        value = [dim_zero_cat(value)]
+    if rule and cat and isinstance(value, list) and len(value) == 0:
+        value = [torch.tensor([], device=metric.device, dtype=metric.dtype)]
+        placeholder = True
+    if isinstance(value, torch.Tensor):
+        tensors = [value.contiguous()]
+        described = fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0]),))
+    elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+        tensors = [v.contiguous() for v in value]
+        described = fp.State(fp.KIND_LIST, tuple(fp.piece_of(t) for t in tensors), placeholder)
+    else:
+        tensors, described = [], fp.State(fp.KIND_OTHER, ())
+    return Local(attr, reduction, cat, value, tensors, described)
+
+
+def _prepare(metric: Any) -> list[Local]:
+    rule = placeholder_rule(metric)
+    return [prepare_state(metric, attr, reduction, rule) for attr, reduction in metric._reductions.items()]
+
+
+def _fingerprint(metric: Any, states: list[Local]) -> int:
+    text = "|".join([type(metric).__qualname__, *(f"{s.attr}:{reduction_name(s.reduction)}" for s in states)])
     return zlib.crc32(text.encode())
 
 
-def _check_headers(metric: Any, rows: list[list[int]], mode: str) -> None:
-    """Refuse, on every rank alike, what the headers alone show: another format, another Metric, grad modes."""
-    name = type(metric).__name__
+def flags_of(slots: list[Local]) -> int:
+    """This rank's header flags: grad mode (call it outside ``no_grad``), and whether a tensor it sends requires
+    grad."""
+    requires_grad = any(t.requires_grad for s in slots for t in s.tensors)
+    return (fp.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0) | (fp.FLAG_REQUIRES_GRAD if requires_grad else 0)
+
+
+def headers(
+    name: str, words: list[int], size: int, flags: int, fingerprint: int, group: Any, world_size: int, device: Any
+) -> list[list[int]]:
+    """Collective 1: every rank's header (format, description length, payload size, flags, fingerprint).
+
+    Raises on every rank alike when the ranks run different formats: nothing more can be read then.
+    """
+    rows = fp.gather_headers([len(words), size, flags, fingerprint], group, world_size, device)
     if len({row[0] for row in rows}) > 1:
         raise FusedSyncError(
             f"torchmetrics_gradpatch: fused sync of {name}: the ranks run different versions of the fused sync's "
             "format; install the same torchmetrics_gradpatch on every rank."
         )
-    if len({row[4] for row in rows}) > 1:
-        raise structure_error(
-            name,
-            None,
-            "the ranks are syncing different metrics (another class, or other states or reductions)",
-            {r: f"fingerprint {row[4]:#x}" for r, row in enumerate(rows)},
+    return rows
+
+
+def check_grad_modes(name: str, rows: list[list[int]], mode: str) -> None:
+    """In global mode, refuse on every rank alike when the ranks disagree on grad mode while a state needs grad."""
+    if mode != "global":
+        return
+    grad = [bool(row[3] & fp.FLAG_GRAD_MODE) for row in rows]
+    requiring = [r for r, row in enumerate(rows) if row[3] & fp.FLAG_REQUIRES_GRAD]
+    if requiring and len(set(grad)) > 1:
+        raise GradModeMismatchError(
+            f"torchmetrics_gradpatch: fused global-mode sync of {name}: the ranks disagree on grad mode. "
+            f"Rank(s) {[r for r, g in enumerate(grad) if not g]} synced with grad mode off, rank(s) "
+            f"{[r for r, g in enumerate(grad) if g]} with it on, and rank(s) {requiring} hold states that "
+            "require grad. Sync with the same grad mode on every rank. Every rank raised this error after the "
+            "same exchange; none is left waiting."
         )
-    if mode == "global":
-        grad = [bool(row[3] & fp.FLAG_GRAD_MODE) for row in rows]
-        requiring = [r for r, row in enumerate(rows) if row[3] & fp.FLAG_REQUIRES_GRAD]
-        if requiring and len(set(grad)) > 1:
-            raise GradModeMismatchError(
-                f"torchmetrics_gradpatch: fused global-mode sync of {name}: the ranks disagree on grad mode. "
-                f"Rank(s) {[r for r, g in enumerate(grad) if not g]} synced with grad mode off, rank(s) "
-                f"{[r for r, g in enumerate(grad) if g]} with it on, and rank(s) {requiring} hold states that "
-                "require grad. Sync with the same grad mode on every rank. Every rank raised this error after the "
-                "same exchange; none is left waiting."
-            )
 
 
-def _validate(name: str, states: list[_Local], every: list[list[fp.State]]) -> None:
-    """Refuse, on every rank alike, what torchmetrics' sync cannot complete and one process could not hold."""
+def node_wanted(rows: list[list[int]], mode: str) -> bool:
+    """Whether global mode builds its node: some rank sends a tensor that requires grad, and grad mode is on."""
+    return mode == "global" and any(row[3] & fp.FLAG_REQUIRES_GRAD for row in rows) and torch.is_grad_enabled()
+
+
+@dataclass
+class Exchanged:
+    """Every rank's description table and slots, and every slot's pieces (views of the receive buffers)."""
+
+    tables: list[list[int]]
+    slots: list[list[fp.State]]
+    gathered: list[list[list[torch.Tensor]]]
+
+
+def payloads(
+    words: list[int],
+    slots: list[Local],
+    offsets: list[list[int]],
+    rows: list[list[int]],
+    rank: int,
+    group: Any,
+    world_size: int,
+    device: Any,
+) -> Exchanged:
+    """Collective 2: every rank's description and data, padded to the largest payload; read back per rank."""
+    sent = [[fp.sendable(t) for t in s.tensors] for s in slots]
+    payload = fp.pack(words, sent, offsets, max(row[2] for row in rows), device)
+    buffers = fp.gather_payloads(payload, group, world_size)
+    del payload
+    tables: list[list[int]] = []
+    every: list[list[fp.State]] = []
+    layouts: list[list[list[int]]] = []
+    previous: list[int] = []
+    for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
+        theirs = words if r == rank else fp.words_of(buffer, row[1])
+        if every and theirs == previous:  # ranks holding alike describe alike: decode once
+            tables.append(tables[-1])
+            every.append(every[-1])
+            layouts.append(layouts[-1])
+        else:
+            table, described = fp.decode(theirs)
+            tables.append(table)
+            every.append(described)
+            layouts.append(offsets if r == rank else fp.layout(described, 8 * len(theirs))[0])
+        previous = theirs
+    gathered = [fp.unpack(buffer, descs, lay) for buffer, descs, lay in zip(buffers, every, layouts, strict=True)]
+    return Exchanged(tables, every, gathered)
+
+
+def validate(name: str, states: list[Local], every: list[list[fp.State]]) -> None:
+    """Refuse, on every rank alike, what torchmetrics' sync cannot complete and one process could not hold.
+
+    ``every[r][i]`` is rank ``r``'s description of ``states[i]``.
+    """
     for index, state in enumerate(states):
         described = {r: descs[index] for r, descs in enumerate(every)}
         kinds = {r: d.kind for r, d in described.items()}
@@ -207,76 +306,71 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     described = [s.described for s in states]
     words = fp.encode(described)
     offsets, size = fp.layout(described, 8 * len(words))
-    requires_grad = any(t.requires_grad for s in states for t in s.tensors)
-    flags = (fp.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0) | (fp.FLAG_REQUIRES_GRAD if requires_grad else 0)
     device = torch.device(metric.device)
+    flags = flags_of(states)  # grad mode as the caller has it, before the exchange's no_grad
     with torch.no_grad():
-        rows = fp.gather_headers([len(words), size, flags, _fingerprint(metric, states)], resolved, world_size, device)
-        _check_headers(metric, rows, mode)
-        sent = [[fp.sendable(t) for t in s.tensors] for s in states]
-        payload = fp.pack(words, sent, offsets, max(row[2] for row in rows), device)
-        buffers = fp.gather_payloads(payload, resolved, world_size)
-        del payload
-        every: list[list[fp.State]] = []
-        layouts: list[list[list[int]]] = []
-        previous_words: list[int] = []
-        for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
-            theirs = words if r == rank else fp.words_of(buffer, row[1])
-            if every and theirs == previous_words:
-                every.append(every[-1])
-                layouts.append(layouts[-1])
-            else:
-                every.append(described if r == rank else fp.decode(theirs))
-                layouts.append(offsets if r == rank else fp.layout(every[-1], 8 * len(theirs))[0])
-            previous_words = theirs
-        _validate(name, states, every)
-        gathered = [fp.unpack(buffer, descs, lay) for buffer, descs, lay in zip(buffers, every, layouts, strict=True)]
-    node = mode == "global" and any(row[3] & fp.FLAG_REQUIRES_GRAD for row in rows) and torch.is_grad_enabled()
-    entries = _own_and_others(states, every, gathered, rank, world_size, group, node, device)
-    _reduce(metric, states, every, entries)
+        rows = headers(name, words, size, flags, _fingerprint(metric, states), resolved, world_size, device)
+        if len({row[4] for row in rows}) > 1:
+            raise structure_error(
+                name,
+                None,
+                "the ranks are syncing different metrics (another class, or other states or reductions)",
+                {r: f"fingerprint {row[4]:#x}" for r, row in enumerate(rows)},
+            )
+        check_grad_modes(name, rows, mode)
+        got = payloads(words, states, offsets, rows, rank, resolved, world_size, device)
+        validate(name, states, got.slots)
+    keep = [s.described.kind == fp.KIND_LIST and not s.is_cat for s in states]
+    synced = entries(states, got, [keep] * world_size, rank, world_size, group, node_wanted(rows, mode), device)
+    reduce(metric, states, got.slots, synced)
 
 
-def _own_and_others(
-    states: list[_Local],
-    every: list[list[fp.State]],
-    gathered: list[list[list[torch.Tensor]]],
+def entries(
+    own: list[Local],
+    got: Exchanged,
+    keep: list[list[bool]],
     rank: int,
     world_size: int,
     group: Any,
     node: bool,
-    device: torch.device,
+    device: Any,
 ) -> list[list[list[torch.Tensor]]]:
-    """Per state, per rank, the entries the reductions see: this rank's own tensors at its index (their graphs
-    kept), every other rank's gathered copies; in global mode with a graph anywhere, the differentiable entries
-    as the outputs of one node. Entries that become list-state content are copies, not views of the buffers."""
-    entries = [[list(gathered[r][s]) for s in range(len(states))] for r in range(world_size)]
-    for s, state in enumerate(states):
-        entries[rank][s] = list(state.tensors)
-    keep = [s.described.kind == fp.KIND_LIST and not s.is_cat for s in states]  # reduced to themselves: owned
+    """Per rank, per slot, the entries the reductions see: this rank's own tensors at its index (their graphs
+    kept), every other rank's gathered copies; in global mode with a graph anywhere (``node``), the differentiable
+    entries as the outputs of one node. ``keep[r][s]``: rank ``r``'s slot ``s`` becomes list-state content, so its
+    entries are copies, not views of the buffers."""
+    gathered = got.gathered
+    result = [[list(pieces) for pieces in gathered[r]] for r in range(world_size)]
+    result[rank] = [list(slot.tensors) for slot in own]
     if node:
         plan = _fused_grad.Plan([], rank, world_size, group, device)
-        slots, own = [], []
+        places, inputs = [], []
         for r in range(world_size):
-            for s in range(len(states)):
-                for i, piece in enumerate(every[r][s].pieces):
+            for s, described in enumerate(got.slots[r]):
+                for i, piece in enumerate(described.pieces):
                     if piece.requires_grad:
-                        plan.entries.append(_fused_grad.Entry(r, gathered[r][s][i], keep[s]))
-                        slots.append((r, s, i))
+                        plan.entries.append(_fused_grad.Entry(r, gathered[r][s][i], keep[r][s]))
+                        places.append((r, s, i))
                         if r == rank:
-                            own.append(states[s].tensors[i])
-        for (r, s, i), output in zip(slots, _fused_grad.apply(plan, own), strict=True):
-            entries[r][s][i] = output
+                            inputs.append(own[s].tensors[i])
+        for (r, s, i), output in zip(places, _fused_grad.apply(plan, inputs), strict=True):
+            result[r][s][i] = output
     for r in range(world_size):
-        for s in range(len(states)):
-            if keep[s] and r != rank:
-                entries[r][s] = [e if e.grad_fn is not None else e.clone() for e in entries[r][s]]
-    return entries
+        if r == rank:
+            continue
+        for s, pieces in enumerate(result[r]):
+            if keep[r][s]:
+                result[r][s] = [e if e.grad_fn is not None else e.clone() for e in pieces]
+    return result
 
 
-def _reduce(
-    metric: Any, states: list[_Local], every: list[list[fp.State]], entries: list[list[list[torch.Tensor]]]
+def reduce(
+    metric: Any, states: list[Local], every: list[list[fp.State]], entries: list[list[list[torch.Tensor]]]
 ) -> None:
-    """Step 3, as torchmetrics does it: stack or flatten, reduce, set (see the module docstring for list order)."""
+    """Step 3, as torchmetrics does it: stack or flatten, reduce, set (see the module docstring for list order).
+
+    ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``.
+    """
     for s, state in enumerate(states):
         per_rank = [entries[r][s] for r in range(len(entries))]
         if state.described.kind == fp.KIND_TENSOR:

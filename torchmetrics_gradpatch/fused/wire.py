@@ -14,10 +14,12 @@ payload's size; each rank then pads its payload to the largest and one ``all_gat
 every byte of data at once (collective 2). A sync therefore costs two collectives whatever the states, and every
 rank decides what to do next from the same gathered headers and descriptions.
 
-The description, per state: ``[kind, placeholder, n_pieces]`` then per piece ``[dtype code, requires_grad, ndim,
-*shape]``. A tensor state is one piece; a list state is its elements. Dtype codes, sizes and alignment are
-:mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on every rank even where a torch lacks some dtype;
-a dtype a buffer cannot carry is described as :data:`UNKNOWN_DTYPE` and refused on every rank.
+The description: ``[n, *table]`` (``n`` words a caller puts in front: the collection sync's member table; none
+for one Metric), the number of states, then per state ``[kind, placeholder, n_pieces]`` and per piece ``[dtype
+code, requires_grad, ndim, *shape]``. A tensor state is one piece; a list state is its elements. Dtype codes,
+sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on every rank even where a
+torch lacks some dtype; a dtype a buffer cannot carry is described as :data:`UNKNOWN_DTYPE` and refused on every
+rank.
 """
 
 from __future__ import annotations
@@ -97,9 +99,12 @@ def piece_of(tensor: torch.Tensor) -> Piece:
     return Piece(tensor.dtype if _bytes.plain(tensor.dtype) else None, tuple(tensor.shape), tensor.requires_grad)
 
 
-def encode(states: Sequence[State]) -> list[int]:
-    """The description as int64 words (see the module docstring), padded to an even count (``ALIGN`` bytes)."""
-    words = [len(states)]
+def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
+    """The description as int64 words (see the module docstring), padded to an even count (``ALIGN`` bytes).
+
+    ``table``: words the caller adds in front (the collection sync's member table), given back by :func:`decode`.
+    """
+    words = [len(table), *table, len(states)]
     for state in states:
         words += [state.kind, int(state.placeholder), len(state.pieces)]
         for piece in state.pieces:
@@ -110,24 +115,26 @@ def encode(states: Sequence[State]) -> list[int]:
     return words
 
 
-def decode(words: Sequence[int]) -> list[State]:
-    """The inverse of :func:`encode` (trailing padding ignored)."""
+def decode(words: Sequence[int]) -> tuple[list[int], list[State]]:
+    """The inverse of :func:`encode`: the table and the states (trailing padding ignored)."""
+    table = list(words[1 : 1 + words[0]])
+    at = 1 + words[0]
     states: list[State] = []
-    at = 1
-    for _ in range(words[0]):
-        kind, placeholder, count = words[at : at + 3]
+    count = words[at]
+    at += 1
+    for _ in range(count):
+        kind, placeholder, n_pieces = words[at : at + 3]
         at += 3
         pieces = []
-        for _ in range(count):
+        for _ in range(n_pieces):
             code, requires_grad, ndim = words[at : at + 3]
             shape = tuple(words[at + 3 : at + 3 + ndim])
             at += 3 + ndim
             dtype = _bytes.dtype_of(code)
-            pieces.append(
-                Piece(dtype if dtype is not None and _bytes.plain(dtype) else None, shape, bool(requires_grad))
-            )
+            plain = dtype if dtype is not None and _bytes.plain(dtype) else None
+            pieces.append(Piece(plain, shape, bool(requires_grad)))
         states.append(State(kind, tuple(pieces), bool(placeholder)))
-    return states
+    return table, states
 
 
 def layout(states: Sequence[State], start: int) -> tuple[list[list[int]], int]:

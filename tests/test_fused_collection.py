@@ -1,0 +1,410 @@
+"""One exchange per MetricCollection under the fused sync, on real gloo ranks: values bit for bit as torchmetrics'
+own sync gives them, at most three collectives for the whole collection, opt-out members, the list-length and
+structure cases, and gradients in both modes against one process holding every rank's data.
+
+Each rank builds the same collection twice from the same data and computes one under torchmetrics' own sync and
+the other under the fused sync; every rank regenerates every rank's data from the same seeds, so the one-process
+references are computed on each rank. Collectives are counted with the process group's sequence number.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+import torchmetrics_gradpatch as tg
+from tests._rank_tools import destroy_subgroup
+from tests.test_fused import Probe, calls, same, values, worlds
+from torchmetrics_gradpatch._errors import FusedSyncError
+from torchmetrics_gradpatch.fused import collection
+
+C = 5  # classes
+
+
+def classification() -> MetricCollection:
+    """Ten members: five share the ``[C]`` stat-score states, two a confusion matrix, two the ``cat`` lists of
+    scores and targets; the calibration error has ``cat`` lists of its own."""
+    from torchmetrics import classification as tc
+
+    return MetricCollection(
+        {
+            "acc": tc.MulticlassAccuracy(num_classes=C, average="macro"),
+            "prec": tc.MulticlassPrecision(num_classes=C, average="macro"),
+            "rec": tc.MulticlassRecall(num_classes=C, average="macro"),
+            "f1": tc.MulticlassF1Score(num_classes=C, average="macro"),
+            "spec": tc.MulticlassSpecificity(num_classes=C, average="macro"),
+            "confmat": tc.MulticlassConfusionMatrix(num_classes=C),
+            "kappa": tc.MulticlassCohenKappa(num_classes=C),
+            "auroc": tc.MulticlassAUROC(num_classes=C, thresholds=None),
+            "ap": tc.MulticlassAveragePrecision(num_classes=C, thresholds=None),
+            "ece": tc.MulticlassCalibrationError(num_classes=C),
+        }
+    )
+
+
+def batches(rank: int, count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s uneven batches: ``3 + 2 * rank + k`` samples in batch ``k``."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for k in range(count):
+        n = 3 + 2 * rank + k
+        out.append((torch.randn(n, C, generator=generator).softmax(-1), torch.randint(0, C, (n,), generator=generator)))
+    return out
+
+
+def filled(make: Callable[[], MetricCollection], rank: int) -> MetricCollection:
+    metrics = make()
+    for preds, target in batches(rank):
+        metrics.update(preds, target)
+    return metrics
+
+
+def local_states(metrics: MetricCollection) -> dict[str, dict[str, Any]]:
+    return {
+        str(key): {name: getattr(metric, name) for name in metric._defaults}
+        for key, metric in metrics.items(keep_base=True, copy_state=False)
+    }
+
+
+def same_dicts(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        same_dicts(a[k], b[k]) if isinstance(a[k], dict) else same(a[k], b[k]) for k in a
+    )
+
+
+def compute_counted(metrics: MetricCollection, sync: str, mode: str = "local") -> tuple[dict[str, Any], int]:
+    with tg.patched(mode=mode, sync=sync):
+        before = calls()
+        result = metrics.compute()
+        return result, calls() - before
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3, timeout=120))
+def test_ten_members_bit_identical_in_one_exchange(world_size: int) -> None:
+    rank = dist.get_rank()
+    expected, fused = filled(classification, rank), filled(classification, rank)
+    assert len(fused.compute_groups) == 4  # stat scores, confusion matrix, AUROC and AP's lists, ECE
+    reference, tm_calls = compute_counted(expected, "torchmetrics")
+    result, fused_calls = compute_counted(fused, "fused")
+    assert fused_calls == 2 and tm_calls > 40, (fused_calls, tm_calls)
+    assert same_dicts(result, reference)
+    # every member is back on its local states, as torchmetrics' unsync leaves them
+    assert same_dicts(local_states(fused), local_states(expected))
+    assert not any(m._is_synced for m in fused.values(copy_state=False))
+    # accumulation goes on, and a second compute() is torchmetrics' too
+    for metrics in (expected, fused):
+        for preds, target in batches(rank + 7, 1):
+            metrics.update(preds, target)
+    assert same_dicts(compute_counted(fused, "fused")[0], compute_counted(expected, "torchmetrics")[0])
+
+
+@pytest.mark.parametrize("world_size", worlds(2))
+def test_a_shared_state_crosses_the_wire_once(world_size: int) -> None:
+    from torchmetrics_gradpatch.fused import sync as fs
+
+    rank = dist.get_rank()
+    metrics = filled(classification, rank)
+    members = [(str(k), m) for k, m in metrics.items(keep_base=True, copy_state=False)]
+    prepared: list[Any] = []
+    original = fs.prepare_state
+
+    def counting(metric: Any, attr: str, reduction: Any, rule: bool) -> Any:
+        prepared.append(attr)
+        return original(metric, attr, reduction, rule)
+
+    fs.prepare_state = counting  # type: ignore[assignment]
+    try:
+        with tg.patched(sync="fused"):
+            done = collection.sync_members(members, "local")
+    finally:
+        fs.prepare_state = original  # type: ignore[assignment]
+    # four stat-score states, one confusion matrix, AUROC's and AP's preds and target, ECE's two lists
+    assert sorted(prepared) == sorted(
+        ["tp", "fp", "tn", "fn", "confmat", "preds", "target", "confidences", "accuracies"]
+    )
+    for metric in done:
+        metric.unsync()
+
+
+@pytest.mark.parametrize("world_size", worlds(2))
+def test_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others(world_size: int) -> None:
+    rank = dist.get_rank()
+    expected, fused = filled(classification, rank), filled(classification, rank)
+    first, _ = compute_counted(fused, "fused")
+    assert same_dicts(first, compute_counted(expected, "torchmetrics")[0])
+    again, count = compute_counted(fused, "fused")
+    assert count == 1 and same_dicts(again, first)  # every member cached on every rank: the header only
+    for metrics in (expected, fused):
+        for preds, target in batches(rank + 3, 1):
+            metrics.update(preds, target)
+    if rank == 0:  # rank 0 alone holds a (stale) cached result: it is synced with the others, not left waiting
+        fused["acc"]._computed = torch.tensor(-1.0)
+    result, count = compute_counted(fused, "fused")
+    assert count == 2
+    assert same_dicts(result, compute_counted(expected, "torchmetrics")[0])
+
+
+class Sum(Metric):
+    """A float sum, for members that opt out."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("seen", [], dist_reduce_fx="cat")
+
+    def update(self, x: torch.Tensor) -> None:
+        self.total = self.total + x.sum()
+        self.seen.append(x)
+
+    def compute(self) -> torch.Tensor:
+        seen = torch.cat(self.seen) if isinstance(self.seen, list) else self.seen
+        return self.total * 1000 + seen.sum() + seen.numel()
+
+
+def own_gather(result: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    return gather_all_tensors(result, group)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3, timeout=120))
+def test_members_that_opt_out_sync_as_today(world_size: int) -> None:
+    rank = dist.get_rank()
+    subgroup = dist.new_group(list(range(world_size)))
+
+    def make() -> MetricCollection:
+        return MetricCollection(
+            {
+                "joins": Sum(),
+                "also": Sum(),
+                "no_sync": Sum(sync_on_compute=False),
+                "own_fn": Sum(dist_sync_fn=own_gather),
+                "own_group": Sum(process_group=subgroup),
+            },
+            compute_groups=False,
+        )
+
+    expected, fused = make(), make()
+    for metrics in (expected, fused):
+        metrics.update(values(rank, 3, (2 + rank,), torch.float64))
+    reference, _ = compute_counted(expected, "torchmetrics")
+    alone = Sum(dist_sync_fn=own_gather)
+    alone.update(values(rank, 3, (2 + rank,), torch.float64))
+    own_fn_calls = calls()
+    with tg.patched(sync="torchmetrics"):
+        alone.sync(dist_sync_fn=own_gather)  # what the member with its own dist_sync_fn costs alone
+    own_fn_calls = calls() - own_fn_calls
+    before_group = calls(subgroup)
+    result, count = compute_counted(fused, "fused")
+    assert count == 2 + own_fn_calls  # the exchange, and the member with its own dist_sync_fn as today
+    assert calls(subgroup) - before_group == 2  # its own group's member: the fused sync of one Metric
+    assert same_dicts(result, reference)
+    destroy_subgroup(subgroup)
+
+
+def every_rank(value: object) -> list[object]:
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def outcome_of(action: Callable[[], object]) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        action()
+    except FusedSyncError as error:
+        return str(error), time.monotonic() - start
+    return "synced", time.monotonic() - start
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_ranks_disagreeing_on_a_member_raise_the_same_error(world_size: int) -> None:
+    rank = dist.get_rank()
+    metrics = MetricCollection({"a": Sum(), "b": Sum(sync_on_compute=rank != 1)}, compute_groups=False)
+    metrics.update(torch.ones(2, dtype=torch.float64))
+    before = local_states(metrics)
+    with tg.patched(sync="fused"):
+        outcome, took = outcome_of(metrics.compute)
+    outcomes = every_rank(outcome)
+    assert len(set(outcomes)) == 1 and "MetricCollection member 'b'" in outcome, outcomes
+    assert "rank 1: does not sync on compute" in outcome and took < 5
+    assert same_dicts(local_states(metrics), before)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_list_lengths_sync_and_a_shape_mismatch_raises_naming_member_and_state(world_size: int) -> None:
+    rank = dist.get_rank()
+    lengths = [1, 3, 2][:world_size]
+    everyone = [[values(r, k, (r + 1, 2), torch.float32) for k in range(lengths[r])] for r in range(world_size)]
+
+    class Lists(Probe):
+        def compute(self) -> Any:
+            return self.x
+
+    lists = Lists({"x": ([], None)})
+    lists.x = everyone[rank]
+    lists._update_count = 1
+    metrics = MetricCollection({"lists": lists, "sum": Sum()}, compute_groups=False)
+    metrics["sum"].update(torch.ones(1, dtype=torch.float64))
+    with tg.patched(sync="fused"):
+        before = calls()
+        result = metrics.compute()
+        assert calls() - before == 2
+    # torchmetrics' order at equal lengths: element 0 of every rank, then element 1 of every rank that has one, ...
+    assert same(
+        result["lists"], [everyone[r][k] for k in range(max(lengths)) for r in range(world_size) if k < lengths[r]]
+    )
+
+    bad = Probe({"y": (torch.zeros(2), "sum")})
+    bad.y = torch.zeros(2 + (rank == 1))
+    bad._update_count = 1
+    metrics = MetricCollection({"fine": Sum(), "bad": bad}, compute_groups=False)
+    metrics["fine"].update(torch.ones(1, dtype=torch.float64))
+    before_states = local_states(metrics)
+    with tg.patched(sync="fused"):
+        outcome, took = outcome_of(metrics.compute)
+    outcomes = every_rank(outcome)
+    assert len(set(outcomes)) == 1, outcomes
+    assert outcome.startswith(
+        "torchmetrics_gradpatch: fused sync of state 'y' of Probe (MetricCollection member 'bad')"
+    )
+    assert took < 5 and same_dicts(local_states(metrics), before_states)
+    assert not metrics["fine"]._is_synced
+
+
+class Loss(Metric):
+    """A loss whose value depends on a sum state, a max state, the order of a ``cat`` state and its row count."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("sse", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("largest", torch.tensor(-1e9, dtype=torch.float64), dist_reduce_fx="max")
+        self.add_state("rows", [], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.sse = self.sse + ((preds - target) ** 2).sum()
+        self.largest = torch.maximum(self.largest, preds.max())
+        self.rows.append(preds.reshape(-1, 1) * 1.0)
+
+    def compute(self) -> torch.Tensor:
+        rows = torch.cat(self.rows) if isinstance(self.rows, list) else self.rows
+        order = torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype).reshape(-1, 1)
+        return self.sse / rows.shape[0] + 0.5 * self.largest + (order * rows**3).sum() / 10
+
+
+class OtherLoss(Loss):
+    """The same states (a compute group with :class:`Loss`), another value."""
+
+    def compute(self) -> torch.Tensor:
+        return super().compute() ** 2 / 7
+
+
+def loss_collection(**kwargs: Any) -> MetricCollection:
+    # named: forward() alone does not form compute groups (the first update() does)
+    return MetricCollection({"loss": Loss(**kwargs), "other": OtherLoss(**kwargs)}, compute_groups=[["loss", "other"]])
+
+
+def loss_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(rank + 11)
+    return [
+        (
+            torch.randn(2 + rank + k, generator=generator, dtype=torch.float64),
+            torch.randn(2 + rank + k, dtype=torch.float64, generator=generator),
+        )
+        for k in range(2)
+    ]
+
+
+def update_with_graph(metrics: MetricCollection, preds: torch.Tensor, target: torch.Tensor) -> None:
+    """``update`` with grad mode on, as ``forward``'s batch update runs, so every state keeps its graph (forward
+    itself merges tensor states under ``no_grad``)."""
+    members = list(metrics.values(copy_state=False))
+    for metric in members:
+        metric._enable_grad = True
+    try:
+        metrics.update(preds, target)
+    finally:
+        for metric in members:
+            metric._enable_grad = False
+
+
+def total(result: dict[str, torch.Tensor]) -> torch.Tensor:
+    return result["loss"] + result["other"]
+
+
+def reference_grads(world_size: int) -> list[list[torch.Tensor]]:
+    """Each rank's preds' gradients of the same collection's loss in one process holding every rank's batches."""
+    metrics = loss_collection(sync_on_compute=False)  # this rank holds everything
+    leaves = [[p.clone().requires_grad_() for p, _ in loss_batches(r)] for r in range(world_size)]
+    for r in range(world_size):
+        for leaf, (_, target) in zip(leaves[r], loss_batches(r), strict=True):
+            update_with_graph(metrics, leaf, target)
+    total(metrics.compute()).backward()
+    return [[leaf.grad for leaf in mine] for mine in leaves]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3, timeout=120))
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_gradients_against_one_process(world_size: int, mode: str) -> None:
+    rank = dist.get_rank()
+    leaves = [p.clone().requires_grad_() for p, _ in loss_batches(rank)]
+    metrics = loss_collection()
+    with tg.patched(mode=mode, sync="fused"):
+        for leaf, (_, target) in zip(leaves, loss_batches(rank), strict=True):
+            update_with_graph(metrics, leaf, target)
+        assert len(metrics.compute_groups) == 1
+        before = calls()
+        loss = total(metrics.compute())
+        assert calls() - before == 2
+        before = calls()
+        loss.backward()
+        assert calls() - before == (1 if mode == "global" else 0)  # one backward collective for the collection
+    scale = world_size if mode == "global" else 1  # global: every rank's (equal) loss reaches every rank's preds
+    for leaf, expected in zip(leaves, reference_grads(world_size)[rank], strict=True):
+        torch.testing.assert_close(leaf.grad, scale * expected, rtol=1e-12, atol=1e-12)
+
+
+def test_install_replaces_compute_and_uninstall_restores_the_identical_original() -> None:
+    original = MetricCollection.__dict__["compute"]
+    was = collection.installed()
+    collection.uninstall()
+    try:
+        plain = MetricCollection.__dict__["compute"]
+        assert not collection.installed() and getattr(plain, "__wrapped__", plain) is plain
+        collection.install()
+        replacement = MetricCollection.__dict__["compute"]
+        assert collection.installed() and replacement.__wrapped__ is plain
+        collection.install()  # idempotent: not wrapped twice
+        assert MetricCollection.__dict__["compute"] is replacement
+        collection.uninstall()
+        collection.uninstall()
+        assert MetricCollection.__dict__["compute"] is plain and not collection.installed()
+    finally:
+        if was:
+            collection.install()
+    assert MetricCollection.__dict__["compute"] is original
+
+
+def test_the_fused_sync_in_force_installs_it() -> None:
+    with tg.patched(sync="fused"):
+        assert collection.installed()
+    with tg.patched(sync="torchmetrics"):
+        assert not collection.installed()
+
+
+def test_without_a_process_group_compute_is_torchmetrics_own() -> None:
+    assert not dist.is_initialized()
+    metrics = filled(classification, 0)
+    expected = filled(classification, 0)
+    with tg.patched(sync="fused"):
+        result = metrics.compute()
+    assert same_dicts(result, expected.compute())
