@@ -23,8 +23,8 @@ from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # no
 import torchmetrics_gradpatch
 from tests._rank_tools import collection_loss, destroy_subgroup, every_rank, record_collectives, synced_state_loss
 from tests._workloads import CatSquaredError, SumSquaredError
-from torchmetrics_gradpatch import _engine
 from tests.harness import spawn_ranks
+from torchmetrics_gradpatch import _engine
 
 # Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
 CAT_ROWS = (3, 5, 4)
@@ -70,7 +70,10 @@ def uneven_gather_and_grad() -> tuple[list[list[float]], list[float]]:
 
 
 def test_the_gather_through_spawn_ranks_directly() -> None:
-    """The smoke test without the marker: spawn_ranks returns each rank's result in rank order."""
+    """The smoke test without the marker: spawn_ranks returns each rank's result in rank order.
+
+    Fresh ranks by design: spawn_ranks itself, as the fault tests and the pool build on it, is what is tested.
+    """
     results = spawn_ranks(uneven_gather_and_grad, 2, timeout=120)
     assert [values for values, _ in results] == [[[0.0], [10.0, 11.0]]] * 2
     assert [grad for _, grad in results] == [[1.0], [2.0, 2.0]]  # only the local entry carries the graph

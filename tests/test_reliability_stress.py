@@ -5,7 +5,7 @@ original state (the gather's ``__code__`` object, its ``__dict__`` and defaults,
 namespaces, ``Metric._sync_dist``'s default), then toggles from 8 threads while the main thread gathers --
 inside ``patched()`` blocks, where the graph must never be lost, and outside them, where the values must be
 right whichever state the other threads left. At the end, after ``unpatch()``, the state must be the original,
-object for object. Each test runs on its ranks through ``@pytest.mark.ranks`` (the package's pytest plugin).
+object for object. Each test runs on fresh ranks through the suite's ``@pytest.mark.ranks`` marker.
 """
 
 from __future__ import annotations
@@ -210,6 +210,8 @@ def _check(result: dict[str, object], gathers: int, min_ops: int) -> None:
     assert result["graphs_kept"] == sum(1 for step in range(gathers) if step % 3 != 2)
 
 
+# Fresh ranks by design (both tests): the state recorded first must be torchmetrics as shipped, never one that a
+# warm rank's earlier patch was undone into, or an inexact restore would pass unseen.
 @pytest.mark.usefixtures("without_autopatch")
 @pytest.mark.ranks(2, timeout=150)
 def test_toggling_from_8_threads_while_gathering(mode: str) -> None:

@@ -9,8 +9,9 @@ operands are pickled so the pytest process writes the explanation with its own h
 Invariant: rank side; imports pytest, :mod:`._coverage`, :mod:`._records` and the standard library, nothing of
 the parent side.
 pytest's private names used here, each for want of a public one: ``_pytest.assertion.rewrite.rewrite_asserts``
-(the rewriting itself), ``_call_reprcompare``/``_format_explanation`` of that module (replaced in the rank: the
-rewritten code looks them up there to explain a failed comparison), ``_pytest.assertion.util.format_explanation``
+(the rewriting itself) and the helpers of that module that the rewritten code calls (read through a stand-in,
+:class:`_AssertHelpers`, that the modules rewritten here use instead of the module, so nothing of pytest's is
+replaced), ``_pytest.assertion.util.format_explanation``
 (the standard explanation, with tokens around each comparison), ``_pytest._code.Traceback``
 (restyling entries inside torch) and ``_pytest._io.TerminalWriter`` (rendering as pytest renders).
 """
@@ -75,7 +76,17 @@ class _RewritingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         source = Path(file).read_bytes()
         tree = ast.parse(source, filename=file)
         rewrite_asserts(tree, source, file, None)
+        # the rewritten code imports pytest's helper module as "@pytest_ar"; it gets the stand-in instead (should
+        # pytest name it otherwise, the import stays and only the explanations lose the pytest process's hooks)
+        tree.body = [node for node in tree.body if not _imports_the_helpers(node)]
+        module.__dict__["@pytest_ar"] = HELPERS
         exec(compile(tree, file, "exec", dont_inherit=True), module.__dict__)
+
+
+def _imports_the_helpers(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Import) and [(alias.name, alias.asname) for alias in node.names] == [
+        ("_pytest.assertion.rewrite", "@pytest_ar")
+    ]
 
 
 class _Comparisons:
@@ -113,12 +124,28 @@ class _Comparisons:
         self.messages[message] = raw
         return message
 
-    def install(self) -> None:
+
+class _AssertHelpers:
+    """``_pytest.assertion.rewrite`` as the modules rewritten in this rank see it: its helpers, except the two
+    that explain a failed comparison, which go to the current test's :class:`_Comparisons`."""
+
+    def __init__(self) -> None:
+        self.comparisons = _Comparisons()
+
+    def __getattr__(self, name: str) -> Any:
         from _pytest.assertion import rewrite
 
-        # the rewritten code looks both up on the module at every failed assert
-        rewrite._call_reprcompare = self.call_reprcompare
-        setattr(rewrite, "_format_explanation", self.format_explanation)  # noqa: B010 - not exported
+        return getattr(rewrite, name)
+
+    def _call_reprcompare(self, *args: Any) -> str:
+        return self.comparisons.call_reprcompare(*args)
+
+    def _format_explanation(self, raw: str) -> str:
+        return self.comparisons.format_explanation(raw)
+
+
+#: One per process: a module rewritten for an earlier test of a pool worker keeps it, and sees the current test's.
+HELPERS = _AssertHelpers()
 
 
 def _import_test_module(spec: RankTest) -> types.ModuleType:
@@ -271,8 +298,7 @@ def run_in_rank(spec: RankTest) -> None:
     import torch.distributed as dist
 
     _use_backend(spec.backend)
-    comparisons = _Comparisons()
-    comparisons.install()
+    comparisons = HELPERS.comparisons = _Comparisons()
     module = _import_test_module(spec)
     target: Any = module
     for name in spec.classes:
