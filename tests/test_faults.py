@@ -4,7 +4,7 @@
 process spawned by this test process is left (``/proc`` is read for descendants; multiprocessing's shared
 ``resource_tracker`` helper, which lives as long as the parent by design, is not a rank and is ignored).
 Errors that do not depend on ranks -- an uninitialised process group, a non-tensor input -- must be exactly
-the errors the unpatched torchmetrics gather raises.
+the errors the unpatched torchmetrics gather raises. Fresh ranks by design: how ranks fail and end is what is tested.
 """
 
 from __future__ import annotations
