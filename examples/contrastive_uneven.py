@@ -21,7 +21,7 @@ all_gather does with the same uneven shapes. It allocates every rank's output wi
 cannot gather rows it does not know about. On gloo the collective fails: the line says ``REFUSED`` and which
 rank raised what (``RuntimeError: Connection closed by peer`` with torch 2.13), or a rank's process aborts; other
 backends may return wrongly shaped data (``MIS-GATHERED``). The attempt runs in separate throwaway processes
-(``tests.harness.spawn_ranks``), because a failed or aborted process cannot be recovered.
+(the runner the package's ``check`` command uses), because a failed or aborted process cannot be recovered.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def _torch_all_gather_uneven(step: int) -> list[tuple[int, ...]]:
 
 def torch_all_gather_verdict(step: int, world_size: int) -> str:
     """What ``torch.distributed.nn.functional.all_gather`` does with step ``step``'s uneven batches."""
-    from tests.harness import RankError, spawn_ranks
+    from torchmetrics_gradpatch.cli._ranks import RankError
+    from torchmetrics_gradpatch.cli._ranks import run as spawn_ranks
 
     sizes = [rows(step, rank) for rank in range(world_size)]
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests._subprocess import ROOT
+from tests._subprocess import ROOT, python_path
 
 TORCH = Version(importlib.metadata.version("torch"))
 NEEDS_TORCH_2 = pytest.mark.skipif(Version(TORCH.base_version) < Version("2.0"), reason=f"torch {TORCH} < 2.0")
@@ -58,7 +58,7 @@ def run_torchrun(args: list[str], env: dict[str, str] | None = None) -> subproce
     script = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     command = [script] if script else [sys.executable, "-m", "torch.distributed.run"]
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    full_env["PYTHONPATH"] = python_path()
     argv = [*command, *(arg for given in args for arg in (standalone() if given == "--standalone" else [given]))]
     with subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=ROOT, start_new_session=True

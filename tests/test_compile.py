@@ -31,7 +31,7 @@ from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch
 from tests._rank_tools import dynamo_refusal
-from tests._subprocess import ROOT
+from tests._subprocess import python_path
 from tests._workloads import CatSquaredError
 from torchmetrics_gradpatch import gather_all_tensors, patched
 
@@ -274,7 +274,7 @@ def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) 
         [sys.executable, "-m", "torchmetrics_gradpatch", "check", "--compile", "eager", "--mode", mode],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        env={**os.environ, "PYTHONPATH": python_path()},
         timeout=TIMEOUT,
         check=False,
     )

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests._subprocess import ROOT
+from tests._subprocess import suite_path
 
 TORCH = Version(importlib.metadata.version("torch"))
 
@@ -63,7 +63,7 @@ def test_lightning_ddp_gradients_against_single_process_gradients(tmp_path: Path
         [sys.executable, "-m", "tests._lightning_job", str(tmp_path)],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=suite_path(),  # `-m` puts the working directory first: the suite, not the checkout's package
         env={**os.environ, "TORCHMETRICS_GRADPATCH_MODE": mode},
         timeout=280,
         check=False,

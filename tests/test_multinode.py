@@ -36,7 +36,7 @@ from packaging.version import Version
 
 from tests import _multinode_job as job
 from tests import _netns
-from tests._subprocess import ROOT
+from tests._subprocess import ROOT, python_path
 
 TORCH = Version(importlib.metadata.version("torch"))
 RTOL = 1e-12
@@ -77,7 +77,7 @@ def _torchrun(hosts: _netns.Hosts, node: int, out: Path, *job_args: str) -> tupl
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHMETRICS_GRADPATCH_")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)  # a test run that is itself under torchrun must not leak its own identity
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = python_path()
     env["GLOO_SOCKET_IFNAME"] = hosts.interface
     env["OMP_NUM_THREADS"] = "1"
     log = out / f"node{node}.log"
