@@ -87,12 +87,13 @@ def compute_counted(metrics: MetricCollection, sync: str, mode: str = "local") -
 
 
 @pytest.mark.parametrize("world_size", worlds(2, 3, timeout=120))
-def test_ten_members_bit_identical_in_one_exchange(world_size: int) -> None:
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_ten_members_bit_identical_in_one_exchange(world_size: int, mode: str) -> None:
     rank = dist.get_rank()
     expected, fused = filled(classification, rank), filled(classification, rank)
     assert len(fused.compute_groups) == 4  # stat scores, confusion matrix, AUROC and AP's lists, ECE
-    reference, tm_calls = compute_counted(expected, "torchmetrics")
-    result, fused_calls = compute_counted(fused, "fused")
+    reference, tm_calls = compute_counted(expected, "torchmetrics", mode)
+    result, fused_calls = compute_counted(fused, "fused", mode)
     assert fused_calls == 2 and tm_calls > 40, (fused_calls, tm_calls)
     assert same_dicts(result, reference)
     # every member is back on its local states, as torchmetrics' unsync leaves them
@@ -102,7 +103,20 @@ def test_ten_members_bit_identical_in_one_exchange(world_size: int) -> None:
     for metrics in (expected, fused):
         for preds, target in batches(rank + 7, 1):
             metrics.update(preds, target)
-    assert same_dicts(compute_counted(fused, "fused")[0], compute_counted(expected, "torchmetrics")[0])
+    assert same_dicts(compute_counted(fused, "fused", mode)[0], compute_counted(expected, "torchmetrics", mode)[0])
+
+
+@pytest.mark.parametrize("world_size", worlds(2, timeout=120))
+def test_under_torch_compile_the_exchange_runs_behind_one_graph_break(world_size: int) -> None:
+    rank = dist.get_rank()
+    expected, fused = filled(classification, rank), filled(classification, rank)
+    reference, _ = compute_counted(expected, "torchmetrics")
+    compiled = torch.compile(lambda: fused.compute(), backend="eager")
+    with tg.patched(sync="fused"):
+        before = calls()
+        result = compiled()
+        assert calls() - before == 2
+    assert same_dicts(result, reference)
 
 
 @pytest.mark.parametrize("world_size", worlds(2))

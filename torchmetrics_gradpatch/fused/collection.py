@@ -48,7 +48,7 @@ _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it
 _wanted: dict[str, Any] = {"on": False, "hook": False, "ours": None}
 
 # Why a member does or does not join the exchange; sent by every rank, so they agree or all raise.
-JOINS, NO_SYNC, OWN_SYNC_FN, OWN_GROUP, OWN_SYNC_DIST, NOT_DISTRIBUTED, SYNCED = range(7)
+JOINS, NO_SYNC, OWN_SYNC_FN, OWN_GROUP, OWN_SYNC_DIST, NOT_DISTRIBUTED, SYNCED, NOT_A_METRIC = range(8)
 _HOW = {
     JOINS: "joins the collection's exchange",
     NO_SYNC: "does not sync on compute (sync_on_compute=False)",
@@ -57,6 +57,7 @@ _HOW = {
     OWN_SYNC_DIST: "overrides _sync_dist",
     NOT_DISTRIBUTED: "is not distributed (its distributed_available_fn)",
     SYNCED: "is synced already",
+    NOT_A_METRIC: "is not a torchmetrics Metric",
 }
 _NEEDS = 4  # header flag: this rank has a member to sync (beside the wire's grad-mode and requires-grad flags)
 _MEMBER_WORDS = 3  # per member in the table: fingerprint, how, needs; then its slot references
@@ -68,6 +69,8 @@ def _how(metric: Any) -> int:
     import torchmetrics.utilities.distributed as tm_distributed
     from torchmetrics import Metric
 
+    if not isinstance(metric, Metric):
+        return NOT_A_METRIC
     if not metric._to_sync:
         return NO_SYNC
     if metric._is_synced:
@@ -91,9 +94,8 @@ def _member_name(key: str, metric: Any) -> str:
 def _fingerprint(key: str, metric: Any) -> int:
     from torchmetrics_gradpatch.fused.sync import reduction_name
 
-    text = "|".join(
-        [key, type(metric).__qualname__, *(f"{a}:{reduction_name(r)}" for a, r in metric._reductions.items())]
-    )
+    reductions = getattr(metric, "_reductions", {})
+    text = "|".join([key, type(metric).__qualname__, *(f"{a}:{reduction_name(r)}" for a, r in reductions.items())])
     return zlib.crc32(text.encode())
 
 
@@ -180,7 +182,7 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
                 slot = slots[index]
                 mine.append(fs.Local(attr, reduction, slot.is_cat, slot.value, slot.tensors, slot.described))
                 refs.append(index)
-        needs = how == JOINS and metric._computed is None
+        needs = how == JOINS and metric._computed is None  # a cached result is returned without a sync
         any_needs = any_needs or needs
         table += [_fingerprint(key, metric), how, int(needs), len(refs), *refs]
         states.append(mine)
