@@ -26,8 +26,8 @@ import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._global_inputs import F64, FEATURES, assert_rel
 from tests._rank_tools import every_rank, record_collectives
-from torchmetrics_gradpatch import gather_all_tensors, patched
 from tests.harness import RankError, _pool, spawn_ranks
+from torchmetrics_gradpatch import gather_all_tensors, patched
 
 
 def worlds(*sizes: int) -> list[Any]:
