@@ -386,6 +386,7 @@ def test_installed_console_script_checks_three_ranks() -> None:
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
 
 
+@needs_supported_torch
 def test_the_sync_line_says_whether_the_fused_sync_is_in_place() -> None:
     from torchmetrics_gradpatch.cli.check import _sync
 

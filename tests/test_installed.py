@@ -24,7 +24,9 @@ def imported_from() -> Path:
 
 def assert_installed(where: Path) -> None:
     env = Path(os.environ["TOX_ENV_DIR"]).resolve()
-    assert ROOT not in where.parents, f"imported from the checkout: {where}"
+    # tox keeps its environments under the checkout (.tox/), so "not under ROOT" would not do: the checkout's own
+    # copy is the one directly at ROOT/torchmetrics_gradpatch.
+    assert ROOT / "torchmetrics_gradpatch" not in where.parents, f"imported from the checkout: {where}"
     assert env in where.parents and "site-packages" in where.parts, f"not the environment's wheel: {where}"
 
 

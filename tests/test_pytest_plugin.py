@@ -523,8 +523,8 @@ def _coverage_rows(text: str) -> dict[str, str]:
 def test_rank_lines_count_as_covered(project: tuple[pytest.Pytester, Path], runner: str) -> None:
     """pytest-cov 7 measures no subprocess, nor does ``coverage run`` unconfigured: the ranks send their data back.
 
-    The report holds the project's files, and this package's own when it is installed editable (outside
-    site-packages): nothing that only the ranks ran (multiprocessing's start-up, the outbox) joins it, and the
+    The report holds the project's files, the harness's, and this package's own when it is installed editable
+    (outside site-packages): nothing that only the ranks ran (multiprocessing's start-up, the outbox) joins it, and the
     ranks leave no data file of their own.
     """
     pytest.importorskip("pytest_cov" if runner == "pytest-cov" else "coverage", reason=f"no {runner} here")
@@ -541,8 +541,11 @@ def test_rank_lines_count_as_covered(project: tuple[pytest.Pytester, Path], runn
     rows = _coverage_rows(report)
     # only the branch no test takes is missing (line 9); lines 6-8, run only in the ranks, count as covered
     assert rows.get("tests/mymod.py") == "9", report
-    package = Path(torchmetrics_gradpatch.__file__).parent
-    assert {name for name in rows if not name.startswith("tests/") and not Path(name).is_relative_to(package)} == set()
+    # besides the project's files: this package (when installed editable) and the harness with the suite's
+    # tests/__init__.py, which the pytest process runs too (imported from this checkout, outside the project)
+    suite = Path(__file__).resolve().parent
+    ours = (Path(torchmetrics_gradpatch.__file__).parent, suite / "harness", suite / "__init__.py")
+    assert {n for n in rows if not n.startswith("tests/") and not any(Path(n).is_relative_to(p) for p in ours)} == set()
     if runner == "coverage run":
         assert {"tests/conftest.py", "tests/test_covered.py"} <= set(rows), report
     assert sorted(p.name for p in pytester.path.glob(".coverage*")) == [".coverage"]

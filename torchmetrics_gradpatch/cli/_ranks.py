@@ -201,6 +201,12 @@ def _failed(error: Exception, procs: Sequence[Any], workdir: str, error_files: S
     return RankError(rank, "raised" if raised else "died", details, started=started)
 
 
+def _error_files(context: Any) -> Sequence[str]:
+    """The files torch's ranks write their exceptions to (torch >= 2.2; older torch passes them through queues,
+    and then only the rank torch's join reports has its traceback shown)."""
+    return getattr(context, "error_files", ())
+
+
 def _mp() -> Any:
     import torch.multiprocessing
 
@@ -231,7 +237,7 @@ def run(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeo
     finally:
         if context is not None:
             _teardown(context.processes)
-            for path in context.error_files:
+            for path in _error_files(context):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -256,7 +262,7 @@ def _wait(context: Any, world_size: int, workdir: str, deadline: float) -> list[
         try:
             finished = context.join(timeout=min(_POLL, remaining))
         except (_mp().ProcessRaisedException, _mp().ProcessExitedException) as error:
-            raise _failed(error, procs, workdir, context.error_files) from None
+            raise _failed(error, procs, workdir, _error_files(context)) from None
         if finished:  # every rank exited 0: one without a result ended early (os._exit, a swallowed Ctrl-C)
             for rank in range(world_size):
                 path = _file(workdir, rank, "result")

@@ -2,8 +2,8 @@
 
 ``TMGP_FUSED_PROBE=<dir>``: every fused Metric sync a process completes appends a line, its gradient mode, to
 ``<dir>/<pid>``, written at once (pool workers are killed at the end of a run, so nothing waits for exit). It
-watches for the package's ``_fused`` module instead of importing it, so a process imports exactly what it would
-without this file.
+watches for the package's ``fused.sync`` module (where the sync is looked up at every call) instead of importing
+it, so a process imports exactly what it would without this file.
 
 ``TMGP_IMPORT_PACKAGE=1``: import ``torchmetrics_gradpatch`` at start, so upstream's spawned ranks and pool workers,
 whose code never imports it, run patched, with the mode and sync the environment names.
@@ -35,7 +35,7 @@ if os.environ.get("TMGP_FUSED_PROBE"):
 
         module.fused_sync = counted
 
-    wrapt.register_post_import_hook(_count_fused_syncs, "torchmetrics_gradpatch.fused")
+    wrapt.register_post_import_hook(_count_fused_syncs, "torchmetrics_gradpatch.fused.sync")
 
 if os.environ.get("TMGP_IMPORT_PACKAGE") == "1":
     import torchmetrics_gradpatch  # noqa: F401  (patches at import, in the mode and with the sync the environment names)
