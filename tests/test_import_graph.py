@@ -13,9 +13,9 @@ from pathlib import Path
 PACKAGE = "torchmetrics_gradpatch"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-#: The core: the version gate, the target, the gathers, the modes, the sync strategies' replacement, the engine,
-#: the switches and the status. It imports only itself (the gathers lazily, to keep the import torch-free);
-#: features register with it and are never imported by it.
+#: The core: the version gate, the target, the gathers, the modes, the replaced class attributes, the sync
+#: strategies' replacement, the engine, the switches and the status. It imports only itself (the gathers lazily, to
+#: keep the import torch-free); features register with it and are never imported by it.
 CORE = {
     f"{PACKAGE}.{name}"
     for name in (
@@ -27,6 +27,7 @@ CORE = {
         "_gather",
         "_global",
         "_bytes",
+        "_site",
         "_syncs",
         "_engine",
         "_blocks",

@@ -5,7 +5,8 @@ installed, the engine sets ``Metric._sync_dist`` to :func:`_replacement`'s funct
 when the sync function is torchmetrics' own gather (any other ``dist_sync_fn`` goes to torchmetrics' method
 unchanged), and inside ``torch.compile`` it runs the whole sync behind one graph break: dynamo never traces
 torchmetrics' ``apply_to_collection`` (torch 2.15's dynamo cannot guard it for a ``cat`` state) nor a strategy's
-packing. :func:`uninstall` puts the very same original function object back.
+packing. :func:`uninstall` puts the very same original function object back (a
+:class:`~torchmetrics_gradpatch._site.Site` does the replacing).
 
 Strategies are registered, never imported: ``"torchmetrics"`` (torchmetrics' own collectives) is built in; a
 feature (``torchmetrics_gradpatch.fused``) calls :func:`register` with its sync function and, optionally, an
@@ -20,15 +21,13 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import wrapt
-
 from torchmetrics_gradpatch import _compile
 from torchmetrics_gradpatch._modes import check_name
+from torchmetrics_gradpatch._site import Site
 
 __all__ = [
     "STRATEGIES",
@@ -42,7 +41,6 @@ __all__ = [
     "uninstall",
 ]
 
-_MODULE = "torchmetrics.metric"
 _MARK = "__torchmetrics_gradpatch_sync__"  # set on our replacement, so it is told apart from another tool's
 
 
@@ -61,16 +59,10 @@ class Strategy:
 #: name -> strategy; ``None`` stands for torchmetrics' own sync.
 STRATEGIES: dict[str, Strategy | None] = {"torchmetrics": None}
 
-#: What was asked (``on``, ``sync``, ``mode``), whether the import hook is registered, the strategy whose further
-#: sites are in place. ``sync`` is read at every call of the replacement, so switching strategies replaces nothing.
-_wanted: dict[str, Any] = {
-    "on": False,
-    "sync": "torchmetrics",
-    "mode": "local",
-    "hook": False,
-    "sites": None,
-    "ours": None,  # the replacement this module set, so another tool's replacement on top of it is noticed
-}
+#: What was asked (``sync``, ``mode``; whether the replacement is wanted is ``_SITE.on``), the strategy whose
+#: further sites are in place. ``sync`` is read at every call of the replacement, so switching strategies replaces
+#: nothing.
+_wanted: dict[str, Any] = {"sync": "torchmetrics", "mode": "local", "sites": None}
 
 
 def register(name: str, strategy: Strategy) -> None:
@@ -114,18 +106,12 @@ def _replacement(original: Any) -> Callable[..., None]:
 
     functools.update_wrapper(_sync_dist, original)  # name, doc, __wrapped__ = the original, restored by uninstall
     _sync_dist.__defaults__ = original.__defaults__  # the same default gather object as torchmetrics'
-    setattr(_sync_dist, _MARK, True)
     return _sync_dist
-
-
-def _metric_class() -> Any:
-    """``torchmetrics.Metric``, or ``None`` while ``torchmetrics.metric`` is not imported or still being imported."""
-    return getattr(sys.modules.get(_MODULE), "Metric", None)
 
 
 def _apply_sites() -> None:
     """Put the chosen strategy's further sites in place, and take out another strategy's."""
-    want = _wanted["sync"] if _wanted["on"] else None
+    want = _wanted["sync"] if _SITE.on else None
     current = _wanted["sites"]
     if current == want:
         return
@@ -139,72 +125,37 @@ def _apply_sites() -> None:
         new.install()
 
 
-def _apply(module: Any = None) -> None:
-    """Bring ``Metric._sync_dist`` in line with :data:`_wanted`.
-
-    While ``torchmetrics.metric`` is still being imported (a hook of the gather's module, which it imports, changed
-    the strategy) there is no class yet: the post-import hook registered by :func:`install` applies it once the
-    import is done.
-    """
-    metric = _metric_class()
-    if metric is None:
-        return
-    current = metric.__dict__["_sync_dist"]
-    ours = getattr(current, _MARK, False)
-    if _wanted["on"] and not ours:
-        metric._sync_dist = _wanted["ours"] = _replacement(current)
-    elif not _wanted["on"] and ours:
-        metric._sync_dist = current.__wrapped__
-        _wanted["ours"] = None
-    _apply_sites()
-
-
-def _on_import(module: Any) -> None:
-    _wanted["hook"] = False
-    _apply(module)
+#: ``Metric._sync_dist``; each time it is brought in line (on install, uninstall, or at the end of the import of
+#: ``torchmetrics.metric``), the chosen strategy's further sites follow.
+_SITE = Site("torchmetrics.metric", "Metric", "_sync_dist", _MARK, _replacement, after=_apply_sites)
 
 
 def install(sync: str = "torchmetrics", *, mode: str | Callable[[], str] = "local") -> None:
     """Set the replacement running ``sync`` (see :data:`STRATEGIES`) for every Metric; ``mode`` is the gradient mode,
-    or a function giving it at each sync (the engine's effective mode). Idempotent: wraps at most once."""
-    _wanted["on"], _wanted["sync"], _wanted["mode"] = True, check_sync(sync), mode
+    or a function giving it at each sync (the engine's effective mode). Idempotent: wraps at most once.
+
+    While ``torchmetrics.metric`` is still being imported (a hook of the gather's module, which it imports, changed
+    the strategy) there is no class yet: the post-import hook registered by an earlier call applies it once the
+    import is done.
+    """
+    _wanted["sync"], _wanted["mode"] = check_sync(sync), mode
     _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
-    if _MODULE in sys.modules:  # being imported: the hook registered earlier applies it at the end
-        _apply()
-    elif not _wanted["hook"]:
-        _wanted["hook"] = True
-        wrapt.register_post_import_hook(_on_import, _MODULE)
+    _SITE.install()
 
 
 def uninstall() -> None:
     """Put torchmetrics' original ``Metric._sync_dist`` back (the same object) and a strategy's sites; idempotent."""
-    _wanted["on"] = False
-    metric = _metric_class()
-    if metric is None:
-        return
-    current = metric.__dict__["_sync_dist"]
-    ours, _wanted["ours"] = _wanted["ours"], None
-    if getattr(current, _MARK, False):
-        metric._sync_dist = current.__wrapped__
-    elif ours is not None:
-        warnings.warn(
-            "torchmetrics_gradpatch: another tool has replaced Metric._sync_dist on top of this package's; "
-            "leaving it in place.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    _apply_sites()
+    _SITE.uninstall()
 
 
 def guarded() -> bool:
     """Whether ``torchmetrics.Metric._sync_dist`` currently is this package's replacement (any strategy)."""
-    metric = _metric_class()
-    return metric is not None and bool(getattr(metric.__dict__["_sync_dist"], _MARK, False))
+    return _SITE.installed()
 
 
 def installed() -> str | None:
     """The strategy the replacement runs now (``"torchmetrics"`` too), or ``None`` when it is not in place."""
-    return _wanted["sync"] if _wanted["on"] and guarded() else None
+    return _wanted["sync"] if _SITE.on and guarded() else None
 
 
 def sites() -> tuple[str, ...]:
@@ -215,5 +166,4 @@ def sites() -> tuple[str, ...]:
 
 def original_sync_dist() -> Any:
     """torchmetrics' own ``Metric._sync_dist`` (what the replacement wraps, if it is in place); needs torchmetrics."""
-    current = sys.modules[_MODULE].Metric.__dict__["_sync_dist"]
-    return current.__wrapped__ if getattr(current, _MARK, False) else current
+    return _SITE.original()

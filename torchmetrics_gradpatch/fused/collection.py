@@ -29,23 +29,16 @@ collective then), so no rank can wait alone. Under ``torch.compile`` the whole o
 from __future__ import annotations
 
 import functools
-import sys
-import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
 
-import wrapt
-
 from torchmetrics_gradpatch import _compile, _engine
+from torchmetrics_gradpatch._site import Site
 
 __all__ = ["install", "installed", "sync_members", "uninstall"]
 
-_MODULE = "torchmetrics.collections"
 _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
-
-#: Whether the replacement is wanted, whether the import hook is registered, and the replacement this module set.
-_wanted: dict[str, Any] = {"on": False, "hook": False, "ours": None}
 
 # Why a member does or does not join the exchange; sent by every rank, so they agree or all raise.
 JOINS, NO_SYNC, OWN_SYNC_FN, OWN_GROUP, OWN_SYNC_DIST, NOT_DISTRIBUTED, SYNCED, NOT_A_METRIC = range(8)
@@ -284,64 +277,23 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
             return _compile.run_eagerly(_compute, original, self)
         return _compute(original, self)
 
-    setattr(compute, _MARK, True)
     return compute
 
 
-def _collection_class() -> Any:
-    """``torchmetrics.MetricCollection``, or ``None`` while its module is not imported or still being imported."""
-    return getattr(sys.modules.get(_MODULE), "MetricCollection", None)
-
-
-def _apply() -> None:
-    cls = _collection_class()
-    if cls is None:
-        return
-    current = cls.__dict__["compute"]
-    ours = getattr(current, _MARK, False)
-    if _wanted["on"] and not ours:
-        cls.compute = _wanted["ours"] = _replacement(current)
-    elif not _wanted["on"] and ours:
-        cls.compute = current.__wrapped__
-        _wanted["ours"] = None
-
-
-def _on_import(module: Any) -> None:
-    _wanted["hook"] = False
-    _apply()
+_SITE = Site("torchmetrics.collections", "MetricCollection", "compute", _MARK, _replacement)
 
 
 def install() -> None:
     """Replace ``MetricCollection.compute`` (now, or when ``torchmetrics.collections`` is imported); idempotent."""
-    _wanted["on"] = True
     _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
-    if _collection_class() is not None:
-        _apply()
-    elif not _wanted["hook"]:
-        _wanted["hook"] = True
-        wrapt.register_post_import_hook(_on_import, _MODULE)
+    _SITE.install()
 
 
 def uninstall() -> None:
     """Put torchmetrics' own ``MetricCollection.compute`` back (the same object); idempotent."""
-    _wanted["on"] = False
-    cls = _collection_class()
-    if cls is None:
-        return
-    current = cls.__dict__["compute"]
-    ours, _wanted["ours"] = _wanted["ours"], None
-    if getattr(current, _MARK, False):
-        cls.compute = current.__wrapped__
-    elif ours is not None:
-        warnings.warn(
-            "torchmetrics_gradpatch: another tool has replaced MetricCollection.compute on top of this package's; "
-            "leaving it in place.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    _SITE.uninstall()
 
 
 def installed() -> bool:
     """Whether ``torchmetrics.MetricCollection.compute`` currently is this package's replacement."""
-    cls = _collection_class()
-    return cls is not None and bool(getattr(cls.__dict__["compute"], _MARK, False))
+    return _SITE.installed()
