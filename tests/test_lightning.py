@@ -9,6 +9,15 @@ samples only, and DDP averages the ranks' gradients. In global mode (``TORCHMETR
 rank's copy of the loss sends gradient back to every rank's samples, and the gradients equal the single-process
 gradient itself.
 
+A second program (``tests/_lightning_collection_job.py``) runs a validation epoch on the same Trainer with
+``TORCHMETRICS_GRADPATCH_SYNC=fused``: each rank feeds its own uneven batches of a small multiclass problem into a
+``MetricCollection`` (accuracy, precision, recall and F1 in one compute group, and AUROC with ``cat`` states)
+logged the two ways Lightning documents. ``self.log_dict(collection.compute())`` in ``on_validation_epoch_end``
+must cost at most three collectives (the one exchange); ``self.log_dict(collection)``, whose members Lightning
+computes one by one, and torchmetrics' own sync of the same collection must cost more. Every value, each way, must
+equal the single-process value of the metric over both ranks' data. Collectives are counted with the default
+process group's sequence number.
+
 Skipped when Lightning is not installed; ``tox -e lightning`` installs it.
 """
 
@@ -79,3 +88,55 @@ def test_lightning_ddp_gradients_against_single_process_gradients(tmp_path: Path
         for name, want in expected.items():
             assert isinstance(want, torch.Tensor)
             torch.testing.assert_close(grads[name], scale * want, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
+
+
+def reference_values() -> dict[str, object]:
+    """Each member's single-process value over both ranks' batches, in rank order."""
+    import torch
+
+    from tests import _lightning_collection_job as job
+
+    pairs = [pair for rank in range(job.WORLD_SIZE) for pair in job.batches(rank)]
+    preds, target = torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
+    values: dict[str, object] = {}
+    for key, metric in job.members().items():
+        metric.update(preds, target)
+        values[key] = metric.compute()
+    return values
+
+
+def test_lightning_log_dict_of_collection_compute_is_one_exchange(tmp_path: Path) -> None:
+    """``log_dict(collection.compute())``: at most three collectives; per member, or torchmetrics' sync: more."""
+    import torch
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._lightning_collection_job", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=suite_path(),  # `-m` puts the working directory first: the suite, not the checkout's package
+        env={**os.environ, "TORCHMETRICS_GRADPATCH_SYNC": "fused"},
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    expected = reference_values()
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert (saved["sync"], saved["sync_chosen_by"]) == ("fused", "import"), saved
+        logged, computed = saved["logged"], saved["computed"]
+        for key, want in expected.items():
+            assert isinstance(want, torch.Tensor)
+            for name, got in [
+                (f"val_{key}", computed[f"val_{key}"]),  # what log_dict was given
+                (f"val_{key}", logged[f"val_{key}"]),  # what Lightning logged of it
+                (f"each_{key}", logged[f"each_{key}"]),  # Lightning's compute() of the member alone
+                (f"own_{key}", computed[f"own_{key}"]),  # torchmetrics' own sync
+            ]:
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"rank {rank}, {name}")
+        counts = saved["collection_calls"], saved["own_calls"], saved["member_calls"]
+        assert 1 <= saved["collection_calls"] <= 3, counts
+        assert saved["own_calls"] > 3, counts
+        member_calls = saved["member_calls"]
+        assert sorted(member_calls) == sorted(expected), counts
+        assert all(calls[0] == 2 for calls in member_calls.values()), counts  # two each: the per-member fused sync
+        assert sum(sum(calls) for calls in member_calls.values()) > 3, counts
