@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest_plugins = ["pytester"]
-pytestmark = pytest.mark.usefixtures("suite_importable")
+pytestmark = [pytest.mark.harness, pytest.mark.usefixtures("suite_importable")]  # tox's harness environment
 
 PLUGIN = "tests.harness.plugin"
 EXAMPLE = Path(__file__).resolve().parent / "plugin_cases" / "docs_example.py"

@@ -25,7 +25,7 @@ import torchmetrics_gradpatch
 from tests._procs import alive
 
 pytest_plugins = ["pytester"]
-pytestmark = pytest.mark.usefixtures("suite_importable")
+pytestmark = [pytest.mark.harness, pytest.mark.usefixtures("suite_importable")]  # tox's harness environment
 
 PLUGIN = "tests.harness.plugin"
 #: the hang case's marker timeout, and how much later its failure may come (stack dump + terminate/kill grace).
