@@ -20,22 +20,26 @@ It also shows, in one line labelled ``torch.distributed.nn.functional.all_gather
 all_gather does with the same uneven shapes. It allocates every rank's output with the *caller's* shape, so it
 cannot gather rows it does not know about. On gloo the collective fails: the line says ``REFUSED`` and which
 rank raised what (``RuntimeError: Connection closed by peer`` with torch 2.13), or a rank's process aborts; other
-backends may return wrongly shaped data (``MIS-GATHERED``). The attempt runs in separate throwaway processes
-(the runner the package's ``check`` command uses), because a failed or aborted process cannot be recovered.
+backends may return wrongly shaped data (``MIS-GATHERED``). The attempt runs in separate throwaway processes,
+with their own group, because a failed or aborted process cannot be recovered.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import gc
 import os
 import re
 import sys
+import time
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,6 +50,7 @@ STEPS = 6
 IMAGE_FEATURES, TEXT_FEATURES, EMBEDDING = 6, 5, 4
 DTYPE = torch.float64  # so "equal" can mean equal up to rounding (1e-12), not up to float32 noise
 TOLERANCE = 1e-12
+TORCH_TIMEOUT = 120.0  # seconds the torch all_gather demonstration may take before its ranks are ended
 
 
 def rows(step: int, rank: int) -> int:
@@ -90,29 +95,66 @@ def single_process_gradient(model: DualEncoder, step: int, world_size: int) -> l
     return list(torch.autograd.grad(clip_loss(image, text, reference.log_scale), list(reference.parameters())))
 
 
-def _torch_all_gather_uneven(step: int) -> list[tuple[int, ...]]:
-    """Runs in each throwaway rank: torch's autograd all_gather on this example's uneven batches."""
+def _torch_all_gather_rank(rank: int, world_size: int, port: int, step: int, results: Any) -> None:
+    """One throwaway rank: join a gloo group on loopback, try torch's autograd all_gather on this step's batch."""
     import torch.distributed.nn.functional as tdnn
 
     warnings.simplefilter("ignore", FutureWarning)  # it is deprecated on recent torch
-    image, _ = batch(step, dist.get_rank())
-    gathered = tdnn.all_gather(image.requires_grad_())
-    return [tuple(t.shape) for t in gathered]
+    # The same deadline inside: a rank whose parent is gone gives up by itself instead of waiting forever.
+    limit = datetime.timedelta(seconds=TORCH_TIMEOUT)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=limit)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=limit)
+        dist.barrier()  # gloo may return from init on one rank while a peer still connects
+        image, _ = batch(step, rank)
+        shapes = [tuple(t.shape) for t in tdnn.all_gather(image.requires_grad_())]
+    except Exception as err:
+        results.put((rank, None, f"{type(err).__name__}: {err}"))
+        return  # the group may be broken: the parent ends this process
+    results.put((rank, shapes, None))
+    dist.destroy_process_group()
 
 
 def torch_all_gather_verdict(step: int, world_size: int) -> str:
     """What ``torch.distributed.nn.functional.all_gather`` does with step ``step``'s uneven batches."""
-    from torchmetrics_gradpatch.cli._ranks import RankError
-    from torchmetrics_gradpatch.cli._ranks import run as spawn_ranks
-
     sizes = [rows(step, rank) for rank in range(world_size)]
+    # Hosted here on a port the kernel picks (0) and kept open, so no other job can take it before the ranks join.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
+    results = mp.get_context("spawn").SimpleQueue()
+    args = (world_size, store.port, step, results)
+    ranks = mp.start_processes(_torch_all_gather_rank, args, world_size, join=False, start_method="spawn")
+    shapes: dict[int, Any] = {}
+    deadline = time.monotonic() + TORCH_TIMEOUT
     try:
-        shapes = spawn_ranks(_torch_all_gather_uneven, world_size, args=(step,), timeout=120)
-    except RankError as err:
-        reason = f"rank {err.rank} {err.reason}: {_first_sentence(err.details)}"
-        return f"rows per rank {sizes}: REFUSED, as expected (it needs equal shapes): {reason}"
-    wrong = [s for s in shapes if [shape[0] for shape in s] != sizes]
-    return f"rows per rank {sizes}: {'MIS-GATHERED' if wrong else 'gathered'}, returned shapes {shapes}"
+        while len(shapes) < world_size:
+            exited = {rank for rank, proc in enumerate(ranks.processes) if proc.exitcode is not None}
+            while not results.empty():  # after reading the exits: whatever an exited rank sent is here now
+                rank, gathered, error = results.get()
+                if error is not None:
+                    reason = f"rank {rank} raised: {_first_sentence(error)}"
+                    return f"rows per rank {sizes}: REFUSED, as expected (it needs equal shapes): {reason}"
+                shapes[rank] = gathered
+            died = sorted(exited - shapes.keys())
+            if died:  # gloo can abort a process instead of raising
+                code = ranks.processes[died[0]].exitcode or 0
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                reason = f"rank {died[0]} died ({how}) without returning"
+                return f"rows per rank {sizes}: REFUSED, as expected (it needs equal shapes): {reason}"
+            if time.monotonic() > deadline:
+                pending = sorted(set(range(world_size)) - shapes.keys())
+                return f"rows per rank {sizes}: TIMED OUT after {TORCH_TIMEOUT:.0f} s, ranks {pending} terminated"
+            time.sleep(0.1)
+    finally:  # every path: no rank outlives this call
+        for proc in ranks.processes:
+            proc.terminate()
+        for proc in ranks.processes:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    ordered = [shapes[rank] for rank in range(world_size)]
+    wrong = [s for s in ordered if [shape[0] for shape in s] != sizes]
+    return f"rows per rank {sizes}: {'MIS-GATHERED' if wrong else 'gathered'}, returned shapes {ordered}"
 
 
 def _first_sentence(details: str) -> str:
