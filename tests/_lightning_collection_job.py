@@ -11,7 +11,10 @@ F1, one compute group of four stat-score states, and AUROC with ``cat`` list sta
 * ``each_metrics``: ``self.log_dict(self.each_metrics)`` in ``validation_step``: Lightning calls each member's
   ``compute()`` on its own at the epoch's end, and each member syncs separately;
 * ``own_metrics``: computed in ``on_validation_epoch_end`` inside ``patched(sync="torchmetrics")``: torchmetrics'
-  own sync of the same collection.
+  own sync of the same collection, for its count of collectives.
+
+``val_metrics`` is also computed a second time from the same local states under torchmetrics' own sync (its
+members' cached results cleared), the reference its one exchange must match bit for bit.
 
 Collectives are counted with the default process group's sequence number around each ``compute()`` (for
 ``each_metrics``, around every member's ``compute()`` that Lightning calls). Every rank saves to
@@ -108,6 +111,11 @@ class Validate(pl.LightningModule):
         before = calls()
         values = self.val_metrics.compute()
         collection_calls = calls() - before
+        # the same local states synced by torchmetrics' own sync: what the one exchange must give, bit for bit
+        for metric in self.val_metrics.values(copy_state=False):
+            metric._computed = None
+        with torchmetrics_gradpatch.patched(sync="torchmetrics"):
+            reference = {key.replace("val_", "ref_", 1): value for key, value in self.val_metrics.compute().items()}
         self.log_dict(values)
         self.val_metrics.reset()
         with torchmetrics_gradpatch.patched(sync="torchmetrics"):
@@ -118,7 +126,7 @@ class Validate(pl.LightningModule):
         self.saved = {
             "sync": status.sync,
             "sync_chosen_by": status.sync_chosen_by,
-            "computed": {**values, **own},
+            "computed": {**values, **reference, **own},
             "collection_calls": collection_calls,
             "own_calls": own_calls,
         }
