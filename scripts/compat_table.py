@@ -215,7 +215,7 @@ def table(record: dict[str, Any]) -> str:
         "1.5.2: the quick profile compiles with the "
         "eager backend on 2 ranks (a compiled step against eager, both modes, sum and cat Metric losses and the "
         "direct gather); the ci one (`tox -e compile-torch2.15`) adds the aot_eager and inductor backends on 2 "
-        "ranks, eager on 3 ranks and `check --compile`; the full one adds aot_eager and inductor on 3 ranks.",
+        "ranks and `check --compile`; the full one adds every backend on 3 ranks.",
         "",
         "| torch | " + " | ".join(f"torchmetrics {tm}" for tm in ordered) + " | torch.compile |",
         "|---|" + "---|" * (len(ordered) + 1),

@@ -156,7 +156,7 @@ def test_a_run_that_times_out_in_the_checks_says_the_ranks_had_started(tmp_path:
     (tmp_path / "sitecustomize.py").write_text(STALL_IN_THE_CHECKS)
     # The run waits out its whole timeout: 6 s is enough for two ranks to start on a quiet machine; on a loaded
     # one (a torch import can take 10 s) a run whose ranks were still starting is run again with room to spare.
-    for timeout in ("6", "40"):
+    for timeout in ("6", "20"):
         proc = cli("check", "--timeout", timeout, env={"TMGP_TEST_STALL": "1"}, pythonpath=[str(tmp_path)])
         if "still starting" not in proc.stderr:
             break
