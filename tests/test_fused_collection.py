@@ -157,7 +157,10 @@ def test_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_ot
     first, _ = compute_counted(fused, "fused")
     assert same_dicts(first, compute_counted(expected, "torchmetrics")[0])
     again, count = compute_counted(fused, "fused")
-    assert count == 1 and same_dicts(again, first)  # every member cached on every rank: the header only
+    assert count == 1  # every member cached on every rank: the header only
+    # what torchmetrics' own second compute() returns: on 1.2 and 1.3 a compute group's members get the group's
+    # first member's cached result, so it is not always the first compute()'s
+    assert same_dicts(again, compute_counted(expected, "torchmetrics")[0])
     for metrics in (expected, fused):
         for preds, target in batches(rank + 3, 1):
             metrics.update(preds, target)
