@@ -43,23 +43,10 @@ CLASSES = 10
 def _collection(rank: int) -> Any:
     """The ten-member collection, updated with rank ``rank``'s two uneven batches."""
     import torch
-    from torchmetrics import MetricCollection
-    from torchmetrics import classification as tc
 
-    metrics = MetricCollection(
-        {
-            "acc": tc.MulticlassAccuracy(num_classes=CLASSES, average="macro"),
-            "prec": tc.MulticlassPrecision(num_classes=CLASSES, average="macro"),
-            "rec": tc.MulticlassRecall(num_classes=CLASSES, average="macro"),
-            "f1": tc.MulticlassF1Score(num_classes=CLASSES, average="macro"),
-            "spec": tc.MulticlassSpecificity(num_classes=CLASSES, average="macro"),
-            "confmat": tc.MulticlassConfusionMatrix(num_classes=CLASSES),
-            "kappa": tc.MulticlassCohenKappa(num_classes=CLASSES),
-            "auroc": tc.MulticlassAUROC(num_classes=CLASSES, thresholds=None),
-            "ap": tc.MulticlassAveragePrecision(num_classes=CLASSES, thresholds=None),
-            "ece": tc.MulticlassCalibrationError(num_classes=CLASSES),
-        }
-    )
+    from tests._workloads import classification_collection
+
+    metrics = classification_collection(CLASSES)
     generator = torch.Generator().manual_seed(rank)
     for k in range(2):
         n = 1000 + 250 * rank + 100 * k

@@ -21,6 +21,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 import torchmetrics_gradpatch as tg
 from tests._rank_tools import destroy_subgroup, dynamo_refusal
+from tests._workloads import classification_collection
 from tests.test_fused import Probe, calls, same, values, worlds
 from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch.fused import collection
@@ -29,24 +30,8 @@ C = 5  # classes
 
 
 def classification() -> MetricCollection:
-    """Ten members: five share the ``[C]`` stat-score states, two a confusion matrix, two the ``cat`` lists of
-    scores and targets; the calibration error has ``cat`` lists of its own."""
-    from torchmetrics import classification as tc
-
-    return MetricCollection(
-        {
-            "acc": tc.MulticlassAccuracy(num_classes=C, average="macro"),
-            "prec": tc.MulticlassPrecision(num_classes=C, average="macro"),
-            "rec": tc.MulticlassRecall(num_classes=C, average="macro"),
-            "f1": tc.MulticlassF1Score(num_classes=C, average="macro"),
-            "spec": tc.MulticlassSpecificity(num_classes=C, average="macro"),
-            "confmat": tc.MulticlassConfusionMatrix(num_classes=C),
-            "kappa": tc.MulticlassCohenKappa(num_classes=C),
-            "auroc": tc.MulticlassAUROC(num_classes=C, thresholds=None),
-            "ap": tc.MulticlassAveragePrecision(num_classes=C, thresholds=None),
-            "ece": tc.MulticlassCalibrationError(num_classes=C),
-        }
-    )
+    """The ten-member collection of ``tests/_workloads.py`` with ``C`` classes."""
+    return classification_collection(C)
 
 
 def batches(rank: int, count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
