@@ -295,7 +295,7 @@ def test_the_direct_gather_never_warns() -> None:
         assert tg.gather_all_tensors(x)[0] is x
 
 
-@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.ranks(2, reuse=True, timeout=120)
 def test_the_uneven_gather_never_warns() -> None:
     """The uneven path (2 ranks, different rows) is the one torchmetrics < 1.6 warns on with torch >= 2.8."""
     from tests._rank_tools import uneven_gather_warnings

@@ -2,8 +2,8 @@
 
 Hypothesis runs *inside* every rank (derandomized, no example database), so all ranks draw the same examples
 in the same order and issue the same collectives; each example ends with a consensus step, so a failure on one
-rank makes every rank fail (and shrink) together. Spawning costs seconds, so one test runs many examples on its
-ranks (``@pytest.mark.ranks``; each creates a subgroup, which a warm pool cannot undo, so they spawn fresh).
+rank makes every rank fail (and shrink) together. One test runs many examples on warm pooled ranks
+(``@pytest.mark.ranks(n, reuse=True)``); the subgroup a test creates is destroyed at its end, so the ranks stay.
 """
 
 from __future__ import annotations
