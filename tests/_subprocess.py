@@ -65,14 +65,21 @@ def ok(code: str, **kwargs: object) -> str:
 # exception"; torch 2.13 to 2.15, unpatched torchmetrics' gather too: 1 exit in 4, and every exit after a
 # backward through the global mode).
 #
-# torch 2.0.1's gloo can deadlock in destroy_process_group while its worker thread still frees the last collective's
-# tensors (it waits for the GIL the destructor holds; with or without this package). A program that ends right
-# after a gather meets that window, so on torch 2.0 the exit first lets the worker finish (0.2 s made it disappear
-# in earlier runs here; the cold CI run at 8baebe8 hung twice here without it).
+# torch 2.0 and 2.1's gloo can deadlock in destroy_process_group while its worker thread still frees the last
+# collective's tensors (it waits for the GIL the destructor holds). A program that ends right after a gather meets
+# that window, so the exit first leaves the worker only a barrier's tensors, which Python does not own (as the
+# world_of_one fixture does); torch 2.0 also gets 0.2 s for its worker to finish.
 WORLD_OF_ONE = """
-import atexit, time, torch, torch.distributed as dist
+import atexit, gc, time, torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-atexit.register(lambda: (torch.__version__.startswith("2.0.") and time.sleep(0.2), dist.destroy_process_group()))
+atexit.register(
+    lambda: (
+        gc.collect(),
+        dist.barrier(),
+        torch.__version__.startswith("2.0.") and time.sleep(0.2),
+        dist.destroy_process_group(),
+    )
+)
 """
 
 

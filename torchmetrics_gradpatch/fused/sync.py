@@ -19,7 +19,7 @@ what one process holding all the data would get or raises the same :class:`Fused
   element skipped at position ``i`` (equal lengths: torchmetrics' order exactly);
 * an empty ``cat`` list on some ranks (on every torchmetrics line): those ranks contribute nothing (the
   placeholder is dropped when another rank holds data; when every rank is empty the result is torchmetrics' own:
-  ``[]`` before 1.4, the concatenated placeholders from 1.4 on);
+  ``[]`` without the placeholder, the concatenated placeholders with it);
 * a tensor state whose dtype or shape differs between ranks (torchmetrics cannot stack it), a ``cat`` state whose
   contributions differ in dtype, number of dimensions or trailing sizes, a Metric of another class or other
   states, a state that is neither a tensor nor a list of tensors: :class:`FusedSyncError` on every rank, before
