@@ -65,7 +65,7 @@ def ok(code: str, **kwargs: object) -> str:
 # exception"; torch 2.13 to 2.15, unpatched torchmetrics' gather too: 1 exit in 4, and every exit after a
 # backward through the global mode).
 #
-# torch 2.0 and 2.1's gloo can deadlock in destroy_process_group while its worker thread still frees the last
+# torch 2.0 to 2.4's gloo can deadlock in destroy_process_group while its worker thread still frees the last
 # collective's tensors (it waits for the GIL the destructor holds). A program that ends right after a gather meets
 # that window, so the exit first leaves the worker only a barrier's tensors, which Python does not own (as the
 # world_of_one fixture does); torch 2.0 also gets 0.2 s for its worker to finish.
