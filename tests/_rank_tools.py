@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torchmetrics
+from packaging.version import Version
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat
 
@@ -20,6 +22,7 @@ from tests._workloads import CatSquaredError, SumSquaredError
 
 __all__ = [
     "COLLECTIVES",
+    "EMPTY_CAT_PLACEHOLDER",
     "CatSquaredError",
     "SumSquaredError",
     "destroy_subgroup",
@@ -32,6 +35,12 @@ __all__ = [
     "synced_state_loss",
     "uneven_gather_warnings",
 ]
+
+#: Whether torchmetrics' own sync puts ``tensor([])`` in for an empty ``cat`` list: from 1.4 on, on torch >= 2.1
+#: only (``_TORCH_GREATER_EQUAL_2_1`` in ``Metric._sync_dist``). Without it, a rank whose ``cat`` state is empty
+#: skips that gather (``apply_to_collection`` finds no tensor in ``[]``) and the ranks' collectives mismatch.
+_TORCHMETRICS, _TORCH = Version(torchmetrics.__version__).release, Version(torch.__version__).release
+EMPTY_CAT_PLACEHOLDER = _TORCHMETRICS >= (1, 4) and _TORCH >= (2, 1)
 
 #: The collectives :func:`record_collectives` watches (those missing from a torch version are skipped).
 COLLECTIVES = ("barrier", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "reduce_scatter", "broadcast")

@@ -15,17 +15,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from packaging.version import Version
 from torchmetrics import Metric
-from torchmetrics import __version__ as tm_version
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from tests._rank_tools import EMPTY_CAT_PLACEHOLDER
 from tests.test_fused import ORIGINAL_SYNC_DIST, Probe, calls, same, states, values, worlds
 from torchmetrics_gradpatch import fused as _fused
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 
-# torchmetrics puts tensor([]) in for an empty cat list from 1.4 on, and only on torch >= 2.1
-PLACEHOLDER = Version(tm_version).release >= (1, 4) and Version(torch.__version__).release >= (2, 1)
 ERROR_BOUND_S = 5.0
 
 
@@ -70,7 +67,7 @@ def test_an_empty_cat_list_contributes_nothing(world_size: int, shape: tuple[int
     _fused.fused_sync(metric)
     expected = torch.cat([t for r in range(world_size) for t in content[r]])  # one process, rank order
     assert same(metric.x, expected)
-    if PLACEHOLDER and len(shape) == 1 and dtype == torch.float32:
+    if EMPTY_CAT_PLACEHOLDER and len(shape) == 1 and dtype == torch.float32:
         # torchmetrics' own sync completes here (its float32 placeholder meets 1-d float32 data): the same bits
         reference = one_list_state("cat", rank, content[rank])
         ORIGINAL_SYNC_DIST(reference, gather_all_tensors)
@@ -191,7 +188,7 @@ def _torchmetrics_sync_on_short_timeout(metric: Metric) -> str:
 
 TORCHMETRICS_HANGS = {
     "lists of different lengths": lambda rank: one_list_state(None, rank, [torch.ones(2)] * (rank + 1)),
-    # without the placeholder an empty cat list sends nothing; with it (PLACEHOLDER) torchmetrics' sync completes
+    # without the placeholder an empty cat list sends nothing; with it torchmetrics' sync completes
     "an empty cat list": lambda rank: one_list_state("cat", rank, [] if rank == 0 else [torch.ones(2)]),
 }
 
@@ -207,7 +204,8 @@ TORCHMETRICS_HANGS = {
         pytest.param(
             "an empty cat list",
             marks=pytest.mark.skipif(
-                PLACEHOLDER, reason="torchmetrics >= 1.4 on torch >= 2.1 completes it; compared bit for bit above"
+                EMPTY_CAT_PLACEHOLDER,
+                reason="torchmetrics >= 1.4 on torch >= 2.1 completes it; compared bit for bit above",
             ),
         ),
     ],

@@ -25,7 +25,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._global_inputs import F64, FEATURES, assert_rel
-from tests._rank_tools import every_rank, record_collectives
+from tests._rank_tools import EMPTY_CAT_PLACEHOLDER, every_rank, record_collectives
 from tests.harness import RankError, _pool, spawn_ranks
 from torchmetrics_gradpatch import gather_all_tensors, patched
 
@@ -81,10 +81,6 @@ class MaskedModel(torch.nn.Module):
 
 
 AUX_WEIGHT = 0.01  # the per-rank activity penalty that reaches the backbone on every rank under DDP
-#: torchmetrics syncs an empty list state as ``torch.tensor([])`` from 1.4.0 on. Before, a rank whose ``cat`` state
-#: is empty skips the gather of that state altogether (``apply_to_collection`` finds no tensor in ``[]``), so its
-#: collectives no longer match its peers', with or without this package: the masked cases cannot run there.
-EMPTY_STATE_SYNCED = Version(torchmetrics.__version__) >= Version("1.4.0")
 #: (world size, the rank whose mask is all False): first and last of 2; first, middle and last of 3
 EMPTY_RANKS = [
     pytest.param(n, e, marks=pytest.mark.ranks(n, reuse=True)) for n, e in ((2, 0), (2, 1), (3, 0), (3, 1), (3, 2))
@@ -130,14 +126,16 @@ def unpatched_empty_rank_forward() -> float:
 def empty_rank_works() -> str | None:
     """Why the masked cases cannot run here (None where they can): they need what unpatched torchmetrics does.
 
-    torchmetrics 1.4.3 on torch 2.0.1 cannot (rank 0 raises "No samples to concatenate" in the batch compute of
-    ``forward``, and its peers lose their connection); on torch 2.13 and 2.15 it can. A fresh spawn, since the
-    probe may break its group.
+    Without torchmetrics' empty-state placeholder (before 1.4, or on torch 2.0) it cannot: rank 0 raises "No
+    samples to concatenate" in the batch compute of ``forward``, and its peers lose their connection. Elsewhere a
+    probe runs it, on fresh ranks, since a failing probe may break its group.
     """
-    if not EMPTY_STATE_SYNCED:
+    if not EMPTY_CAT_PLACEHOLDER:  # the masked cases cannot run, with or without this package
+        old_line = Version(torchmetrics.__version__).release < (1, 4)
+        why = "torchmetrics < 1.4" if old_line else "on torch 2.0 torchmetrics"
         return (
-            "torchmetrics < 1.4 does not sync an empty list state (the rank skips that gather, so the ranks' "
-            "collectives mismatch with or without this package)"
+            f"{why} does not sync an empty list state (the rank skips that gather, so the ranks' collectives "
+            "mismatch with or without this package)"
         )
     try:
         spawn_ranks(unpatched_empty_rank_forward, 2, timeout=120)
@@ -228,7 +226,7 @@ def test_grad_mode_disagreement_raises_on_every_rank(world_size: int, case: str)
     raises, from the gather itself, after the first exchange; the group is still in step afterwards."""
     rank = dist.get_rank()
     for culprit in range(world_size):
-        # the metric gets samples on every rank: before torchmetrics 1.4 a rank with none cannot sync at all
+        # the metric gets samples on every rank: without torchmetrics' placeholder a rank with none cannot sync
         x = inp.gather_input({"direct": "uneven_rows", "scalar": "scalar", "metric": "uneven_all_dims"}[case], rank)
         context = torch.no_grad() if rank == culprit else torch.enable_grad()
         verb = "gathered"
