@@ -1,4 +1,4 @@
-"""Process checks shared by the plugin's tests: whether a process is alive, read from ``/proc`` (not from a
+"""Process checks shared by the tests of ranks and the CLI: whether a process is alive, read from ``/proc`` (not from a
 runner's own bookkeeping), and a pytest run interrupted with SIGINT as a terminal would."""
 
 from __future__ import annotations

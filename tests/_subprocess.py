@@ -6,6 +6,7 @@ import atexit
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,15 +43,37 @@ def run_python(
     """
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = python_path((env or {}).get("PYTHONPATH"))
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
+    return bounded([sys.executable, "-c", textwrap.dedent(code)], full_env, timeout)
+
+
+def bounded(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in :func:`suite_path`; past ``timeout`` seconds it is made to dump its Python stacks and ended,
+    and the test fails with them.
+
+    SIGABRT reaches faulthandler's C handler (``PYTHONFAULTHANDLER``), which needs no GIL: a child stuck in C code
+    that holds it (gloo's teardown on torch 2.0 to 2.4) still shows where it is.
+    """
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        env=full_env,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
         cwd=suite_path(),
-        timeout=timeout,
-        check=False,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(argv)[:200]} did not finish in {timeout:g} s; its stacks:\n{err}\n--- stdout\n{out}"
+        ) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def ok(code: str, **kwargs: object) -> str:
@@ -116,15 +139,7 @@ def cli(
     :func:`suite_path` (``-m`` puts the working directory first on ``sys.path``)."""
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = python_path(*(pythonpath or []))
-    return subprocess.run(
-        [*(command or [sys.executable, "-m", "torchmetrics_gradpatch"]), *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=suite_path(),
-        timeout=timeout,
-        check=False,
-    )
+    return bounded([*(command or [sys.executable, "-m", "torchmetrics_gradpatch"]), *args], full_env, timeout)
 
 
 def show(proc: subprocess.CompletedProcess[str]) -> str:

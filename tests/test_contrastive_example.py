@@ -14,7 +14,7 @@ import pytest
 
 from tests._torchrun import NEEDS_TORCH_2, show, torchrun
 
-pytestmark = NEEDS_TORCH_2
+pytestmark = [NEEDS_TORCH_2, pytest.mark.system]
 
 EXAMPLE = "examples/contrastive_uneven.py"
 

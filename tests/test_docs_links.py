@@ -17,6 +17,8 @@ import pytest
 
 from tests._subprocess import ROOT
 
+pytestmark = pytest.mark.once
+
 PAGES = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")])
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")

@@ -20,7 +20,7 @@ from tests._torchrun import NEEDS_TORCH_2, run_torchrun, show, torchrun
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
 EXAMPLE = ROOT / "examples" / "ddp_metric_loss.py"
 
-pytestmark = NEEDS_TORCH_2
+pytestmark = [NEEDS_TORCH_2, pytest.mark.system]
 
 
 def readme_command() -> list[str]:

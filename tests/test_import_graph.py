@@ -10,6 +10,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.once
+
 PACKAGE = "torchmetrics_gradpatch"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 

@@ -51,6 +51,7 @@ DEATH_BOUND = 30.0
 SCRIPT = ROOT / "tests" / "_multinode_job.py"
 
 pytestmark = [
+    pytest.mark.system,
     pytest.mark.skipif(Version(TORCH.base_version) < Version("2.0"), reason=f"torch {TORCH} < 2.0"),
     # a last resort: the waits below end (and clean up) well before it; includes the module fixture's job
     pytest.mark.timeout(JOB_TIMEOUT + 90),

@@ -23,6 +23,8 @@ from packaging.version import Version
 
 from tests._subprocess import ROOT
 
+pytestmark = pytest.mark.once
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10

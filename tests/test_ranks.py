@@ -7,20 +7,13 @@ import ctypes
 import os
 import re
 import time
-from pathlib import Path
 
 import pytest
 
+from tests._procs import alive
 from tests._ranks import RankError, run_ranks
 
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (killed orphans stay zombies on some machines)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+pytestmark = pytest.mark.once
 
 
 def _whoami(rank: int, world_size: int) -> tuple[int, int, int]:
@@ -102,3 +95,15 @@ def _skip_on_rank_0(rank: int, world_size: int) -> None:
 def test_a_skip_on_a_rank_skips_the_test() -> None:
     with pytest.raises(pytest.skip.Exception, match="rank 0: rank 0 cannot run this"):
         run_ranks(_skip_on_rank_0, 2)
+
+
+def test_a_child_stuck_in_c_holding_the_gil_is_ended_at_the_deadline_with_its_stack() -> None:
+    """The same bound for the suite's one-off child interpreters (tests/_subprocess.py)."""
+    from tests._subprocess import run_python
+
+    code = "import ctypes\ndef stuck():\n    ctypes.PyDLL(None).sleep(3600)\nstuck()\n"
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish in 3 s") as raised:
+        run_python(code, timeout=3)
+    assert time.monotonic() - started < 20
+    assert 'File "<string>", line 3 in stuck' in str(raised.value), raised.value
