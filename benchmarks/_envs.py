@@ -4,9 +4,10 @@ The comparison "patched torchmetrics 1.5.x vs native torchmetrics 1.6+" is only 
 the native environment is made from this interpreter's own torch version (local label included, e.g.
 ``2.13.0+cpu``) with this interpreter's ``pip``, which reads the machine's pip configuration (find-links,
 constraints) exactly as the first environment's install did. uv does not read pip's configuration and may pick
-a different build of the same version; hence pip here.
+a different build of the same version; hence pip here. torchmetrics_gradpatch is not installed there: native
+torchmetrics needs no shim.
 
-Location: ``benchmarks/.envs/tm-native`` (ignored by git), or the interpreter given by ``--native-python`` /
+Location: ``benchmarks/.envs/tm-native`` (ignored by git), or the interpreter given by
 ``TMGP_BENCH_NATIVE_PYTHON``. Creating it takes a minute or two (the torch wheel unpacks to ~1 GB); later runs
 reuse it while its recorded specification matches.
 """
@@ -53,7 +54,7 @@ def ensure_native_env(torch_version: str, where: Path = DEFAULT_DIR, log=print) 
     log(f"creating {where} with {spec['torch']} and {spec['torchmetrics']} (one-off, a minute or two)")
     venv.EnvBuilder(with_pip=True, clear=True).create(where)
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", spec["torch"], spec["torchmetrics"], "wrapt", "packaging"],
+        [str(python), "-m", "pip", "install", "--quiet", spec["torch"], spec["torchmetrics"]],
         check=True,
     )
     marker.write_text(json.dumps(spec))

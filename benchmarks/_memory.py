@@ -1,66 +1,26 @@
-"""Memory readings shared by the memory section of ``bench_gather.py`` and ``bench_soak.py``, and the memory rank job.
+"""The memory section of ``bench_gather.py``: peak and retained RSS of one uneven gather, patched and unpatched.
 
-Why the readings wait ("settle")
---------------------------------
-gloo runs every collective on a worker thread, and the finished ``all_gather`` work object holds the tensors it
-was given: the (padded) input and every receive buffer. The caller wakes up as soon as the work is marked done,
-while the worker thread drops its own reference to the work a moment later (after it re-takes the process
-group's work lock). A ``barrier`` issued in that moment snapshots the still "in progress" work as a weak
-reference, and a c10 object with a weak reference outstanding is destroyed (its tensors freed) only when that
-reference goes too: when the barrier's own work is destroyed, which the next barrier can postpone the same way.
-So for a short time after any gather, with or without the patch, the process still holds the gather's input and
-all its receive buffers, and an RSS reading taken then, even after a barrier or three, can show them. Without a
-further collective the worker thread lets go within milliseconds (longer on a loaded machine). The readings
-below therefore report both: RSS right after the call, and RSS once it has stopped changing
-(:func:`settled_rss_kib`), plus the bytes the returned list itself keeps alive (its tensors' storages), which
-does not depend on any timing.
+RSS is read right after the call and once it has settled (``soak_workload.settled_rss_kib``; its module docstring
+says why the readings wait), plus the bytes the returned list itself keeps alive (its tensors' storages), which does
+not depend on any timing.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import time
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def rss_kib(field: str = "VmRSS") -> int:
-    """``field`` of ``/proc/self/status`` in KiB (``VmRSS``: resident now; ``VmHWM``: the high-water mark)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from soak_workload import rss_kib, settled_rss_kib
 
 
 def reset_peak() -> None:
     """Reset ``VmHWM`` (peak RSS) to the current RSS."""
     with open("/proc/self/clear_refs", "w") as refs:  # "5": reset the peak resident set size
         refs.write("5")
-
-
-def settled_rss_kib(poll: float = 0.01, stable: int = 8, limit: float = 3.0) -> tuple[int, float]:
-    """RSS once it has not changed for ``stable`` polls ``poll`` seconds apart (at most ``limit`` s); and the wait.
-
-    No collective is issued, so gloo's worker threads can drop the finished works (see the module docstring).
-    """
-    start = time.monotonic()
-    last, same = rss_kib(), 0
-    while same < stable and time.monotonic() - start < limit:
-        time.sleep(poll)
-        now = rss_kib()
-        same = same + 1 if now == last else 0
-        last = now
-    return last, time.monotonic() - start
-
-
-def live_tensors() -> int:
-    """The number of ``torch.Tensor`` objects the garbage collector tracks (parameters and views included)."""
-    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
 def storage_mib(tensors: list[torch.Tensor], exclude: torch.Tensor) -> float:

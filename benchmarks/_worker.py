@@ -1,8 +1,12 @@
-"""One benchmark job in a fresh interpreter: ``python benchmarks/_worker.py JOB JSON-ARGS``; prints JSON.
+"""One job of ``bench_gather.py`` in a fresh interpreter: ``python benchmarks/_worker.py JOB JSON-ARGS``; prints JSON.
 
-Run by ``bench_gather.py`` in this environment or in the second (native torchmetrics) one, with the repository
-root on ``PYTHONPATH``. Jobs: ``gather`` (patched vs unpatched, spawned ranks), ``shipped`` (the gather as
-the environment ships it, spawned ranks), ``memory`` (spawned ranks) and ``toggle`` (in-process).
+Run in this environment or in the second one (native torchmetrics, where the package need not be installed).
+Jobs: ``gather`` (patched vs unpatched), ``shipped`` (the gather as the environment ships it) and ``memory``, on
+spawned ranks; ``toggle`` in this process.
+
+Every rank runs the same loops with the same fixed call counts: the number of collectives never depends on a
+clock, so the ranks stay in lockstep. Timings are taken on every rank; the parent reports rank 0 (each gather
+ends in a collective, so the ranks' times agree closely).
 """
 
 from __future__ import annotations
@@ -10,13 +14,78 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from typing import Any
 
+import _ranks
 
-def _spawn(fn: Any, world_size: int, args: tuple[Any, ...]) -> list[Any]:
-    from tests.harness import spawn_ranks
+#: name -> (shape for rank r, calls per timed block). Uneven: every rank a different number of rows.
+CASES: dict[str, tuple[Any, int]] = {
+    "scalar": (lambda r: (), 60),
+    "1k": (lambda r: (1000,), 40),
+    "64k": (lambda r: (65536,), 20),
+    "1M": (lambda r: (1_000_000,), 4),
+    "uneven": (lambda r: (4096 + 1000 * r, 16), 15),
+}
 
-    return spawn_ranks(fn, world_size, args=args, timeout=900)
+
+def _block(gather: Any, tensor: Any, calls: int) -> float:
+    """Seconds per call over ``calls`` back-to-back gathers."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        gather(tensor)
+    return (time.perf_counter() - start) / calls
+
+
+def patched_vs_unpatched(rounds: int, case_names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """torchmetrics' own gather, patch off (A) and on (B), interleaved A B B A A B ..., ``rounds`` blocks each."""
+    import torch
+    import torch.distributed as dist
+    from torchmetrics.utilities.distributed import gather_all_tensors as gather
+
+    import torchmetrics_gradpatch as tmgp
+
+    warnings.simplefilter("ignore")  # torchmetrics < 1.6 warns at every uneven gather on torch >= 2.8
+    rank = dist.get_rank()
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in case_names:
+        shape_of, calls = CASES[name]
+        tensor = torch.randn(shape_of(rank))
+        times: dict[str, list[float]] = {"unpatched": [], "patched": []}
+        for warm in (tmgp.unpatch, tmgp.patch):
+            warm()
+            _block(gather, tensor, 2)
+        for round_ in range(rounds):  # A B, then B A: neither mode always runs first
+            for mode in ("unpatched", "patched")[:: 1 if round_ % 2 == 0 else -1]:
+                (tmgp.patch if mode == "patched" else tmgp.unpatch)()
+                times[mode].append(_block(gather, tensor, calls))
+        out[name] = times
+    tmgp.patch()
+    return out
+
+
+def as_shipped(rounds: int, case_names: list[str]) -> dict[str, Any]:
+    """torchmetrics' gather as this environment ships it: patched by the import where the package is installed."""
+    import torch
+    import torch.distributed as dist
+    import torchmetrics
+    from torchmetrics.utilities.distributed import gather_all_tensors as gather
+
+    try:
+        import torchmetrics_gradpatch as tmgp
+
+        shim = f"torchmetrics_gradpatch {tmgp.__version__}"
+    except ImportError:  # the native environment needs no shim
+        shim = "no torchmetrics_gradpatch"
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"torchmetrics": torchmetrics.__version__, "shim": shim}
+    for name in case_names:
+        shape_of, calls = CASES[name]
+        tensor = torch.randn(shape_of(rank))
+        _block(gather, tensor, 2)
+        out[name] = [_block(gather, tensor, calls) for _ in range(rounds)]
+    return out
 
 
 def toggle(rounds: int, toggles: int) -> dict[str, Any]:
@@ -68,20 +137,19 @@ def toggle(rounds: int, toggles: int) -> dict[str, Any]:
 def main() -> None:
     job, raw = sys.argv[1], sys.argv[2]
     args = json.loads(raw)
-    from benchmarks import _ranks
-
     if job == "gather":
-        result: Any = _spawn(_ranks.patched_vs_unpatched, args["world_size"], (args["rounds"], args["cases"]))[0]
+        result: Any = _ranks.spawn_ranks(patched_vs_unpatched, args["world_size"], (args["rounds"], args["cases"]))[0]
     elif job == "shipped":
-        result = _spawn(_ranks.as_shipped, args["world_size"], (args["rounds"], args["cases"]))[0]
+        result = _ranks.spawn_ranks(as_shipped, args["world_size"], (args["rounds"], args["cases"]))[0]
         import torch
 
         result["torch"] = torch.__version__
         result["torch_git"] = torch.version.git_version
     elif job == "memory":
-        from benchmarks import _memory
+        import _memory
 
-        result = _spawn(_memory.gather_memory, args["world_size"], (args["rounds"], args["rows"], args["cols"]))
+        shape = (args["rounds"], args["rows"], args["cols"])
+        result = _ranks.spawn_ranks(_memory.gather_memory, args["world_size"], shape)
     elif job == "toggle":
         result = toggle(args["rounds"], args["toggles"])
     else:

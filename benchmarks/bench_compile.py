@@ -4,7 +4,7 @@
 
 The support is one call of torch's ``is_compiling`` check in ``_engine.dispatch``, the trampoline's path
 (dynamo folds it to ``True`` and takes a graph break into ``torch.compiler.disable``; in eager mode it returns
-``False``). Series, in rounds that rotate their order, in one process:
+``False``). Series, in rounds that rotate their order, in one spawned process (a world-size-1 gloo group):
 
 * ``dispatch_with_check`` / ``dispatch_without_check``: ``_engine.dispatch`` as shipped, and the same
   function without the check (built from its source), both in front of a gather that returns ``[result]``: the
@@ -28,14 +28,10 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: this checkout's package and benchmarks first
-    _root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(_root))
-
-from benchmarks._stats import spread
+import _ranks
+from _stats import spread
 
 
 def _without_check(engine: Any) -> Callable[..., Any]:
@@ -66,13 +62,12 @@ def _per_call(fn: Callable[[], Any], calls: int) -> float:
 
 
 def measure(rounds: int, calls: int) -> dict[str, Any]:
+    """What the one spawned rank runs (a world-size-1 gloo group): every series, per call."""
     import torch
-    import torch.distributed as dist
 
     from torchmetrics_gradpatch import _compile, _engine
     from torchmetrics_gradpatch._gather import gather_local as real_local
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     x = torch.ones(())
     state = _engine._state
     without = _without_check(_engine)
@@ -114,7 +109,6 @@ def measure(rounds: int, calls: int) -> dict[str, Any]:
             finally:
                 state.gather, state.is_compiling = saved[0], _compile.check()
     state.gather, state.is_compiling = saved
-    dist.destroy_process_group()
     found = _compile.check()
     out: dict[str, Any] = {"is_compiling": f"{found.__module__}.{found.__qualname__}"}
     for name, values in series.items():
@@ -131,9 +125,8 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    torch.set_num_threads(1)
     load_start = os.getloadavg()
-    results = measure(args.rounds, args.calls)
+    results = _ranks.spawn_ranks(measure, 1, (args.rounds, args.calls))[0]
     load_end = os.getloadavg()
     command = "python benchmarks/bench_compile.py " + " ".join(sys.argv[1:])
     record = {
@@ -141,6 +134,7 @@ def main() -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        "package": _ranks.package(),
         "load_start": [round(v, 2) for v in load_start],
         "load_end": [round(v, 2) for v in load_end],
         "rounds": args.rounds,
@@ -151,8 +145,8 @@ def main() -> int:
         "# torch.compile support: eager cost per call",
         "",
         f"Command: `{record['command']}`; torch {record['torch']}, Python "
-        f"{record['python']}, {record['cpus']} CPUs; load average (1, 5, 15 min) at start {record['load_start']}, "
-        f"at end {record['load_end']}. {args.rounds} rounds, order alternating.",
+        f"{record['python']}, {record['package']}, {record['cpus']} CPUs; load average (1, 5, 15 min) at start "
+        f"{record['load_start']}, at end {record['load_end']}. {args.rounds} rounds, order alternating.",
         "",
         "| series | median ns per call | 95% CI of the median |",
         "|---|---|---|",

@@ -37,12 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))  # this checkout's package and benchmarks first
+import _envs
+import _ranks
+from _stats import spread
 
-from benchmarks import _envs  # noqa: E402
-from benchmarks._stats import spread  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 GATHER_CASES = ["scalar", "1k", "64k", "1M", "uneven"]
 TARGET_GATHER = 1.02
@@ -70,23 +69,13 @@ def verdict(ratio: dict[str, float], target: float) -> dict[str, Any]:
     return {"target": target, "met": met, "verdict": text}
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """``os.environ`` plus ``extra``, with this checkout first on ``PYTHONPATH`` (the native environment installs
-    no torchmetrics_gradpatch at all, and every child must import the benchmarks package)."""
-    env = {**os.environ, **(extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def worker(python: str | os.PathLike[str], job: str, args: dict[str, Any], env: dict[str, str] | None = None) -> Any:
-    """Run ``_worker.py JOB`` in ``python`` with this checkout's package and benchmarks importable; its JSON result."""
-    full_env = child_env(env)
+    """Run ``_worker.py JOB`` in ``python`` (its installed packages; ``benchmarks/`` first on its path); its result."""
     proc = subprocess.run(
         [str(python), str(HERE / "_worker.py"), job, json.dumps(args)],
         capture_output=True,
         text=True,
-        env=full_env,
-        cwd=ROOT,
+        env={**os.environ, **(env or {})},
         timeout=1800,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -133,7 +122,7 @@ def bench_native(rounds: int, per_run: int) -> dict[str, Any]:
     for round_ in range(rounds):  # A B, then B A: neither environment always runs first
         for label, python in sides[:: 1 if round_ % 2 == 0 else -1]:
             raw = worker(python, "shipped", {"world_size": 2, "rounds": per_run, "cases": GATHER_CASES})
-            builds[label] = {"torch": raw["torch"], "torch_git": raw["torch_git"], "torchmetrics": raw["torchmetrics"]}
+            builds[label] = {key: raw[key] for key in ("torch", "torch_git", "torchmetrics", "shim")}
             for name in GATHER_CASES:
                 per_case[name][label].append(statistics.median(raw[name]))
     out: dict[str, Any] = {"environments": builds}
@@ -173,7 +162,6 @@ IMPORTS = {
 
 def bench_import(rounds: int) -> dict[str, Any]:
     log(f"import: fresh interpreters, {rounds} interleaved rounds of {len(IMPORTS)}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's package on the path
     times: dict[str, list[float]] = {name: [] for name in IMPORTS}
     order = list(IMPORTS.items())
     for round_ in range(rounds + 1):  # the first round warms the page cache and is dropped
@@ -182,8 +170,7 @@ def bench_import(rounds: int) -> dict[str, Any]:
                 [sys.executable, "-c", _IMPORT_SNIPPET.format(stmt=stmt)],
                 capture_output=True,
                 text=True,
-                env=env,
-                cwd=ROOT,
+                cwd=HERE,  # `-c` puts the working directory first on sys.path: never the checkout's root
                 check=True,
             )
             times[name].append(float(proc.stdout.split("SECONDS")[-1]))
@@ -258,6 +245,7 @@ def machine() -> dict[str, Any]:
         "loadavg": load,
         "torch": importlib.metadata.version("torch"),
         "torchmetrics": importlib.metadata.version("torchmetrics"),
+        "package": _ranks.package(),
     }
 
 
@@ -275,7 +263,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Measured {m['when']} with `{results['command']}`: Python "
         f"{m['python']}, torch {m['torch']}, "
-        f"torchmetrics {m['torchmetrics']}, {m['cpus']} CPUs, load average at start "
+        f"torchmetrics {m['torchmetrics']}, {m['package']}, {m['cpus']} CPUs, load average at start "
         f"{', '.join(f'{v:.1f}' for v in m['loadavg'] or [])} (end: "
         f"{', '.join(f'{v:.1f}' for v in results.get('loadavg_end') or [])}).",
         "",
@@ -294,7 +282,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     native = results.get("native", {})
     if "sizes" in native:
-        env_b = native["environments"]["native"]
+        env_a, env_b = native["environments"]["patched"], native["environments"]["native"]
         cells = [ratio_cell(native["sizes"][c]) for c in GATHER_CASES]
         lines += [
             "| patched 1.5.x / native | scalar | 1k | 64k | 1M | uneven |",
@@ -302,7 +290,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| 2 ranks, vs torchmetrics {env_b['torchmetrics']} | " + " | ".join(cells) + " |",
             "",
             f"Same torch build in both environments: {native['same_torch_build']} "
-            f"({env_b['torch']}, {env_b['torch_git'][:10]}).",
+            f"({env_b['torch']}, {env_b['torch_git'][:10]}); patched side: {env_a['shim']}, native side: "
+            f"{env_b['shim']}.",
             "",
         ]
     elif native:

@@ -38,14 +38,10 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: this checkout's package and benchmarks first
-    _root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(_root))
-
-from benchmarks._stats import spread
+import _ranks
+from _stats import spread
 
 #: name -> (rows per rank as a function of rank, columns); elements per rank = rows * columns
 CASES: dict[str, tuple[tuple[int, ...], int]] = {
@@ -170,9 +166,7 @@ def run(
     """Spawn ``world_size`` ranks, measure, and summarise (see the module docstring)."""
     import torch
 
-    from tests.harness import spawn_ranks
-
-    raw = spawn_ranks(_rank_bench, world_size, args=(reps, steps_scale, profile_steps), timeout=900)[0]
+    raw = _ranks.spawn_ranks(_rank_bench, world_size, (reps, steps_scale, profile_steps), timeout=900)[0]
     summary: dict[str, Any] = {
         "torch": torch.__version__,
         "world_size": world_size,
@@ -266,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"command: {provenance['command']}   (run from the repository root)",
         f"{provenance['when']}; Python {provenance['python']}, torch "
         f"{provenance['torch']}, torchmetrics {provenance['torchmetrics']}, {provenance['cpus']} CPUs",
+        _ranks.package(),
         f"load average at start: {_load_text(provenance['loadavg_start'])}",
     ]
     print("\n".join(header), flush=True)

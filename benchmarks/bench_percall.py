@@ -7,7 +7,7 @@
 The targets (patched - unpatched <= 2 µs, trampoline + dispatch <= 1 µs per call, on one rank) are judged in the
 printed report.
 
-**One rank** (this process, a world-size-1 gloo group on a ``HashStore``): the collectives are as cheap as they get,
+**One rank** (a spawned world-size-1 gloo group): the collectives are as cheap as they get,
 so what the package adds in Python is not buried under another rank's scheduling. Each round times one block of
 back-to-back calls per series, the series in an order that rotates from round to round and reverses every other
 round (no series always runs first or after the same neighbour). Series, for a float32 scalar and 1,000 elements:
@@ -43,15 +43,10 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-if __package__ in (None, ""):  # run as a script: this checkout's package and benchmarks first
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks._stats import spread  # noqa: E402
+import _ranks
+from _stats import spread
 
 ONE_RANK_CASES = {"scalar": (), "1k": (1000,)}
 #: name -> shape of rank r's tensor
@@ -149,45 +144,45 @@ def _measure(series: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], rou
     return wall, cpu
 
 
-def one_rank(rounds: int, calls: int) -> dict[str, Any]:
-    """The one-rank section (this process); µs per call, per case and series."""
+def _one_rank_main(rounds: int, calls: int) -> dict[str, Any]:
+    """What the one spawned rank runs; µs per call, per case and series."""
     import torch
-    import torch.distributed as dist
     import torchmetrics.utilities.distributed  # noqa: F401 - the patch lands when torchmetrics is imported
 
     import torchmetrics_gradpatch as tmgp
     from torchmetrics_gradpatch import _engine
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out: dict[str, Any] = {}
-    try:
-        tmgp.patch("local")
-        if not _engine.installed():
-            raise SystemExit("bench_percall: the patch installs nothing here (native torchmetrics): nothing to measure")
-        for case, shape in ONE_RANK_CASES.items():
-            tensor = torch.randn(shape)
-            graph_tensor = torch.randn(shape, requires_grad=True)
-            series = _series_callables(tensor, graph_tensor)
+    tmgp.patch("local")
+    if not _engine.installed():
+        raise RuntimeError("the patch installs nothing here (native torchmetrics): nothing to measure")
+    for case, shape in ONE_RANK_CASES.items():
+        tensor = torch.randn(shape)
+        graph_tensor = torch.randn(shape, requires_grad=True)
+        series = _series_callables(tensor, graph_tensor)
 
-            def noop(result: Any, group: Any = None, **kwargs: Any) -> list[Any]:
-                return [result]
+        def noop(result: Any, group: Any = None, **kwargs: Any) -> list[Any]:
+            return [result]
 
-            series["noop_through"] = (lambda: tmgp.patch("local"), series["patched"][1])
-            series["noop_direct"] = (lambda: tmgp.patch("local"), lambda t=tensor: noop(t))
-            gathers = {k: v for k, v in series.items() if k not in NOOP_SERIES}
-            wall, _ = _measure(gathers, rounds, calls, sync=lambda: None)
-            with _noop_behind_trampoline(noop):
-                if series["patched"][1]()[0] is not tensor:
-                    raise SystemExit("bench_percall: the no-op is not behind the trampoline")
-                noops = {k: series[k] for k in NOOP_SERIES}
-                noop_wall, _ = _measure(noops, rounds, calls * 10, sync=lambda: None)
-            wall.update(noop_wall)
-            out[case] = _summarise(wall)
-            out[case]["calls_per_block"] = {"gathers": calls, "noop": calls * 10}
-    finally:
-        tmgp.patch()
-        dist.destroy_process_group()
+        series["noop_through"] = (lambda: tmgp.patch("local"), series["patched"][1])
+        series["noop_direct"] = (lambda: tmgp.patch("local"), lambda t=tensor: noop(t))
+        gathers = {k: v for k, v in series.items() if k not in NOOP_SERIES}
+        wall, _ = _measure(gathers, rounds, calls, sync=lambda: None)
+        with _noop_behind_trampoline(noop):
+            if series["patched"][1]()[0] is not tensor:
+                raise RuntimeError("the no-op is not behind the trampoline")
+            noops = {k: series[k] for k in NOOP_SERIES}
+            noop_wall, _ = _measure(noops, rounds, calls * 10, sync=lambda: None)
+        wall.update(noop_wall)
+        out[case] = _summarise(wall)
+        out[case]["calls_per_block"] = {"gathers": calls, "noop": calls * 10}
+    tmgp.patch()
     return out
+
+
+def one_rank(rounds: int, calls: int) -> dict[str, Any]:
+    """The one-rank section: a spawned world-size-1 gloo group."""
+    return _ranks.spawn_ranks(_one_rank_main, 1, (rounds, calls))[0]  # type: ignore[no-any-return]
 
 
 def _two_rank_main(rounds: int, calls: int) -> dict[str, Any]:
@@ -211,9 +206,7 @@ def _two_rank_main(rounds: int, calls: int) -> dict[str, Any]:
 
 
 def two_ranks(rounds: int, calls: int) -> dict[str, Any]:
-    from tests.harness import spawn_ranks
-
-    raw = spawn_ranks(_two_rank_main, 2, args=(rounds, calls), timeout=1800)[0]
+    raw = _ranks.spawn_ranks(_two_rank_main, 2, (rounds, calls))[0]
     out: dict[str, Any] = {}
     for case, measured in raw.items():
         out[case] = {"wall": _summarise(measured["wall"]), "cpu": _summarise(measured["cpu"])}
@@ -243,6 +236,7 @@ def machine() -> dict[str, Any]:
         "loadavg_start": list(os.getloadavg()),
         "torch": importlib.metadata.version("torch"),
         "torchmetrics": importlib.metadata.version("torchmetrics"),
+        "package": _ranks.package(),
     }
 
 
@@ -279,7 +273,8 @@ def markdown(results: dict[str, Any]) -> str:
     load_end = ", ".join(f"{v:.2f}" for v in results["loadavg_end"])
     lines = [
         f"Measured {m['when']} with `{results['command']}`: Python {m['python']}, "
-        f"torch {m['torch']}, torchmetrics {m['torchmetrics']}, {m['cpus']} CPUs, load average at start {load} "
+        f"torch {m['torch']}, torchmetrics {m['torchmetrics']}, {m['package']}, {m['cpus']} CPUs, "
+        f"load average at start {load} "
         f"(end: {load_end}). µs per call: medians, and for differences the median of the per-round differences "
         "[95% confidence interval].",
         "",

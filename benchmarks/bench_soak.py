@@ -15,6 +15,8 @@ gives a Metric loss no graph, so its steps cannot run ``backward()``).
   dist_sync_on_step=True)`` (sum states: scalar gathers) and a cat-state metric with ``dist_sync_on_step=True``
   (per-rank batch sizes differ: uneven gathers); ``loss.backward()``, an SGD step, both metrics reset.
 
+The workload and the sampling are ``soak_workload.py``'s, which ``tests/test_leak.py`` runs briefly.
+
 Every ``len // samples`` operations each rank records its RSS (``/proc/self/status``, once it has stopped
 changing) and the number of ``torch.Tensor`` objects the garbage collector tracks, after ``gc.collect()``.
 Verdict per mode, phase and rank, from the first sample after warm-up (10% of the run) to the last: the live
@@ -26,34 +28,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))  # this checkout's package and benchmarks first
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks._memory import live_tensors, settled_rss_kib  # noqa: E402
-from tests._workloads import LossSteps, run_phase  # noqa: E402 - the workload tests/test_leak.py checks
-from tests._workloads import soak_gather_input as gather_input  # noqa: E402
+import _ranks
+import torch
+import torch.distributed as dist
+from soak_workload import LossSteps, run_phase, settled_sample
+from soak_workload import soak_gather_input as gather_input
 
 MODES = ("local", "global", "unpatched")
 WARMUP = 0.1  # the fraction of each phase before the baseline sample
-
-
-def sample(done: int) -> dict[str, int]:
-    gc.collect()
-    rss, _ = settled_rss_kib()
-    return {"done": done, "rss_kib": rss, "tensors": live_tensors()}
 
 
 def soak_rank(mode: str, gathers: int, steps: int, samples: int) -> dict[str, Any]:
@@ -70,7 +59,7 @@ def soak_rank(mode: str, gathers: int, steps: int, samples: int) -> dict[str, An
     rank = dist.get_rank()
     torch.manual_seed(rank)
     started = time.monotonic()
-    gather_samples = run_phase(lambda i: gather_all_tensors(gather_input(rank, i)), gathers, samples, sample)
+    gather_samples = run_phase(lambda i: gather_all_tensors(gather_input(rank, i)), gathers, samples, settled_sample)
     gather_seconds = time.monotonic() - started
     out: dict[str, Any] = {
         "rank": rank,
@@ -80,7 +69,7 @@ def soak_rank(mode: str, gathers: int, steps: int, samples: int) -> dict[str, An
         losses = LossSteps(rank)
         started = time.monotonic()
         out["steps"] = {
-            "samples": run_phase(losses.step, steps, samples, sample),
+            "samples": run_phase(losses.step, steps, samples, settled_sample),
             "seconds": time.monotonic() - started,
         }
     dist.barrier()
@@ -133,7 +122,8 @@ def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [
         f"Measured {m['when']} with `{results['command']}`: Python {m['python']}, "
-        f"torch {m['torch']}, torchmetrics {m['torchmetrics']}, {m['cpus']} CPUs, load average at start "
+        f"torch {m['torch']}, torchmetrics {m['torchmetrics']}, {m['package']}, {m['cpus']} CPUs, "
+        "load average at start "
         f"{', '.join(f'{v:.1f}' for v in m['loadavg'])} (end: {', '.join(f'{v:.1f}' for v in results['loadavg_end'])}"
         f"); {results['seconds']:.0f} s.",
         "",
@@ -174,11 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     opts = parser.parse_args(argv)
 
-    from benchmarks import (
-        bench_soak,
-    )  # this module by name, so the spawned ranks can unpickle soak_rank
-    from tests.harness import spawn_ranks
-
     shown = list(sys.argv[1:] if argv is None else argv)
     results: dict[str, Any] = {
         "command": " ".join(["python benchmarks/bench_soak.py", *shown]),
@@ -189,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg": load(),
             "torch": torch.__version__,
             "torchmetrics": __import__("torchmetrics").__version__,
+            "package": _ranks.package(),
         },
         "gathers": opts.gathers,
         "steps": opts.steps,
@@ -205,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             f"[{time.strftime('%H:%M:%S')}] {mode}: {opts.gathers} gathers, {opts.steps} steps",
             flush=True,
         )
-        ranks = spawn_ranks(
-            bench_soak.soak_rank,
-            2,
-            args=(mode, opts.gathers, opts.steps, opts.samples),
-            timeout=3600,
-        )
+        ranks = _ranks.spawn_ranks(soak_rank, 2, (mode, opts.gathers, opts.steps, opts.samples), timeout=3600)
         for rank in ranks:
             for phase, count in (("gathers", opts.gathers), ("steps", opts.steps)):
                 if phase in rank:

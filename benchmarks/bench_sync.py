@@ -21,13 +21,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._stats import spread
+import _ranks
+from _stats import spread
 
 #: syncs per timed block, per case (more for the fast ones, so that a scheduler hiccup does not decide a block)
 CASES = {"MeanSquaredError": 40, "MulticlassAccuracy macro (4 [C] states)": 30, "10-member MetricCollection": 4,
@@ -153,18 +150,17 @@ def run(world_sizes: list[int], rounds: int, cases: dict[str, int]) -> dict[str,
     import torch
     import torchmetrics
 
-    from tests.harness import spawn_ranks
-
     result: dict[str, Any] = {
         "command": "python benchmarks/bench_sync.py " + " ".join(sys.argv[1:]),
         "load_at_start": _load(),
         "torch": torch.__version__,
         "torchmetrics": torchmetrics.__version__,
+        "package": _ranks.package(),
         "rounds": rounds,
         "worlds": {},
     }
     for world_size in world_sizes:
-        result["worlds"][str(world_size)] = spawn_ranks(_rank_main, world_size, args=(rounds, cases), timeout=1800)[0]
+        result["worlds"][str(world_size)] = _ranks.spawn_ranks(_rank_main, world_size, (rounds, cases))[0]
     result["load_at_end"] = _load()
     return result
 
@@ -172,7 +168,7 @@ def run(world_sizes: list[int], rounds: int, cases: dict[str, int]) -> dict[str,
 def as_text(result: dict[str, Any]) -> str:
     lines = [
         f"{result['command']}  (torch {result['torch']}, torchmetrics "
-        f"{result['torchmetrics']}, load {result['load_at_start']} -> {result['load_at_end']}, "
+        f"{result['torchmetrics']}, {result['package']}, load {result['load_at_start']} -> {result['load_at_end']}, "
         f"{result['rounds']} rounds)",
         "A 'sync' is one Metric's (the collection: every member's, one after another).",
     ]

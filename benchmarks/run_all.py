@@ -8,6 +8,7 @@ Each benchmark is also one command of its own (docs/performance.md names them):
     python benchmarks/bench_percall.py      # what the patch adds to one gather call
     python benchmarks/bench_gather.py       # whole gathers patched / unpatched, native >= 1.6, toggle, import, memory
     python benchmarks/bench_sync.py         # the fused sync against torchmetrics' own sync
+    python benchmarks/bench_collection.py   # the sync inside MetricCollection.compute(): fused and torchmetrics'
     python benchmarks/bench_global.py       # global mode against local mode and torch's differentiable all_gather
     python benchmarks/bench_compile.py      # what torch.compile support costs the eager path
     python benchmarks/bench_soak.py         # RSS and live tensors over many gathers and Metric-loss steps
@@ -20,12 +21,21 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("bench_percall", "bench_gather", "bench_sync", "bench_global", "bench_compile", "bench_soak")
+BENCHMARKS = (
+    "bench_percall",
+    "bench_gather",
+    "bench_sync",
+    "bench_collection",
+    "bench_global",
+    "bench_compile",
+    "bench_soak",
+)
 #: the arguments that make each benchmark a smoke test
 QUICK = {
     "bench_percall": ["--quick"],
     "bench_gather": ["--quick", "--skip-native"],
     "bench_sync": ["--quick"],
+    "bench_collection": ["--quick"],
     "bench_global": ["--quick"],
     "bench_compile": ["--rounds", "3", "--calls", "200"],
     "bench_soak": ["--gathers", "60", "--steps", "12"],
