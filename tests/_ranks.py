@@ -37,6 +37,8 @@ from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
+from tests._procs import alive
+
 __all__ = ["RankError", "run_ranks"]
 
 HOST = "127.0.0.1"
@@ -70,13 +72,17 @@ class _RankPool:
         self.pool.join()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def pids(self) -> dict[int, int]:
+        """The rank each process of the pool is running (or joining as), by the file it writes at each call."""
+        found = {}
+        for path in Path(self.dir).glob("*.rank"):
+            with contextlib.suppress(OSError, ValueError):
+                found[int(path.read_text())] = int(path.stem)
+        return found
+
     def stacks(self, ranks: set[int]) -> dict[int, tuple[int, str]]:
         """The pid and Python stack of each process now running one of ``ranks`` (SIGUSR1 -> faulthandler)."""
-        pids = {}
-        for path in Path(self.dir).glob("*.rank"):
-            rank = int(path.read_text() or -1)
-            if rank in ranks:
-                pids[rank] = int(path.stem)
+        pids = {rank: pid for rank, pid in self.pids().items() if rank in ranks}
         for pid in pids.values():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGUSR1)
@@ -105,11 +111,12 @@ def run_ranks(
         for index in range(world_size)
     ]
     # the clock starts once every rank has reached the call (a new pool first spawns and imports torch)
-    clock = time.monotonic() if ranks.started else None
-    deadline = time.monotonic() + STARTUP
+    started = time.monotonic()
+    clock = started if ranks.started else None
+    deadline = started + (timeout if ranks.started else STARTUP)
     outcomes: dict[int, tuple[str, Any]] = {}
     while len(outcomes) < world_size and time.monotonic() < deadline:
-        if clock is None and len(list(Path(ranks.dir).glob("*.rank"))) == world_size:
+        if clock is None and len(ranks.pids()) == world_size:
             clock = time.monotonic()
             deadline = min(deadline, clock + timeout) if outcomes else clock + timeout
         for index, call in enumerate(calls):
@@ -119,10 +126,13 @@ def run_ranks(
                     rank, kind, value = call.get()
                 except Exception as error:  # the call could not reach the rank or come back (pickling)
                     rank, kind, value = index, "error", "".join(traceback.format_exception(error))
-                if kind == "error":
-                    deadline = min(deadline, time.monotonic() + GRACE)  # the others may wait for it forever
                 outcomes[rank] = (kind, value)
-        time.sleep(0.02)
+        for rank, pid in ranks.pids().items():  # a rank that died never answers: the pool only replaces it
+            if rank not in outcomes and not alive(pid):
+                outcomes[rank] = ("error", f"its process {pid} died without an answer (killed, or it exited)\n")
+        if any(kind == "error" for kind, _ in outcomes.values()):
+            deadline = min(deadline, time.monotonic() + GRACE)  # the others may wait for it forever
+        time.sleep(0.05)
     pending = sorted(set(range(world_size)) - set(outcomes))
     stacks = ranks.stacks(set(pending)) if pending else {}
     failed = pending or any(kind == "error" for kind, _ in outcomes.values())
@@ -134,7 +144,7 @@ def run_ranks(
         ranks.started = True
     name = getattr(fn, "__qualname__", repr(fn))
     failures = [
-        f"rank {r} of {world_size} raised in {name}:\n{v}" for r, (k, v) in sorted(outcomes.items()) if k == "error"
+        f"rank {r} of {world_size} failed in {name}:\n{v}" for r, (k, v) in sorted(outcomes.items()) if k == "error"
     ]
     for r in pending:
         pid, stack = stacks.get(r, (None, ""))

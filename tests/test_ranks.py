@@ -49,12 +49,40 @@ def test_a_failing_rank_reports_its_traceback_and_the_waiting_rank_its_stack() -
     with pytest.raises(RankError) as raised:
         run_ranks(_fail_on_one, 2, timeout=60)
     text = str(raised.value)
-    assert "rank 1 of 2 raised in _fail_on_one" in text and "ValueError: rank one's own failure" in text
+    assert "rank 1 of 2 failed in _fail_on_one" in text and "ValueError: rank one's own failure" in text
     assert 'raise ValueError("rank one' in text  # the line, from the rank's traceback
     waiting = text.split("rank 0 of 2 (pid ")[1]
     assert "did not finish _fail_on_one" in waiting and "in _fail_on_one" in waiting.split("its stack:")[1]
     assert time.monotonic() - started < 40, "the waiting rank must be ended a grace period after the failure"
     assert run_ranks(_whoami, 2)[1][:2] == (1, 1)  # a new pool replaced the ended one
+
+
+def _exit_on_one(rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(7)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_that_dies_is_named_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 of 2 failed in _exit_on_one:\nits process \d+ died"):
+        run_ranks(_exit_on_one, 2, timeout=120)
+    assert time.monotonic() - started < 40, "a dead rank must not wait for the deadline"
+
+
+def test_the_timeout_bounds_a_warm_call() -> None:
+    run_ranks(_pid, 2)  # warm
+    started = time.monotonic()
+    with pytest.raises(RankError, match="did not finish _sleep in 2 s"):
+        run_ranks(_sleep, 2, 30, timeout=2)
+    assert time.monotonic() - started < 15
+
+
+def _sleep(rank: int, world_size: int, seconds: float) -> None:
+    time.sleep(seconds)
 
 
 def _hold_the_gil(rank: int, world_size: int) -> None:
