@@ -69,7 +69,7 @@ def projection() -> torch.Tensor:
 
 def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL) -> None:
     """``actual`` equals ``expected`` to ``rtol`` relative to the largest magnitude in ``expected``."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual, expected)
     if expected.numel() == 0:
         return
     scale = expected.abs().max().item()

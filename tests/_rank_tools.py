@@ -70,11 +70,12 @@ def record_collectives() -> Iterator[list[str]]:
 
 
 def destroy_subgroup(group: Any) -> None:
-    """Destroy a group the test created (on its members; the others hold none), so that the warm pool, which
-    retires after any test that leaves a group behind, keeps its ranks; a test that fails before this retires it.
+    """Destroy a group the test created (on its members; the others hold none), so that a warm rank is left as
+    the test found it; a test that fails before this has its ranks ended (``run_ranks`` ends a failed call's pool).
 
-    On torch 2.0 the group is left (the pool retires): its gloo deadlocked in destroy_process_group 1 time in 30.
-    Elsewhere the group's last work is a barrier, whose tensors Python does not own.
+    On torch 2.0 the group is left (the warm ranks keep it until they end): its gloo deadlocked in
+    destroy_process_group 1 time in 30. Elsewhere the group's last work is a barrier, whose tensors Python does
+    not own.
     """
     if group == dist.GroupMember.NON_GROUP_MEMBER or torch.__version__.startswith("2.0."):
         return

@@ -56,7 +56,7 @@ def gloo_dtypes() -> tuple[str, ...]:
     runs in a private one-process gloo group, never in the test's group: torch 2.0's gloo ``barrier`` waits on
     every work still in flight, and a refused probe that its worker thread has not yet retired re-raises there,
     in the next gather. Complex tensors are probed as real views, as ``dist.all_gather`` sends them. Any other
-    error is real and propagates.
+    error is real and propagates. Call it on a rank, never in the pytest process: the probe is a process group.
     """
     solo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
     usable = []

@@ -1,73 +1,24 @@
 """The API's edges: mode names, ``@patched`` bare, ``status()`` text, the docstring.
 
-Reloads and second copies change module objects for good, so they run in fresh interpreters (``_run``), each with a
-one-rank gloo group so torchmetrics' gather really runs; the script fails (non-zero exit, its traceback shown) on
-the first wrong answer, and turns every warning into an error, so a false warning fails it too.
+In-process, with no process group; the one case that gathers runs on one gloo rank (``tests/_ranks.py``).
 """
 
 from __future__ import annotations
 
 import re
-import textwrap
 from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torchmetrics_gradpatch as tg
-from tests._subprocess import ROOT, run_python
+from tests._ranks import run_ranks
+from tests._subprocess import ROOT
 from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch.cli import build_parser
 
 NATIVE = tg.status().native
 MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
-
-_PRELUDE = f"""
-import gc, importlib, sys, warnings
-# every warning of this package is an error here (a false "another tool has replaced the code" fails the test);
-# other libraries' own deprecation warnings (torchmetrics 0.11's pkg_resources, say) are not this test's concern
-warnings.filterwarnings("error", message="torchmetrics_gradpatch")
-import torch, torch.distributed as dist
-import torchmetrics_gradpatch as tg
-import torchmetrics.utilities.distributed as tm_dist
-from torchmetrics_gradpatch import _engine
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-MODE = {MODE!r}
-FUNCTION = tm_dist.gather_all_tensors
-ORIGINAL = FUNCTION.__code__ if not _engine.installed() else _engine._state.original_code
-tg.patch(MODE)
-
-def gather_keeps_graph():
-    x = torch.arange(3.0, requires_grad=True)
-    out = FUNCTION(x)
-    return out[0] is x or (out[0].requires_grad and out[0].grad_fn is not None)
-
-def check_patched(package):
-    assert package.is_patched(), package.status()
-    assert _engine.installed() and FUNCTION.__code__ is not ORIGINAL, package.status()
-    assert package.status().state == "patched" and package.status().applied_to
-    assert gather_keeps_graph()
-
-def check_unpatched(package):
-    assert not package.is_patched(), package.status()
-    assert FUNCTION.__code__ is ORIGINAL, "unpatch() must give back the very same code object"
-    assert package.status().state == "off" and not package.status().applied_to
-    assert FUNCTION(torch.ones(()))[0].item() == 1.0
-"""
-_EPILOGUE = """
-tg.patch()
-gc.collect()
-dist.barrier()
-dist.destroy_process_group()
-print("OK")
-"""
-
-
-def _run(body: str) -> None:
-    proc = run_python(_PRELUDE + textwrap.dedent(body) + _EPILOGUE, timeout=180)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), f"{proc.stdout}\n{proc.stderr}"
-
 
 # --- mode names: one rule everywhere ------------------------------------------------------------------------------
 
@@ -104,18 +55,17 @@ def test_mode_names_are_case_insensitive_on_the_command_line() -> None:
     assert build_parser().parse_args(["check", "--mode", "Global"]).mode == "global"
 
 
+def _any_case(rank: int, world_size: int) -> None:
+    x = torch.tensor([1.0, 2.0])
+    for mode in ("Local", "GLOBAL"):
+        out = tg.gather_all_tensors(x, mode=mode)
+        assert out[0] is x, (mode, out)
+    with pytest.raises(ValueError, match="is not a gradient mode"):
+        tg.gather_all_tensors(x, mode="both")
+
+
 def test_the_direct_gather_takes_any_case() -> None:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        x = torch.tensor([1.0, 2.0])
-        for mode in ("Local", "GLOBAL"):
-            out = tg.gather_all_tensors(x, mode=mode)
-            assert out[0] is x
-        with pytest.raises(ValueError, match="is not a gradient mode"):
-            tg.gather_all_tensors(x, mode="both")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    run_ranks(_any_case, 1)
 
 
 # --- @patched without parentheses ---------------------------------------------------------------------------------

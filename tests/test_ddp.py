@@ -1,6 +1,6 @@
 """The patched gather and Metric paths on real gloo ranks: world sizes 1, 2 and 3, and a subgroup of 2 of 3.
 
-Every case is a test on warm pooled ranks (``@pytest.mark.ranks(n, reuse=True)``) whose body runs on each rank
+Every case is a test whose body runs on each of warm pooled gloo ranks (``run_ranks`` of ``tests/_ranks.py``)
 and checks that rank against references it computes itself: gathered values against torchmetrics' own unpatched
 gather, gradients against analytic values and a single-process float64 reference built from every rank's
 (deterministic) inputs. Facts about the other ranks come through ``all_gather_object``.
@@ -22,19 +22,14 @@ from torchmetrics.utilities.distributed import gather_all_tensors as ALIAS  # no
 
 import torchmetrics_gradpatch
 from tests._rank_tools import collection_loss, destroy_subgroup, every_rank, record_collectives, synced_state_loss
+from tests._ranks import run_ranks
 from tests._workloads import CatSquaredError, SumSquaredError
-from tests.harness import spawn_ranks
 from torchmetrics_gradpatch import _engine
 
 # Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
 CAT_ROWS = (3, 5, 4)
 SUM_ROWS = (4, 4, 4)
 SUBGROUP = [0, 2]
-
-
-def worlds(*sizes: int) -> list[Any]:
-    """``world_size`` parameters, each run on that many pooled ranks."""
-    return [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True), id=f"{n}ranks") for n in sizes]
 
 
 def inputs(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,33 +43,32 @@ def inputs(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------------------------------- rank order
 
 
-@pytest.mark.parametrize("world_size", worlds(1, 2, 3))
-def test_each_process_runs_the_rank_it_joined_as(world_size: int) -> None:
-    """The rank-order lesson: entry j of a gather comes from the process that is rank j, and the body ran there."""
-    rank = dist.get_rank()
-    assert dist.get_world_size() == world_size
+def _rank_order(rank: int, world_size: int) -> None:
+    assert rank == dist.get_rank() and dist.get_world_size() == world_size, (rank, world_size)
     pids = tm_dist.gather_all_tensors(torch.tensor([os.getpid(), rank]))
     gathered = [tuple(int(v) for v in p) for p in pids]
-    assert gathered == every_rank((os.getpid(), rank))
-    assert [r for _, r in gathered] == list(range(world_size)) and gathered[rank][0] == os.getpid()
+    assert gathered == every_rank((os.getpid(), rank)), gathered
+    assert [r for _, r in gathered] == list(range(world_size)) and gathered[rank][0] == os.getpid(), gathered
 
 
-def uneven_gather_and_grad() -> tuple[list[list[float]], list[float]]:
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_process_runs_the_rank_it_joined_as(world_size: int) -> None:
+    """The rank-order lesson: entry j of a gather comes from the process that is rank j, and the body ran there."""
+    run_ranks(_rank_order, world_size)
+
+
+def uneven_gather_and_grad(rank: int, world_size: int) -> tuple[list[list[float]], list[float]]:
     """Rank r gathers ``r + 1`` rows through torchmetrics' own (patched) gather, then backpropagates a weighted sum."""
-    rank = dist.get_rank()
     x = torch.arange(rank + 1, dtype=torch.float64).add(10 * rank).requires_grad_()
     entries = tm_dist.gather_all_tensors(x)
     sum((j + 1) * e.sum() for j, e in enumerate(entries)).backward()  # type: ignore[union-attr]
-    assert x.grad is not None
+    assert x.grad is not None, "no gradient reached the input"
     return [e.detach().tolist() for e in entries], x.grad.tolist()
 
 
-def test_the_gather_through_spawn_ranks_directly() -> None:
-    """The smoke test without the marker: spawn_ranks returns each rank's result in rank order.
-
-    Fresh ranks by design: spawn_ranks itself, as the fault tests and the pool build on it, is what is tested.
-    """
-    results = spawn_ranks(uneven_gather_and_grad, 2, timeout=120)
+def test_the_gathers_results_come_back_in_rank_order() -> None:
+    """The smoke test: each rank's gathered values and gradient, checked in the pytest process, in rank order."""
+    results = run_ranks(uneven_gather_and_grad, 2)
     assert [values for values, _ in results] == [[[0.0], [10.0, 11.0]]] * 2
     assert [grad for _, grad in results] == [[1.0], [2.0, 2.0]]  # only the local entry carries the graph
 
@@ -148,13 +142,13 @@ def check_gather_case(case: str, group: Any = None) -> None:
         warnings.simplefilter("error")
         global_values = [t.detach().clone() for t in tm_dist.gather_all_tensors(x.detach(), group)]
 
-    assert len(patched) == len(reference)
+    assert len(patched) == len(reference), (patched, reference)
     for j, (got, want) in enumerate(zip(patched, reference, strict=True)):
         assert got.dtype == want.dtype and got.shape == want.shape, (j, got, want)
         assert torch.equal(got, want), (j, got, want)  # bit for bit (these dtypes have no NaN here)
-    assert torch.equal(patched[local], x.detach().contiguous())
-    assert [str(w.message) for w in caught] == []
-    assert calls == reference_calls
+    assert torch.equal(patched[local], x.detach().contiguous()), (patched[local], x)
+    assert [str(w.message) for w in caught] == [], [str(w.message) for w in caught]
+    assert calls == reference_calls, (calls, reference_calls)
     for j, (got, want) in enumerate(zip(global_values, reference, strict=True)):  # through the trampoline
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), ("global", j)
     if case != "non_contiguous":
@@ -163,41 +157,47 @@ def check_gather_case(case: str, group: Any = None) -> None:
         assert patched[local] is not x
     requires_grad = [t.requires_grad for t in patched]
     if case in ("integer", "no_requires_grad"):
-        assert requires_grad == [False] * len(patched)
+        assert requires_grad == [False] * len(patched), requires_grad
         return
     # the caller's own entry keeps its graph (under no_grad: the leaf itself); nothing else has one
-    assert requires_grad == [j == local for j in range(len(patched))]
+    assert requires_grad == [j == local for j in range(len(patched))], requires_grad
     if not no_grad:
         # d/dx of sum_j (j + 1) * out[j].sum() is (local + 1) everywhere: only the local entry has a graph
         loss = sum((j + 1) * entry.sum() for j, entry in enumerate(patched))
         loss.backward()  # type: ignore[union-attr]
-        assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, float(local + 1)))
+        assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, float(local + 1))), x.grad
     else:
-        assert x.grad is None
+        assert x.grad is None, x.grad
 
 
-@pytest.mark.parametrize("case", GATHER_CASES)
-@pytest.mark.parametrize("world_size", worlds(1, 2, 3))
-def test_gather_matches_unpatched_and_keeps_local_graph(world_size: int, case: str) -> None:
+def _gather_case(rank: int, world_size: int, case: str) -> None:
     check_gather_case(case)
 
 
-@pytest.mark.ranks(3, reuse=True)
+@pytest.mark.parametrize("case", GATHER_CASES)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_gather_matches_unpatched_and_keeps_local_graph(world_size: int, case: str) -> None:
+    run_ranks(_gather_case, world_size, case)
+
+
+def _subgroup(rank: int, world_size: int) -> None:
+    group = dist.new_group(SUBGROUP)  # every rank takes part in creating it
+    if rank in SUBGROUP:
+        assert dist.get_rank(group) == SUBGROUP.index(rank), dist.get_rank(group)
+        for case in ("equal", "uneven_rows", "scalar"):
+            check_gather_case(case, group)
+    else:
+        assert dist.get_rank(group) == -1, dist.get_rank(group)  # rank 1 is outside the group and gathers nothing
+    dist.barrier()
+    destroy_subgroup(group)
+
+
 def test_subgroup_uses_the_rank_within_the_group() -> None:
     """Ranks 0 and 2 of 3 gather in their own group: the local entry sits at the rank within the group.
 
     One test for the three shapes, one group for every case; it is destroyed at the end, so the warm ranks stay.
     """
-    group = dist.new_group(SUBGROUP)  # every rank takes part in creating it
-    rank = dist.get_rank()
-    if rank in SUBGROUP:
-        assert dist.get_rank(group) == SUBGROUP.index(rank)
-        for case in ("equal", "uneven_rows", "scalar"):
-            check_gather_case(case, group)
-    else:
-        assert dist.get_rank(group) == -1  # rank 1 is outside the group and gathers nothing
-    dist.barrier()
-    destroy_subgroup(group)
+    run_ranks(_subgroup, 3)
 
 
 def rows_for(case: str) -> tuple[int, ...]:
@@ -256,49 +256,55 @@ METRIC_CASES = (
 )
 
 
-@pytest.mark.parametrize("case", METRIC_CASES)
-@pytest.mark.parametrize("world_size", worlds(1, 2, 3))
-def test_metric_paths_backpropagate_like_single_process(world_size: int, case: str) -> None:
-    """Each rank's gradient is d(global loss)/d(its own preds): the single-process gradient, sliced."""
-    rank = dist.get_rank()
+def _metric_path(rank: int, world_size: int, case: str) -> None:
     preds, target = inputs(rank, rows_for(case)[rank])
     preds.requires_grad_()
     loss = metric_loss(case, preds, target)
     loss.backward()
-    assert preds.grad is not None
+    assert preds.grad is not None, f"no gradient reached rank {rank}'s preds"
     torch.testing.assert_close(preds.grad, reference_grad(case, rank, world_size), rtol=1e-12, atol=1e-15)
     values = every_rank(loss.detach())
-    assert all(torch.equal(v, values[0]) for v in values), "every rank must see the same synced loss"
+    assert all(torch.equal(v, values[0]) for v in values), f"every rank must see the same synced loss: {values}"
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_the_patch_is_what_makes_the_difference(world_size: int) -> None:
-    """Control. Patch off: old torchmetrics loses the graph; native torchmetrics keeps it and gives the reference
-    gradient itself. Global mode (installed on every torchmetrics): every rank gets world_size x the reference,
-    so on native torchmetrics too the installed code, not torchmetrics' own, produced it."""
-    rank = dist.get_rank()
+@pytest.mark.parametrize("case", METRIC_CASES)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_metric_paths_backpropagate_like_single_process(world_size: int, case: str) -> None:
+    """Each rank's gradient is d(global loss)/d(its own preds): the single-process gradient, sliced."""
+    run_ranks(_metric_path, world_size, case)
+
+
+def _patch_difference(rank: int, world_size: int) -> None:
     reference = reference_grad("forward_cat", rank, world_size)
     native = torchmetrics_gradpatch.status().native
-    assert torchmetrics_gradpatch.is_patched()
+    assert torchmetrics_gradpatch.is_patched(), torchmetrics_gradpatch.status()
     torchmetrics_gradpatch.unpatch()
     try:
-        assert not _engine.installed()
+        assert not _engine.installed(), torchmetrics_gradpatch.status()
         preds, target = inputs(rank, CAT_ROWS[rank])
         preds.requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loss = CatSquaredError(dist_sync_on_step=True)(preds, target)
-        assert loss.requires_grad == native
+        assert loss.requires_grad == native, (loss, native)
         if native:
             loss.backward()
             torch.testing.assert_close(preds.grad, reference, rtol=1e-12, atol=1e-15)
         else:
-            assert preds.grad is None
+            assert preds.grad is None, preds.grad
     finally:
         torchmetrics_gradpatch.patch()
     preds, target = inputs(rank, CAT_ROWS[rank])
     preds.requires_grad_()
     with torchmetrics_gradpatch.patched(mode="global"):
-        assert _engine.installed()
+        assert _engine.installed(), torchmetrics_gradpatch.status()
         CatSquaredError(dist_sync_on_step=True)(preds, target).backward()
     torch.testing.assert_close(preds.grad, world_size * reference, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_patch_is_what_makes_the_difference(world_size: int) -> None:
+    """Control. Patch off: old torchmetrics loses the graph; native torchmetrics keeps it and gives the reference
+    gradient itself. Global mode (installed on every torchmetrics): every rank gets world_size x the reference,
+    so on native torchmetrics too the installed code, not torchmetrics' own, produced it."""
+    run_ranks(_patch_difference, world_size)

@@ -2,10 +2,11 @@
 
 Flavours: equal and uneven shapes, a non-contiguous view, a rank with zero rows, a 0-d tensor, seven dimensions
 (more than global mode's header carries), the negative bit (``z.conj().imag``, on odd ranks only) as a 0-d and a
-1-d tensor, and the conjugate bit on every rank. Each test runs in the warm rank pool and loops over every case;
-each rank checks its own results: every entry bit for bit against torchmetrics' own gather with the patch off,
-and, for floating and complex dtypes, the gradient against the analytic one (local mode: this rank's weight;
-global mode: the world size times it). The marker's timeout bounds each test far below the pool's group timeout.
+1-d tensor, and the conjugate bit on every rank. Each test runs its body on warm pooled gloo ranks (``run_ranks`` of
+``tests/_ranks.py``) and loops over every case; each rank checks its own results: every entry bit for bit against
+torchmetrics' own gather with the patch off, and, for floating and complex dtypes, the gradient against the
+analytic one (local mode: this rank's weight; global mode: the world size times it). The call's deadline bounds
+each test far below the ranks' group timeout.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_gradpatch as tg
+from tests._ranks import run_ranks
 from tests._tensors import GRAD_DTYPES, gloo_dtypes, make_tensor, same_bits, unpatched_gather
 
-WORLDS = [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True, timeout=90)) for n in (2, 3)]
+WORLDS = (2, 3)
+#: seconds per test once its ranks are up
+TIMEOUT = 90
 MODES = ("local", "global")
 #: dtype -> the complex dtype whose ``.conj().imag`` gives a tensor of that dtype with the negative bit set
 NEGATIVE_FROM = {"float16": "complex32", "float32": "complex64", "float64": "complex128"}
@@ -35,7 +39,7 @@ def _negative_bit(shape: tuple[int, ...], dtype_name: str, rank: int) -> torch.T
         real = make_tensor(shape, dtype_name, 50 + rank, True)
         imag = make_tensor(shape, dtype_name, 60 + rank, True)
         tensor = torch.complex(real, imag).conj().imag
-    assert tensor.is_neg() and tensor.dtype == getattr(torch, dtype_name)
+    assert tensor.is_neg() and tensor.dtype == getattr(torch, dtype_name), tensor
     return tensor
 
 
@@ -69,7 +73,7 @@ def _check_case(x: torch.Tensor, mode: str, graph: bool, what: str) -> list[str]
             problems.append(f"{what}: entry {i} requires_grad is {got.requires_grad}")
     if graph:
         loss = sum((i + 1) * (e.real.sum() if e.is_complex() else e.sum()) for i, e in enumerate(out))
-        assert isinstance(loss, torch.Tensor)
+        assert isinstance(loss, torch.Tensor), loss
         loss.backward()
         want = torch.full(x.shape, (world if mode == "global" else 1) * (rank + 1), dtype=x.dtype)
         if x.grad is None or not same_bits(x.grad, want):
@@ -84,10 +88,7 @@ def every_rank_problems(problems: list[str]) -> list[str]:
     return [f"rank {r}: {p}" for r, found in enumerate(every) for p in found]  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("world_size", WORLDS)
-def test_every_dtype_and_flavour_matches_the_unpatched_gather(world_size: int, mode: str) -> None:
-    rank = dist.get_rank()
+def _every_dtype_and_flavour(rank: int, world_size: int, mode: str) -> None:
     dtypes = gloo_dtypes()
     assert set(dtypes) >= {"float32", "float64", "int64", "complex64"}, dtypes
     problems: list[str] = []
@@ -100,7 +101,8 @@ def test_every_dtype_and_flavour_matches_the_unpatched_gather(world_size: int, m
             for graph in (False, True) if dtype in GRAD_DTYPES else (False,):
                 problems += _check_case(x, mode, graph, f"{dtype} {flavour}{' with grad' if graph else ''}")
                 cases += 1
-    assert every_rank_problems(problems) == []
+    found = every_rank_problems(problems)
+    assert found == [], "\n".join(found)
     # every dtype in six flavours, the three with a negative-bit view in two more; floating ones with grad too
     floating = len(GRAD_DTYPES & set(dtypes))
     assert cases == (len(dtypes) + floating) * 6 + 3 * 2 * 2, cases
@@ -108,10 +110,13 @@ def test_every_dtype_and_flavour_matches_the_unpatched_gather(world_size: int, m
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_conjugate_bit_on_every_rank_fails_on_every_rank(world_size: int, mode: str) -> None:
-    """Unpatched torchmetrics refuses a conjugate view on every rank (gloo's view_as_real); both modes do too."""
+def test_every_dtype_and_flavour_matches_the_unpatched_gather(world_size: int, mode: str) -> None:
+    run_ranks(_every_dtype_and_flavour, world_size, mode, timeout=TIMEOUT)
+
+
+def _conjugate_bit_everywhere(rank: int, world_size: int, mode: str) -> None:
     for shape in [(), (3,)]:
-        x = make_tensor(shape, "complex64", dist.get_rank(), True).conj()
+        x = make_tensor(shape, "complex64", rank, True).conj()
         try:
             unpatched_gather(x)
         except RuntimeError as err:
@@ -120,8 +125,16 @@ def test_conjugate_bit_on_every_rank_fails_on_every_rank(world_size: int, mode: 
             raise AssertionError("the unpatched gather accepted a conjugate view: the reference changed")
         with pytest.raises(RuntimeError) as raised:
             tg.gather_all_tensors(x, mode=mode)
+        message = str(raised.value)
         if mode == "local":
-            assert str(raised.value) == unpatched
+            assert message == unpatched, (message, unpatched)
         else:
-            assert "conjugate bit" in str(raised.value) and "resolve_conj()" in str(raised.value)
-            assert f"rank(s) {list(range(world_size))} cannot take part" in str(raised.value)
+            assert "conjugate bit" in message and "resolve_conj()" in message, message
+            assert f"rank(s) {list(range(world_size))} cannot take part" in message, message
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_conjugate_bit_on_every_rank_fails_on_every_rank(world_size: int, mode: str) -> None:
+    """Unpatched torchmetrics refuses a conjugate view on every rank (gloo's view_as_real); both modes do too."""
+    run_ranks(_conjugate_bit_everywhere, world_size, mode, timeout=TIMEOUT)

@@ -1,14 +1,15 @@
 """The "global" gradient mode: exact single-process gradients under DDP, and its plumbing.
 
-Spawned part: every case is a test on warm pooled gloo ranks (2, and 3 with a subgroup of ranks 0 and 2) whose
-body runs on each rank and checks that rank against single-process float64 references it builds itself from the
-same deterministic inputs (``tests/_global_inputs.py``). The DDP gradient is the average over ranks of each
-rank's gradient, as DDP's all-reduce makes it; the ranks' gradients come together through ``all_gather_object``.
+Spawned part: every case is a test whose body runs on each of warm pooled gloo ranks (``run_ranks`` of
+``tests/_ranks.py``: 2, and 3 with a subgroup of ranks 0 and 2; 1 for the direct gather alone) and checks that
+rank against single-process float64 references it builds itself from the same deterministic inputs
+(``tests/_global_inputs.py``). The DDP gradient is the average over ranks of each rank's gradient, as DDP's
+all-reduce makes it; the ranks' gradients come together through ``all_gather_object``.
 The agreement cases (a rank with nothing to sync, a grad-mode disagreement, in-place changes, double backward)
 are in ``tests/test_global_agreement.py``.
 
-In-process part: mode validation, the state model of ``patch(mode=...)``/``patched(mode=...)``, ``status()``,
-the environment variable, and installation on a (faked) native torchmetrics.
+In-process part, with no process group: mode validation, the state model of ``patch(mode=...)``/
+``patched(mode=...)``, ``status()``, the environment variable, and installation on a (faked) native torchmetrics.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._global_inputs import assert_rel, global_collectives
 from tests._rank_tools import collection_loss, destroy_subgroup, every_rank, record_collectives, synced_state_loss
+from tests._ranks import run_ranks
 from tests._subprocess import ok, run_python
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine, gather_all_tensors, patched
@@ -38,11 +40,6 @@ BACKWARD_GATHERS = {"collection": 2, "many_states": 3}
 # (TORCHMETRICS_GRADPATCH_SYNC=fused): two all_gathers each, the same in both modes, and one backward
 # all_to_all_single each, whatever its number of states
 FUSED_SYNCS = {"collection": 2}
-
-
-def worlds(*sizes: int) -> list[Any]:
-    """``world_size`` parameters, each run on that many pooled ranks."""
-    return [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True), id=f"{n}ranks") for n in sizes]
 
 
 def test_global_collectives_helper() -> None:
@@ -71,7 +68,7 @@ def gather_references(case: str, global_ranks: list[int]) -> tuple[list[torch.Te
 def check_gather_case(case: str, global_ranks: list[int], group: Any = None, through: str = "direct") -> None:
     """Global vs local gather of one case on this rank: values, collectives, and the gradient of its own loss."""
     member = dist.get_rank(group)
-    assert member == global_ranks.index(dist.get_rank())
+    assert member == global_ranks.index(dist.get_rank()), (member, global_ranks)
     global_ref, local_ref = gather_references(case, global_ranks)
     inputs = [inp.gather_input(case, g).detach().contiguous() for g in global_ranks]
     x = inp.gather_input(case, dist.get_rank())
@@ -87,49 +84,56 @@ def check_gather_case(case: str, global_ranks: list[int], group: Any = None, thr
         loss = inp.gather_loss(entries, member)
         with record_collectives() as backward_calls:
             loss.backward()
-        assert x.grad is not None
+        assert x.grad is not None, f"{mode}: no gradient reached the input"
         seen[mode] = {"values": entries, "forward": forward_calls, "backward": backward_calls, "grad": x.grad}
     local, glob = seen["local"], seen["global"]
     # forward: bit-identical to local mode, and to every member's input
-    assert len(glob["values"]) == len(inputs)
+    assert len(glob["values"]) == len(inputs), (glob["values"], inputs)
     for got, same, expected in zip(glob["values"], local["values"], inputs, strict=True):
-        assert torch.equal(got, same) and torch.equal(got, expected) and got.dtype == same.dtype
+        assert torch.equal(got, same) and torch.equal(got, expected) and got.dtype == same.dtype, (got, same, expected)
     assert [t.dtype for t in glob["values"]] == [t.dtype for t in local["values"]]
     # collectives: local = unpatched (barrier, shapes, data); global drops the barrier, flags ride along
-    assert local["forward"][0] == "barrier"
-    assert glob["forward"] == global_collectives(local["forward"])
-    assert len(glob["forward"]) == (1 if case == "scalar" else 2)
-    assert glob["backward"] == ["all_to_all_single"]
-    assert local["backward"] == []
+    assert local["forward"][0] == "barrier", local["forward"]
+    assert glob["forward"] == global_collectives(local["forward"]), (glob["forward"], local["forward"])
+    assert len(glob["forward"]) == (1 if case == "scalar" else 2), glob["forward"]
+    assert glob["backward"] == ["all_to_all_single"], glob["backward"]
+    assert local["backward"] == [], local["backward"]
     # gradients: global = sum over members of each member's loss gradient; local = own loss only
     assert_rel(glob["grad"], global_ref[member])
     assert_rel(local["grad"], local_ref[member])
 
 
+def _gather_case(rank: int, world_size: int, case: str, through: str) -> None:
+    check_gather_case(case, list(range(world_size)), through=through)
+
+
 @pytest.mark.parametrize("case", inp.GATHER_CASES)
-@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_gather_global_exact_and_forward_identical(world_size: int, case: str) -> None:
-    check_gather_case(case, list(range(world_size)))
+    run_ranks(_gather_case, world_size, case, "direct")
 
 
 @pytest.mark.parametrize("case", ["uneven_rows", "scalar"])
-@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_gather_global_through_torchmetrics_and_patched_mode(world_size: int, case: str) -> None:
     """``patched(mode=...)`` around torchmetrics' own gather selects the mode (the trampoline path)."""
-    check_gather_case(case, list(range(world_size)), through="torchmetrics")
+    run_ranks(_gather_case, world_size, case, "torchmetrics")
 
 
-@pytest.mark.ranks(3, reuse=True)
-def test_gather_global_subgroup_uses_rank_within_group() -> None:
-    """One test for the three shapes, one group for every case; it is destroyed at the end, so the warm ranks stay."""
+def _subgroup(rank: int, world_size: int) -> None:
     group = dist.new_group(SUBGROUP)  # every rank takes part in creating it
-    if dist.get_rank() in SUBGROUP:
+    if rank in SUBGROUP:
         for case in ("equal", "uneven_rows", "scalar"):
             check_gather_case(case, SUBGROUP, group)
     else:
-        assert dist.get_rank(group) == -1  # rank 1 is outside the group and gathers nothing
+        assert dist.get_rank(group) == -1, dist.get_rank(group)  # rank 1 is outside the group and gathers nothing
     dist.barrier()
     destroy_subgroup(group)
+
+
+def test_gather_global_subgroup_uses_rank_within_group() -> None:
+    """One test for the three shapes, one group for every case; it is destroyed at the end, so the warm ranks stay."""
+    run_ranks(_subgroup, 3)
 
 
 def test_zero_row_rank_is_really_exercised() -> None:
@@ -207,10 +211,7 @@ def metric_reference(case: str, world_size: int) -> torch.Tensor:
     return grad
 
 
-@pytest.mark.parametrize("case", METRIC_CASES)
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_metric_paths_global_gives_single_process_gradient(world_size: int, case: str) -> None:
-    rank = dist.get_rank()
+def _metric_path(rank: int, world_size: int, case: str) -> None:
     reference = metric_reference(case, world_size)
     seen: dict[str, dict[str, Any]] = {}
     for mode in ("global", "local"):
@@ -221,7 +222,7 @@ def test_metric_paths_global_gives_single_process_gradient(world_size: int, case
             loss = metric_loss(case, features @ w, target)
         with record_collectives() as backward_calls:
             loss.backward()
-        assert w.grad is not None
+        assert w.grad is not None, f"{mode}: no gradient reached the weight"
         seen[mode] = {
             "loss": loss.detach(),
             "grad": w.grad,
@@ -233,18 +234,24 @@ def test_metric_paths_global_gives_single_process_gradient(world_size: int, case
     ddp = {mode: torch.stack(every_rank(seen[mode]["grad"])).mean(dim=0) for mode in ("global", "local")}  # type: ignore[arg-type]
     assert_rel(ddp["global"], reference)  # scale 1
     assert_rel(ddp["local"], reference / world_size)  # scale 1 / world size
-    assert torch.equal(glob["loss"], local["loss"])  # the synced values are identical, bit for bit
-    assert glob["sync"] == local["sync"]
+    assert torch.equal(glob["loss"], local["loss"]), (glob["loss"], local["loss"])  # identical, bit for bit
+    assert glob["sync"] == local["sync"], (glob["sync"], local["sync"])
     if glob["sync"] == "fused":
         syncs = FUSED_SYNCS.get(case, 1)
-        assert glob["forward"] == local["forward"]
-        assert len(glob["forward"]) == 2 * syncs and all(c.startswith("all_gather") for c in glob["forward"])
-        assert glob["backward"] == ["all_to_all_single"] * syncs
+        assert glob["forward"] == local["forward"], (glob["forward"], local["forward"])
+        assert len(glob["forward"]) == 2 * syncs and all(c.startswith("all_gather") for c in glob["forward"]), glob
+        assert glob["backward"] == ["all_to_all_single"] * syncs, glob["backward"]
     else:
-        assert glob["forward"] == global_collectives(local["forward"])
-        assert "barrier" not in glob["forward"]
-        assert glob["backward"] == ["all_to_all_single"] * BACKWARD_GATHERS.get(case, 1)
-    assert local["backward"] == []
+        assert glob["forward"] == global_collectives(local["forward"]), (glob["forward"], local["forward"])
+        assert "barrier" not in glob["forward"], glob["forward"]
+        assert glob["backward"] == ["all_to_all_single"] * BACKWARD_GATHERS.get(case, 1), glob["backward"]
+    assert local["backward"] == [], local["backward"]
+
+
+@pytest.mark.parametrize("case", METRIC_CASES)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_metric_paths_global_gives_single_process_gradient(world_size: int, case: str) -> None:
+    run_ranks(_metric_path, world_size, case)
 
 
 # ------------------------------------------------------------------------------------------- contrastive
@@ -261,11 +268,7 @@ def contrastive_reference(rows_key: str, world_size: int) -> torch.Tensor:
     return grad
 
 
-@pytest.mark.parametrize("rows_key", ["uneven", "zero_rows"])
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_contrastive_global_exact_local_not(world_size: int, rows_key: str) -> None:
-    """Each rank's contrastive loss over every rank's embeddings: global mode's DDP gradient is exact."""
-    rank = dist.get_rank()
+def _contrastive(rank: int, world_size: int, rows_key: str) -> None:
     rows = inp.ROWS[rows_key]
     reference = contrastive_reference(rows_key, world_size)
     ddp = {}
@@ -278,6 +281,13 @@ def test_contrastive_global_exact_local_not(world_size: int, rows_key: str) -> N
     if sum(n > 0 for n in rows[:world_size]) > 1:  # else there are no cross-rank terms
         error = (ddp["local"] - reference).abs().max().item()
         assert error > 1e-3 * reference.abs().max().item(), "local mode should drop the cross-rank terms"
+
+
+@pytest.mark.parametrize("rows_key", ["uneven", "zero_rows"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_contrastive_global_exact_local_not(world_size: int, rows_key: str) -> None:
+    """Each rank's contrastive loss over every rank's embeddings: global mode's DDP gradient is exact."""
+    run_ranks(_contrastive, world_size, rows_key)
 
 
 # ------------------------------------------------------------------------------------------- mode plumbing
@@ -373,13 +383,16 @@ def test_global_mode_installs_even_on_native_torchmetrics(clean_state: None, pre
     assert _engine._state.native == was_native and _engine.installed() == was_installed
 
 
-@pytest.mark.usefixtures("world_of_one")
-def test_direct_gather_global_in_a_world_of_one() -> None:
+def _world_of_one(rank: int, world_size: int) -> None:
     x = torch.arange(3.0, requires_grad=True)
     (y,) = gather_all_tensors(x, mode="global")
     (3 * y).sum().backward()
-    assert x.grad is not None and x.grad.tolist() == [3.0, 3.0, 3.0]
-    assert y is not x and y.requires_grad
+    assert x.grad is not None and x.grad.tolist() == [3.0, 3.0, 3.0], x.grad
+    assert y is not x and y.requires_grad, y
+
+
+def test_direct_gather_global_in_a_world_of_one() -> None:
+    run_ranks(_world_of_one, 1)
 
 
 def test_environment_variable_sets_the_import_time_mode() -> None:
