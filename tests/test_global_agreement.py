@@ -326,7 +326,6 @@ def stack_of(message: str, rank: int) -> str:
     return message.split(f"rank {rank} of 2 (pid ")[1].split("its stack:", 1)[1].split("\n\nrank ", 1)[0]
 
 
-@pytest.mark.waits
 def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
     message = times_out(skip_backward, 120.0)
     # rank 1 is the one its peer waits for: it is in skip_backward, not inside a collective
@@ -337,7 +336,6 @@ def test_rank_that_skips_backward_is_caught_by_the_runner_timeout() -> None:
     assert "in all_to_all_single" in waiting, waiting
 
 
-@pytest.mark.waits
 def test_ranks_in_different_modes_wait_until_the_timeout() -> None:
     """What the README says of mixing modes: the forward collectives differ, nothing detects it, the ranks wait.
 
