@@ -68,7 +68,7 @@ def assert_pristine(before: tuple[Any, ...]) -> None:
 def unpatched() -> Iterator[tuple[Any, ...]]:
     """From ``unpatch()`` (yields :func:`snapshot`), then the import-time state back: blocks closed, ``patch()``."""
     tg.unpatch()
-    assert _engine._state.blocks == 0 and not _engine.installed(), "a block open, or the trampoline installed, after unpatch()"
+    assert _engine._state.blocks == 0 and not _engine.installed(), "a block open, or the trampoline in, after unpatch()"
     try:
         yield snapshot()
     finally:
