@@ -1,7 +1,8 @@
 """``patched()`` blocks under asynchronous exceptions and misuse: a Ctrl-C storm, interrupted exits, stray exits.
 
-The storm runs in a fresh interpreter (SIGINT sent to the pytest process itself would stop the run); the rest in
-this process, each test starting from ``unpatch()`` with the fixture restoring the import-time state.
+The storm runs in a fresh interpreter (SIGINT sent to the pytest process itself would stop the run); the gather
+after an interrupted exit on a one-rank gloo world (``run_ranks``); the rest in this process. Each test starts from
+``unpatch()`` and puts the import-time state back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torchmetrics.utilities.distributed as tm_dist
 
 import torchmetrics_gradpatch as tg
+from tests._ranks import run_ranks
 from tests._subprocess import ok
 from torchmetrics_gradpatch import _engine, _syncs
 
@@ -178,25 +180,35 @@ def test_an_interrupt_anywhere_in_settling_a_block_leaves_the_next_reading_unpat
     assert len(reached) >= len(SETTLING) * 3, reached
 
 
-@pytest.mark.skipif(NATIVE, reason="torchmetrics >= 1.6 keeps the graph itself: both gathers give the same list")
-def test_a_gather_after_an_interrupted_exit_runs_unpatched(world_of_one: None) -> None:
-    """The first thing after the interrupt is a gather, before anything reads the state: the gather finishes
-    putting the original back and runs it (the patched gather would return the input itself at this rank)."""
+def _a_gather_after_an_interrupted_exit(rank: int, world_size: int) -> None:
     import torch
 
-    original = tm_dist.gather_all_tensors.__code__  # unpatched by the fixture
-    x = torch.ones(2, requires_grad=True)
-    reached = []
-    for line in body_lines(_engine._refresh):
-        block = tg.patched(MODE)
-        block.__enter__()
-        assert tm_dist.gather_all_tensors(x)[0] is x  # the block is in force
-        with interrupt_at(_engine._refresh.__code__, line) as hits, contextlib.suppress(KeyboardInterrupt):
-            block.__exit__(None, None, None)
-        reached += hits
-        assert tm_dist.gather_all_tensors(x)[0] is not x, f"interrupted at _refresh:{line}"
-        assert_unpatched(original, f"interrupted at _refresh:{line}")
-    assert len(reached) >= 5, reached  # the lines an exit runs there (a line not run is not a case)
+    tg.unpatch()  # what the module's fixture does in this process
+    try:
+        original = tm_dist.gather_all_tensors.__code__
+        x = torch.ones(2, requires_grad=True)
+        reached = []
+        for line in body_lines(_engine._refresh):
+            block = tg.patched(MODE)
+            block.__enter__()
+            assert tm_dist.gather_all_tensors(x)[0] is x, "the block is in force"
+            with interrupt_at(_engine._refresh.__code__, line) as hits, contextlib.suppress(KeyboardInterrupt):
+                block.__exit__(None, None, None)
+            reached += hits
+            assert tm_dist.gather_all_tensors(x)[0] is not x, f"interrupted at _refresh:{line}"
+            assert_unpatched(original, f"interrupted at _refresh:{line}")
+        assert len(reached) >= 5, reached  # the lines an exit runs there (a line not run is not a case)
+    finally:
+        while _engine._state.blocks:
+            _engine.exit_block()
+        tg.patch()
+
+
+@pytest.mark.skipif(NATIVE, reason="torchmetrics >= 1.6 keeps the graph itself: both gathers give the same list")
+def test_a_gather_after_an_interrupted_exit_runs_unpatched() -> None:
+    """The first thing after the interrupt is a gather, before anything reads the state: the gather finishes
+    putting the original back and runs it (the patched gather would return the input itself at this rank)."""
+    run_ranks(_a_gather_after_an_interrupted_exit, 1)  # the gather runs in a one-rank gloo world
 
 
 def test_an_exit_that_never_ran_closes_the_block_once_the_with_statement_is_gone() -> None:

@@ -1,7 +1,7 @@
 """torch.compile: a compiled step gives eager's values and gradients, on every rank, in both modes.
 
 Every case (a Metric loss with a sum state, one with an uneven ``cat`` state, and this package's
-``gather_all_tensors`` called directly) is a test on warm pooled ranks (2 and 3): each rank runs the same two
+``gather_all_tensors`` called directly) is a test on warm ranks (2 and 3, ``run_ranks``): each rank runs the same two
 training steps eagerly and compiled with the ``eager``, ``aot_eager`` or ``inductor`` backend (``fullgraph=False``)
 and compares its compiled losses and weight gradients with its eager ones (float64, to 1e-12 relative). Each
 compiled run goes through a backend wrapper that counts the graphs it was given, so a run that silently never
@@ -31,6 +31,7 @@ from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch
 from tests._rank_tools import dynamo_refusal
+from tests._ranks import run_ranks
 from tests._subprocess import python_path
 from tests._workloads import CatSquaredError
 from torchmetrics_gradpatch import gather_all_tensors, patched
@@ -81,11 +82,6 @@ def backend_here(backends: list[str], world_size: int, backend: str) -> str:
     if backend not in backends:
         pytest.skip("inductor needs a C++ compiler (none of $CXX, g++, c++, clang++ found on PATH)")
     return backend
-
-
-def worlds(*sizes: int) -> list[Any]:
-    """``world_size`` parameters, each run on that many pooled ranks."""
-    return [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True, timeout=TIMEOUT), id=f"{n}ranks") for n in sizes]
 
 
 # --- the steps, eager and compiled -------------------------------------------------------------------------------
@@ -144,9 +140,8 @@ def make_step(case: str, mode: str) -> Callable[[torch.Tensor, torch.Tensor, tor
 def in_process_compile(backend: str | None) -> contextlib.AbstractContextManager[Any]:
     """For inductor: its C++ compiled in this rank, not by the pool of compile subprocesses it starts otherwise.
 
-    That pool (each worker imports torch) costs seconds per rank on a shared 2-core machine, and its threads outlive
-    the test, so the warm rank pool retires after every inductor case and the next case starts fresh ranks.
-    Inductor still generates, compiles and runs the same code.
+    That pool (each worker imports torch) costs seconds per rank on a shared 2-core machine, and it would outlive
+    the test in the warm rank. Inductor still generates, compiles and runs the same code.
     """
     if backend != "inductor":
         return contextlib.nullcontext()
@@ -204,18 +199,12 @@ def _compile_support_where_native() -> bool:
     return native
 
 
-@pytest.mark.timeout(2 * TIMEOUT)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_compiled_step_matches_eager(world_size: int, backend: str, mode: str, case: str, backend_here: str) -> None:
-    rank = dist.get_rank()
+def _compiled_step_matches_eager(rank: int, world_size: int, backend: str, mode: str, case: str) -> None:
     native = _compile_support_where_native()
     try:
         eager = run_steps(case, mode, None, [])
         graphs: list[int] = []
-        compiled = run_steps(case, mode, backend_here, graphs)
+        compiled = run_steps(case, mode, backend, graphs)
     finally:
         if native:
             torchmetrics_gradpatch.compile_support(False)
@@ -230,35 +219,52 @@ def test_compiled_step_matches_eager(world_size: int, backend: str, mode: str, c
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_modes_really_differ_under_compile(world_size: int, backend: str, backend_here: str) -> None:
-    """The mode reaches the compiled gather: global mode's Metric-loss gradient is world_size x local mode's."""
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3], ids=["2ranks", "3ranks"])
+def test_compiled_step_matches_eager(world_size: int, backend: str, mode: str, case: str, backend_here: str) -> None:
+    run_ranks(_compiled_step_matches_eager, world_size, backend_here, mode, case, timeout=TIMEOUT)
+
+
+def _modes_really_differ(rank: int, world_size: int, backend: str) -> None:
     native = _compile_support_where_native()
     try:
-        local = run_steps("metric_sum", "local", backend_here, [])
-        glob = run_steps("metric_sum", "global", backend_here, [])
+        local = run_steps("metric_sum", "local", backend, [])
+        glob = run_steps("metric_sum", "global", backend, [])
     finally:
         if native:
             torchmetrics_gradpatch.compile_support(False)
     assert local["error"] is None and glob["error"] is None, (local["error"], glob["error"])
-    assert _close(glob["grads"][0], world_size * local["grads"][0]), dist.get_rank()
+    assert _close(glob["grads"][0], world_size * local["grads"][0]), (rank, glob["grads"][0], local["grads"][0])
 
 
-@pytest.mark.ranks(2, reuse=True, timeout=TIMEOUT)
-def test_native_torchmetrics_without_compile_support(backends: list[str]) -> None:
-    """docs/design.md's table: on native torchmetrics, without compile_support(), a local-mode Metric loss fails
-    under torch.compile on gloo (torchmetrics' own gather is traced); global mode works."""
-    if not torchmetrics_gradpatch.status().native:
-        pytest.skip("torchmetrics < 1.6: the trampoline is installed in local mode anyway")
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("world_size", [2, 3], ids=["2ranks", "3ranks"])
+def test_modes_really_differ_under_compile(world_size: int, backend: str, backend_here: str) -> None:
+    """The mode reaches the compiled gather: global mode's Metric-loss gradient is world_size x local mode's."""
+    run_ranks(_modes_really_differ, world_size, backend_here, timeout=TIMEOUT)
+
+
+def _native_without_compile_support(rank: int, world_size: int) -> None:
     torchmetrics_gradpatch.compile_support(False)  # warm ranks: whatever an earlier test left
     found = {}
     for mode in ("local", "global"):
         with torch.enable_grad():  # torchmetrics' own failing forward can leave grad mode off: restored on exit
             found[mode] = run_steps("metric_sum", mode, "eager", [])
     error = found["local"]["error"]
-    assert error is not None and "allgather" in error, f"rank {dist.get_rank()}: {error}"
+    assert error is not None and "allgather" in error, f"rank {rank}: {error}"
     assert found["global"]["error"] is None, found["global"]["error"]
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_native_torchmetrics_without_compile_support(backends: list[str]) -> None:
+    """docs/design.md's table: on native torchmetrics, without compile_support(), a local-mode Metric loss fails
+    under torch.compile on gloo (torchmetrics' own gather is traced); global mode works."""
+    if not torchmetrics_gradpatch.status().native:
+        pytest.skip("torchmetrics < 1.6: the trampoline is installed in local mode anyway")
+    run_ranks(_native_without_compile_support, 2, timeout=TIMEOUT)
 
 
 # --- check --compile --------------------------------------------------------------------------------------------------

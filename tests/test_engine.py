@@ -1,24 +1,24 @@
-"""Patch engine, in this process: every reference kind, exact restore, foreign patches, threads, errors.
+"""Patch engine: every reference kind, exact restore, foreign patches, threads, errors.
 
-The process imported ``torchmetrics_gradpatch`` (so the patch is on); each test starts from ``unpatch()``
-and the fixture puts the import-time state back. A one-rank gloo group lets the gather actually run.
+Each test starts from ``unpatch()`` and puts the import-time state back (the patch is on after the import). A test
+that runs a gather runs on a warm one-rank gloo world (``run_ranks(body, 1)``; the uneven gather on two ranks);
+the others, which need no process group, run in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import gc
 import random
 import threading
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torchmetrics.metric as tm_metric
 import torchmetrics.utilities.distributed as tm_dist
 import wrapt
@@ -26,6 +26,7 @@ from packaging.version import Version
 from torchmetrics import __version__ as tm_version
 
 import torchmetrics_gradpatch as tg
+from tests._ranks import run_ranks
 from torchmetrics_gradpatch import _engine
 
 FUNCTION = tm_dist.gather_all_tensors
@@ -57,30 +58,41 @@ def snapshot() -> tuple[Any, ...]:
 
 def assert_pristine(before: tuple[Any, ...]) -> None:
     after = snapshot()
-    assert after[1] is original_code()
-    assert [a is b for a, b in zip(after, before, strict=True)] == [True, True, False, True, True, True]
-    assert after[2] == before[2]
+    assert after[1] is original_code(), (after[1], original_code())
+    same = [a is b for a, b in zip(after, before, strict=True)]
+    assert same == [True, True, False, True, True, True], same
+    assert after[2] == before[2], (after[2], before[2])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    # Leave gloo's worker holding only a barrier's internal tensors, none owned by Python: on torch 2.0 a worker
-    # that frees a Python-owned tensor while destroy_process_group joins it (holding the GIL) was seen deadlocked.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def from_unpatched() -> Iterator[tuple[Any, ...]]:
+@contextlib.contextmanager
+def unpatched() -> Iterator[tuple[Any, ...]]:
+    """From ``unpatch()`` (yields :func:`snapshot`), then the import-time state back: blocks closed, ``patch()``."""
     tg.unpatch()
-    assert _engine._state.blocks == 0 and not _engine.installed()
-    yield snapshot()
-    while _engine._state.blocks:
-        _engine.exit_block()
-    tg.patch()
+    assert _engine._state.blocks == 0 and not _engine.installed(), "a block open, or the trampoline in, after unpatch()"
+    try:
+        yield snapshot()
+    finally:
+        while _engine._state.blocks:
+            _engine.exit_block()
+        tg.patch()
+
+
+@pytest.fixture
+def from_unpatched() -> Iterator[tuple[Any, ...]]:
+    with unpatched() as before:
+        yield before
+
+
+def on_rank(body: Callable[[tuple[Any, ...]], None]) -> Callable[[int, int], None]:
+    """``body(before)`` as a rank function, run inside :func:`unpatched` (the rank's gloo group lets the gather
+    run). Keeps ``body``'s name, so the pool finds it in this module by that name."""
+
+    @functools.wraps(body)
+    def rank_body(rank: int, world_size: int) -> None:
+        with unpatched() as before:
+            body(before)
+
+    return rank_body
 
 
 def keeps_graph(gather: Any) -> bool:
@@ -110,28 +122,39 @@ def keeps_graph(gather: Any) -> bool:
     return bool(through)
 
 
-def test_unpatch_restores_the_original_objects_exactly(from_unpatched: tuple[Any, ...]) -> None:
+@on_rank
+def _restores_the_original_objects(before: tuple[Any, ...]) -> None:
     assert not keeps_graph(FUNCTION)
     tg.patch(MODE)
     assert _engine.installed() and FUNCTION.__code__ is not original_code()
     assert tm_dist.gather_all_tensors is FUNCTION  # never replaced, only its code
     assert keeps_graph(FUNCTION)
     tg.unpatch()
-    assert_pristine(from_unpatched)
+    assert_pristine(before)
     assert not keeps_graph(FUNCTION)
 
 
-def test_patch_and_unpatch_are_idempotent(from_unpatched: tuple[Any, ...]) -> None:
+def test_unpatch_restores_the_original_objects_exactly() -> None:
+    run_ranks(_restores_the_original_objects, 1)
+
+
+@on_rank
+def _idempotent(before: tuple[Any, ...]) -> None:
     tg.patch(MODE)
     tg.patch(MODE)
     assert tg.is_patched() and keeps_graph(FUNCTION)
     tg.unpatch()
     tg.unpatch()
     assert not tg.is_patched()
-    assert_pristine(from_unpatched)
+    assert_pristine(before)
 
 
-def test_every_reference_captured_before_the_patch_sees_it(from_unpatched: tuple[Any, ...]) -> None:
+def test_patch_and_unpatch_are_idempotent() -> None:
+    run_ranks(_idempotent, 1)
+
+
+@on_rank
+def _every_reference(before: tuple[Any, ...]) -> None:
     alias = tm_dist.gather_all_tensors
     partial = functools.partial(tm_dist.gather_all_tensors, group=None)
     default = tm_metric.Metric._sync_dist.__defaults__[0]  # type: ignore[index]
@@ -141,10 +164,15 @@ def test_every_reference_captured_before_the_patch_sees_it(from_unpatched: tuple
     with tg.patched(MODE):
         assert all(keeps_graph(ref) for ref in references)
     assert not any(keeps_graph(ref) for ref in references)
-    assert_pristine(from_unpatched)
+    assert_pristine(before)
 
 
-def test_patched_blocks_nest_and_restore_on_exceptions(from_unpatched: tuple[Any, ...]) -> None:
+def test_every_reference_captured_before_the_patch_sees_it() -> None:
+    run_ranks(_every_reference, 1)
+
+
+@on_rank
+def _blocks_nest(before: tuple[Any, ...]) -> None:
     with tg.patched(MODE):
         with tg.patched(MODE):
             assert tg.is_patched()
@@ -153,11 +181,15 @@ def test_patched_blocks_nest_and_restore_on_exceptions(from_unpatched: tuple[Any
     with pytest.raises(KeyError), tg.patched(MODE):
         raise KeyError("inside")
     assert not tg.is_patched()
-    assert_pristine(from_unpatched)
+    assert_pristine(before)
     tg.patch(MODE)
     with tg.patched(MODE):
         pass
     assert tg.is_patched(), "a block restores the state found at entry: patch() stays on"
+
+
+def test_patched_blocks_nest_and_restore_on_exceptions() -> None:
+    run_ranks(_blocks_nest, 1)
 
 
 def test_the_state_model_patch_or_any_open_block(from_unpatched: tuple[Any, ...]) -> None:
@@ -174,7 +206,8 @@ def test_the_state_model_patch_or_any_open_block(from_unpatched: tuple[Any, ...]
         _engine.exit_block()
 
 
-def test_patched_as_a_decorator(from_unpatched: tuple[Any, ...]) -> None:
+@on_rank
+def _as_a_decorator(before: tuple[Any, ...]) -> None:
     @tg.patched(MODE)
     def plain(x: int) -> tuple[int, bool]:
         """Doc."""
@@ -200,10 +233,15 @@ def test_patched_as_a_decorator(from_unpatched: tuple[Any, ...]) -> None:
         def generator() -> Iterator[int]:
             yield 1
 
-    assert_pristine(from_unpatched)
+    assert_pristine(before)
 
 
-def test_a_foreign_wrapper_on_top_stays_and_sees_the_patch(from_unpatched: tuple[Any, ...]) -> None:
+def test_patched_as_a_decorator() -> None:
+    run_ranks(_as_a_decorator, 1)
+
+
+@on_rank
+def _a_foreign_wrapper(before: tuple[Any, ...]) -> None:
     calls = []
 
     def spy(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -222,7 +260,11 @@ def test_a_foreign_wrapper_on_top_stays_and_sees_the_patch(from_unpatched: tuple
         assert tg.status().references[f"{_engine.TARGET_MODULE}.{_engine.TARGET_NAME}"] is True
     finally:
         tm_dist.gather_all_tensors = FUNCTION
-    assert_pristine(from_unpatched)
+    assert_pristine(before)
+
+
+def test_a_foreign_wrapper_on_top_stays_and_sees_the_patch() -> None:
+    run_ranks(_a_foreign_wrapper, 1)
 
 
 def test_a_foreign_code_swap_on_top_is_left_alone(from_unpatched: tuple[Any, ...]) -> None:
@@ -288,44 +330,62 @@ def test_status_says_where_the_patch_is(from_unpatched: tuple[Any, ...]) -> None
     assert "graph preserved:  yes" in str(on)
 
 
-def test_the_direct_gather_never_warns() -> None:
+@on_rank
+def _the_direct_gather_never_warns(before: tuple[Any, ...]) -> None:
     x = torch.ones(2, 2, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert tg.gather_all_tensors(x)[0] is x
 
 
-@pytest.mark.ranks(2, reuse=True, timeout=120)
-def test_the_uneven_gather_never_warns() -> None:
-    """The uneven path (2 ranks, different rows) is the one torchmetrics < 1.6 warns on with torch >= 2.8."""
+def test_the_direct_gather_never_warns() -> None:
+    run_ranks(_the_direct_gather_never_warns, 1)
+
+
+def _the_uneven_gather_never_warns(rank: int, world_size: int) -> None:
     from tests._rank_tools import uneven_gather_warnings
 
     paths = uneven_gather_warnings()
     for name, seen in paths.items():
-        assert seen["shapes"] == [(2, 3), (3, 3)], name
+        assert seen["shapes"] == [(2, 3), (3, 3)], (name, seen)
         if name != "unpatched":
-            assert seen["warnings"] == [], name
+            assert seen["warnings"] == [], (name, seen)
     old_torchmetrics = Version(tm_version) < Version("1.6")
     if old_torchmetrics and Version(Version(torch.__version__).base_version) >= Version("2.8"):
         # the control: this really is the path that warns, so the empty lists above say something
         assert any("non-tuple sequence" in w for w in paths["unpatched"]["warnings"]), paths
 
 
-def test_errors_are_the_unpatched_ones() -> None:
+def test_the_uneven_gather_never_warns() -> None:
+    """The uneven path (2 ranks, different rows) is the one torchmetrics < 1.6 warns on with torch >= 2.8."""
+    run_ranks(_the_uneven_gather_never_warns, 2)
+
+
+@on_rank
+def _errors_are_the_unpatched_ones(before: tuple[Any, ...]) -> None:
     with pytest.raises(AttributeError, match="'int' object has no attribute 'contiguous'"):
         tg.gather_all_tensors(3)  # type: ignore[arg-type]
+
+
+def test_errors_are_the_unpatched_ones() -> None:
+    run_ranks(_errors_are_the_unpatched_ones, 1)
+
+
+@on_rank
+def _global_graph_does_not_hold_the_default_group(before: tuple[Any, ...]) -> None:
+    x = torch.arange(3.0, requires_grad=True)
+    out = tg.gather_all_tensors(x, mode="global")
+    node = out[0].grad_fn
+    assert node is not None and node.group is None, (node, getattr(node, "group", None))
+    out[0].sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0], x.grad
 
 
 def test_global_graph_does_not_hold_the_default_group() -> None:
     """A global-mode graph alive at exit must not keep the default process group past destroy_process_group():
     torch then aborts at exit now and then ("terminate called without an active exception"; 3 exits in 35 on
     torch 2.13 before the fix, 0 in 80 after). The node keeps ``group=None`` and resolves it in backward."""
-    x = torch.arange(3.0, requires_grad=True)
-    out = tg.gather_all_tensors(x, mode="global")
-    node = out[0].grad_fn
-    assert node is not None and node.group is None
-    out[0].sum().backward()
-    assert x.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0]
+    run_ranks(_global_graph_does_not_hold_the_default_group, 1)
 
 
 def _in_thread(action: Any) -> None:
@@ -345,6 +405,7 @@ def _in_thread(action: Any) -> None:
     assert errors == []
 
 
+@pytest.mark.usefixtures("from_unpatched")
 @pytest.mark.parametrize("where", ["entered in another thread", "exited in another thread"])
 def test_a_mode_block_closed_from_another_thread_restores_the_mode(where: str) -> None:
     """README: blocks "may close in any order and from any thread". A global block closed by a thread other than

@@ -1,12 +1,12 @@
 """Faults and bad input at the engine and API: a replaced module attribute, a status read during toggling, our
 trampoline put back by another tool, misuse of the API, a bad environment variable and who patched.
 
-In this process where a test can restore what it changed; in a fresh interpreter where the case is an import.
+In this process where a test can restore what it changed and needs no process group; on a one-rank gloo world
+(``run_ranks``) where it runs a gather; in a fresh interpreter where the case is an import.
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -14,10 +14,10 @@ from contextlib import AbstractContextManager
 
 import pytest
 import torch
-import torch.distributed as dist
 import torchmetrics.utilities.distributed as tm_dist
 
 import torchmetrics_gradpatch as tg
+from tests._ranks import run_ranks
 from tests._subprocess import WORLD_OF_ONE, ok, run_python
 from torchmetrics_gradpatch import _engine
 
@@ -120,7 +120,8 @@ def test_status_read_while_others_toggle_never_contradicts_itself() -> None:
     assert errors == [] and bad == [], bad[:3]
 
 
-def test_our_trampoline_put_back_after_unpatch_is_not_reported_as_preserving() -> None:
+def _our_trampoline_put_back(rank: int, world_size: int) -> None:
+    tg.unpatch()  # what the module's fixture does in this process
     tg.patch(MODE)
     trampoline = FUNCTION.__code__
     tg.unpatch()
@@ -130,18 +131,17 @@ def test_our_trampoline_put_back_after_unpatch_is_not_reported_as_preserving() -
     try:
         s = tg.status()
         assert s.state == "off" and s.applied_to == () and not s.in_force, s
-        assert s.graph_preserving is NATIVE and ("graph preserved:  NO" in str(s)) is not NATIVE
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            x = torch.arange(3.0, requires_grad=True)
-            # the original: a copy before 1.6, x itself on native torchmetrics (where our global mode would not be)
-            assert (FUNCTION(x)[0] is x) is NATIVE, "the trampoline runs the original while the patch is off"
-        finally:
-            gc.collect()
-            dist.barrier()
-            dist.destroy_process_group()
+        assert s.graph_preserving is NATIVE and ("graph preserved:  NO" in str(s)) is not NATIVE, s
+        x = torch.arange(3.0, requires_grad=True)
+        # the original: a copy before 1.6, x itself on native torchmetrics (where our global mode would not be)
+        assert (FUNCTION(x)[0] is x) is NATIVE, "the trampoline runs the original while the patch is off"
     finally:
         FUNCTION.__code__ = original
+        tg.patch()
+
+
+def test_our_trampoline_put_back_after_unpatch_is_not_reported_as_preserving() -> None:
+    run_ranks(_our_trampoline_put_back, 1)  # the gather runs in a one-rank gloo world
 
 
 # --- misuse of the API ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._ranks import run_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Outside tox the package may well be an editable install of this checkout (the quick path); inside, tox installs
@@ -35,7 +37,11 @@ def test_the_pytest_process_imports_the_installed_wheel() -> None:
     assert_installed(imported_from())
 
 
+def _imported_from(rank: int, world_size: int) -> str:
+    return str(imported_from())
+
+
 @in_tox
-@pytest.mark.ranks(2, reuse=True)
 def test_every_rank_imports_the_installed_wheel() -> None:
-    assert_installed(imported_from())
+    for where in run_ranks(_imported_from, 2):
+        assert_installed(Path(where))

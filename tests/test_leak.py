@@ -9,12 +9,11 @@ against growth outside Python objects.
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import torchmetrics_gradpatch as tg
+from tests._ranks import run_ranks
 from tests._workloads import LossSteps, run_phase, settled_sample, soak_gather_input
 
 GATHERS = 240  # samples after 0, 60 (the warm-up), ..., 240 calls
@@ -31,9 +30,7 @@ def assert_flat(samples: list[dict[str, int]], what: str) -> None:
     assert growth < RSS_BOUND_MIB, f"{what}: RSS grew by {growth:.1f} MiB after warm-up: {samples}"
 
 
-@pytest.mark.ranks(2, timeout=180, reuse=True)
-def test_no_growth_over_gathers_and_loss_steps() -> None:
-    rank = dist.get_rank()
+def _no_growth(rank: int, world_size: int) -> None:
     for mode in ("local", "global"):
         with tg.patched(mode):
             probe = gather_all_tensors(soak_gather_input(rank, 2))  # the mode is in force: other entries' graphs
@@ -48,3 +45,7 @@ def test_no_growth_over_gathers_and_loss_steps() -> None:
             assert_flat(steps, f"{mode} mode, Metric-loss steps")
             # the steps trained the model: the synced loss's backward reached its parameters
             assert all(not torch.equal(a, p) for a, p in zip(first, losses.model.parameters(), strict=True)), mode
+
+
+def test_no_growth_over_gathers_and_loss_steps() -> None:
+    run_ranks(_no_growth, 2, timeout=180)

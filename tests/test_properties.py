@@ -2,8 +2,9 @@
 
 Hypothesis runs *inside* every rank (derandomized, no example database), so all ranks draw the same examples
 in the same order and issue the same collectives; each example ends with a consensus step, so a failure on one
-rank makes every rank fail (and shrink) together. One test runs many examples on warm pooled ranks
-(``@pytest.mark.ranks(n, reuse=True)``); the subgroup a test creates is destroyed at its end, so the ranks stay.
+rank makes every rank fail (and shrink) together. One test is one call of ``run_ranks`` on warm ranks, which runs
+all its examples (nothing is spawned per example); the subgroup a test creates is destroyed at its end, so the ranks
+stay warm.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from packaging.version import Version
 import torchmetrics_gradpatch as tmgp
 from tests._profile import sized
 from tests._rank_tools import destroy_subgroup, errors_off_and_on, every_rank
+from tests._ranks import RankError, run_ranks
 from tests._tensors import (
     DTYPES,
     GRAD_DTYPES,
@@ -31,7 +33,6 @@ from tests._tensors import (
     torchmetrics_gather,
     unpatched_gather,
 )
-from tests.harness import RankError, _pool
 
 # --- what is drawn and checked ---------------------------------------------------------------------------------
 
@@ -246,11 +247,15 @@ def properties_catch_a_broken_gather(max_examples: int, mode: str = "local") -> 
 MODE = "global" if tmgp.status().native else "local"
 
 
+def _all_empty_gathers(rank: int, world_size: int) -> int:
+    return all_empty_gathers()
+
+
 @pytest.fixture(scope="module")
 def empty_gathers_work() -> bool:
     """Whether this torch's gloo survives gathers of all-empty tensors (torchmetrics' own gather, unpatched)."""
-    try:  # on the warm pool, which the module's 2-rank cases use next; a gloo that aborts retires it
-        _pool.run_pooled(all_empty_gathers, 2, timeout=60)
+    try:  # on the warm ranks, which the module's 2-rank cases use next; a gloo that aborts ends them
+        run_ranks(_all_empty_gathers, 2, timeout=60)
     except RankError:
         return False
     return True
@@ -262,19 +267,21 @@ def test_newer_torch_gathers_empty_tensors(empty_gathers_work: bool) -> None:
         assert empty_gathers_work
 
 
-def worlds(timeout: float, reuse: bool = False) -> list[Any]:
-    """World sizes 2 and 3, each case run on that many ranks: spawned for it, or ``reuse``: the warm pool's."""
-    return [pytest.param(n, marks=pytest.mark.ranks(n, timeout=timeout, reuse=reuse)) for n in (2, 3)]
-
-
-@pytest.mark.parametrize("world_size", worlds(150, reuse=True))
-def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) -> None:
-    seen = run_properties(50, empty_gathers_work, MODE)
-    assert seen["examples"] >= 50
+def _properties_hold(rank: int, world_size: int, examples: int, empty_gathers_work: bool) -> dict[str, Any]:
+    seen = run_properties(examples, empty_gathers_work, MODE)
+    assert seen["examples"] >= examples, seen
     # the draws must actually cover the interesting cases, on every rank alike
-    assert every_rank(seen) == [seen] * world_size
+    assert every_rank(seen) == [seen] * world_size, (rank, seen)
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) -> None:
+    every = run_ranks(_properties_hold, world_size, 50, empty_gathers_work, timeout=150)
+    seen = every[0]
+    assert every == [seen] * world_size, every
     assert seen["uneven"] and seen["zero_size"] and seen["grad"] and seen["subgroup"]
-    # the same spawn also checks that a non-tensor gives the unpatched error inside an initialised group
+    # the same call also checks that a non-tensor gives the unpatched error inside an initialised group
     assert seen["non_tensor_problems"] == []
     # Only bfloat16 and bool may be missing (older gloo); everything else must have been drawn from.
     assert set(DTYPES) - set(seen["dtypes"]) <= {"bfloat16", "bool"}
@@ -282,23 +289,23 @@ def test_patched_gather_properties(world_size: int, empty_gathers_work: bool) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size", worlds(800, reuse=True))
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_patched_gather_properties_many(world_size: int, empty_gathers_work: bool) -> None:
-    examples = sized(full=600, ci=120)
-    seen = run_properties(examples, empty_gathers_work, MODE)
-    assert seen["examples"] >= examples
-    assert every_rank(seen) == [seen] * world_size
+    run_ranks(_properties_hold, world_size, sized(full=600, ci=120), empty_gathers_work, timeout=800)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-@pytest.mark.ranks(3, timeout=300, reuse=True)
-def test_the_property_test_catches_a_wrong_local_index() -> None:
-    """The check can fail: a gather that uses the global rank instead of the group rank is caught (world 3)."""
+def _catches_a_wrong_local_index(rank: int, world_size: int) -> None:
     from torchmetrics_gradpatch import _modes
 
     correct = _modes.gather_for(MODE)
     caught = properties_catch_a_broken_gather(100, MODE)
-    assert caught != "not caught"
-    assert "subgroup=True" in caught
-    assert _modes.gather_for(MODE) is correct  # the warm rank gets the real gather back
+    assert caught != "not caught", caught
+    assert "subgroup=True" in caught, caught
+    assert _modes.gather_for(MODE) is correct, "the warm rank must get the real gather back"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_property_test_catches_a_wrong_local_index() -> None:
+    """The check can fail: a gather that uses the global rank instead of the group rank is caught (world 3)."""
+    run_ranks(_catches_a_wrong_local_index, 3, timeout=300)

@@ -5,7 +5,7 @@ original state (the gather's ``__code__`` object, its ``__dict__`` and defaults,
 namespaces, ``Metric._sync_dist``'s default), then toggles from 8 threads while the main thread gathers --
 inside ``patched()`` blocks, where the graph must never be lost, and outside them, where the values must be
 right whichever state the other threads left. At the end, after ``unpatch()``, the state must be the original,
-object for object. Each test runs on fresh ranks through the suite's ``@pytest.mark.ranks`` marker.
+object for object. Each test runs on fresh ranks (``run_ranks(..., fresh=True)``) and checks every rank's result.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import torchmetrics_gradpatch as tmgp
 from tests._profile import sized
+from tests._ranks import run_ranks
 
 NATIVE = tmgp.status().native
 
@@ -197,7 +198,7 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def without_autopatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ranks inherit the environment: each starts from torchmetrics as shipped."""
+    """Fresh ranks inherit the environment when they start: each starts from torchmetrics as shipped."""
     monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
 
 
@@ -210,18 +211,22 @@ def _check(result: dict[str, object], gathers: int, min_ops: int) -> None:
     assert result["graphs_kept"] == sum(1 for step in range(gathers) if step % 3 != 2)
 
 
+def _stress(rank: int, world_size: int, gathers: int, min_ops: int, mode: str) -> dict[str, Any]:
+    return run_stress(gathers, min_ops, 8, mode)
+
+
 # Fresh ranks by design (both tests): the state recorded first must be torchmetrics as shipped, never one that a
 # warm rank's earlier patch was undone into, or an inexact restore would pass unseen.
 @pytest.mark.usefixtures("without_autopatch")
-@pytest.mark.ranks(2, timeout=150)
 def test_toggling_from_8_threads_while_gathering(mode: str) -> None:
-    _check(run_stress(60, 3000, 8, mode), 60, 3000)
+    for result in run_ranks(_stress, 2, 60, 3000, mode, timeout=150, fresh=True):
+        _check(result, 60, 3000)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.usefixtures("without_autopatch")
-@pytest.mark.ranks(3, timeout=800)
 def test_toggling_from_8_threads_while_gathering_long(mode: str) -> None:
     gathers, ops = sized(full=1500, ci=200), sized(full=50000, ci=8000)
-    _check(run_stress(gathers, ops, 8, mode), gathers, ops)
+    for result in run_ranks(_stress, 3, gathers, ops, mode, timeout=800, fresh=True):
+        _check(result, gathers, ops)

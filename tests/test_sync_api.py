@@ -1,11 +1,12 @@
 """The sync strategy through the public API: ``patch(sync=)``, ``patched(sync=)``, ``TORCHMETRICS_GRADPATCH_SYNC``.
 
-On real gloo ranks, a ``MeanSquaredError(dist_sync_on_step=True)`` loss under ``patched(sync="fused")`` gives, in
-both gradient modes, torchmetrics' own sync's values and the gradients of the same loss computed in one process from
-every rank's data, in exactly two collectives per sync (counted with the process group's sequence number, as
-tests/test_fused.py does). In this process: which ``Metric._sync_dist`` is installed in every state of the switches
-(restoration is the identity of torchmetrics' own function object), the environment variable, ``status()`` and the
-command line's spelling rule.
+On two real gloo ranks (``run_ranks``), a ``MeanSquaredError(dist_sync_on_step=True)`` loss under
+``patched(sync="fused")`` gives, in both gradient modes, torchmetrics' own sync's values and the gradients of the
+same loss computed in one process from every rank's data, in exactly two collectives per sync (counted with the
+process group's sequence number, as tests/test_fused.py does), and a compiled step gives the eager one's loss and
+gradient. In this process: which ``Metric._sync_dist`` is installed in every state of the switches (restoration is
+the identity of torchmetrics' own function object), the environment variable, ``status()`` and the command line's
+spelling rule.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch as tg
+from tests._ranks import run_ranks
 from tests._subprocess import ok, run_python
 from torchmetrics_gradpatch import _api, _engine, _syncs
 from torchmetrics_gradpatch.cli import build_parser
@@ -58,18 +60,15 @@ def one_step(sync: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, int, int
     return loss.detach(), preds.grad, forward, calls() - before
 
 
-@pytest.mark.ranks(2, reuse=True, timeout=90)
-@pytest.mark.parametrize("mode", ["local", "global"])
-def test_fused_loss_through_the_api_matches_torchmetrics_and_one_process(mode: str) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def _fused_loss_matches(rank: int, world_size: int, mode: str) -> None:
     before = installed_sync()  # the default: TORCHMETRICS_GRADPATCH_SYNC, else torchmetrics' own
     expected_loss, expected_grad, torchmetrics_calls, _ = one_step("torchmetrics", mode)
-    assert installed_sync() == before  # the block's exit put the sync back
+    assert installed_sync() == before, (installed_sync(), before)  # the block's exit put the sync back
     loss, grad, forward, backward = one_step("fused", mode)
-    assert installed_sync() == before
+    assert installed_sync() == before, (installed_sync(), before)
     assert forward == 2, f"the fused sync issued {forward} collectives (torchmetrics' own: {torchmetrics_calls})"
-    assert backward == (1 if mode == "global" else 0)  # global mode: one backward collective for the whole sync
-    assert torch.equal(loss, expected_loss)  # the same synced states, bit for bit, give the same loss
+    assert backward == (1 if mode == "global" else 0), backward  # global mode: one backward collective per sync
+    assert torch.equal(loss, expected_loss), (loss, expected_loss)  # the same synced states give the same loss
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
     # the single-process reference: the mean squared error over every rank's samples, w.r.t. this rank's preds
     batches = [batch(r) for r in range(world_size)]
@@ -79,6 +78,11 @@ def test_fused_loss_through_the_api_matches_torchmetrics_and_one_process(mode: s
     scale = world_size if mode == "global" else 1  # global: every rank's (equal) loss reaches every rank's preds
     torch.testing.assert_close(loss, reference.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, scale * everything[rank].grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_fused_loss_through_the_api_matches_torchmetrics_and_one_process(mode: str) -> None:
+    run_ranks(_fused_loss_matches, 2, mode, timeout=90)
 
 
 # --- in this process: which _sync_dist is installed ----------------------------------------------------------------
@@ -248,15 +252,18 @@ def compiled_step(mode: str, backend: str | None) -> tuple[torch.Tensor, torch.T
     return loss.detach(), w.grad
 
 
-@pytest.mark.ranks(2, reuse=True, timeout=300)
+def _compiled_matches_eager(rank: int, world_size: int, mode: str) -> None:
+    eager_loss, eager_grad = compiled_step(mode, None)
+    loss, grad = compiled_step(mode, "eager")
+    assert eager_grad.abs().max() > 0, eager_grad
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["local", "global"])
 def test_the_fused_sync_runs_behind_a_graph_break_under_compile(mode: str) -> None:
-    try:
+    try:  # decided here, before any rank: the ranks run this torch
         torch.compile(lambda t: t * 2, backend="eager")(torch.ones(1))
     except Exception as err:  # torch 2.0 on Python 3.11: dynamo refuses to run at all
         pytest.skip(f"torch.compile cannot run here: {type(err).__name__}: {err}")
-    eager_loss, eager_grad = compiled_step(mode, None)
-    loss, grad = compiled_step(mode, "eager")
-    assert eager_grad.abs().max() > 0
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-12, atol=0)
-    torch.testing.assert_close(grad, eager_grad, rtol=1e-12, atol=0)
+    run_ranks(_compiled_matches_eager, 2, mode, timeout=300)
