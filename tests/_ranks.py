@@ -45,7 +45,7 @@ HOST = "127.0.0.1"
 #: Seconds the other ranks get to finish once one has failed, before the pool is ended.
 GRACE = 5.0
 #: Seconds a new pool gets on top of the call's timeout to start its processes and import torch.
-STARTUP = 60.0
+STARTUP = 120.0
 _POOLS: dict[int, _RankPool] = {}
 
 

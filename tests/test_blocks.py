@@ -22,6 +22,8 @@ from tests._ranks import run_ranks
 from tests._subprocess import ok
 from torchmetrics_gradpatch import _engine, _syncs
 
+pytestmark = pytest.mark.once
+
 NATIVE = tg.status().native
 MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
 

@@ -36,6 +36,8 @@ from tests._subprocess import python_path
 from tests._workloads import CatSquaredError
 from torchmetrics_gradpatch import gather_all_tensors, patched
 
+pytestmark = pytest.mark.compile
+
 BACKENDS = ("eager", "aot_eager", "inductor")
 RTOL = 1e-12
 TIMEOUT = 600  # inductor compiles C++ for seconds per graph, per process, on a shared 2-core machine

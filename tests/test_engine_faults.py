@@ -21,6 +21,8 @@ from tests._ranks import run_ranks
 from tests._subprocess import WORLD_OF_ONE, ok, run_python
 from torchmetrics_gradpatch import _engine
 
+pytestmark = pytest.mark.once
+
 NATIVE = tg.status().native
 MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
 FUNCTION = tm_dist.gather_all_tensors

@@ -1,7 +1,7 @@
 """Nothing accumulates across gathers and Metric-loss steps, in either gradient mode, on two real gloo ranks.
 
 A short version of ``benchmarks/bench_soak.py`` (its workload and settled sampling, from
-``tests/_workloads.py``): after a warm-up, the number of ``torch.Tensor`` objects the garbage collector tracks
+``benchmarks/soak_workload.py``): after a warm-up, the number of ``torch.Tensor`` objects the garbage collector tracks
 must not grow at all, and RSS must stay within a generous bound. Holding on to anything a gather returns, or to a
 step's graph, adds tensors at every call, so the count catches a leak of any size; the RSS bound only guards
 against growth outside Python objects.
@@ -9,12 +9,15 @@ against growth outside Python objects.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import torchmetrics_gradpatch as tg
+from benchmarks.soak_workload import LossSteps, run_phase, settled_sample, soak_gather_input
 from tests._ranks import run_ranks
-from tests._workloads import LossSteps, run_phase, settled_sample, soak_gather_input
+
+pytestmark = pytest.mark.system
 
 GATHERS = 240  # samples after 0, 60 (the warm-up), ..., 240 calls
 STEPS = 90  # samples after 0, 30 (the warm-up), 60, 90 steps

@@ -24,6 +24,8 @@ import torchmetrics_gradpatch as tmgp
 from tests._profile import sized
 from tests._ranks import run_ranks
 
+pytestmark = pytest.mark.system
+
 NATIVE = tmgp.status().native
 
 
