@@ -1,0 +1,217 @@
+"""Run a function on real gloo ranks: torchmetrics' pool pattern, with a deadline.
+
+``run_ranks(fn, n, *args)`` calls ``fn(rank, n, *args)`` on ``n`` spawned processes that form a gloo group and
+returns the results in rank order. ``fn`` is a module-level function (it is pickled by name), usually beside the
+test that calls it, as in torchmetrics' own DDP tests. The pytest process only waits: it never holds a process
+group (gloo's teardown on torch 2.0 to 2.4 can deadlock holding the GIL, past every in-process timeout).
+
+* **Warm ranks.** Pools are kept per world size for the session. A process joins the default group on its first
+  call, and ``fn`` always gets ``dist.get_rank()`` (a pool may hand any process any item: the rank-order lesson of
+  torchmetrics' review). After each call the rank's patch state is put back. ``fresh=True`` runs on a new pool,
+  ended after the call, for tests whose subject is process start-up or a rank that dies.
+* **A deadline.** At ``timeout`` seconds the ranks still running dump their Python stacks (faulthandler, which
+  needs no GIL) and the pool is ended; :class:`RankError` names each rank that hung, with its stack. A rank that
+  raises fails the call with its traceback; the others get a few seconds to finish before the pool is ended.
+* **Nothing left behind.** An ended pool is terminated and joined; every rank dies with the process that started
+  it (``PR_SET_PDEATHSIG``), so a killed pytest leaves no rank waiting in a collective.
+
+Non-goals: pytest fixtures inside ranks (pass values as arguments), assertion rewriting inside ranks (give an
+assertion its message), coverage of rank processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.pool import Pool
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RankError", "run_ranks"]
+
+HOST = "127.0.0.1"
+#: Seconds the other ranks get to finish once one has failed, before the pool is ended.
+GRACE = 5.0
+#: Seconds a new pool gets on top of the call's timeout to start its processes and import torch.
+STARTUP = 60.0
+_POOLS: dict[int, _RankPool] = {}
+
+
+class RankError(AssertionError):
+    """A rank raised, or did not finish by the deadline; the message names the rank and shows where it was."""
+
+
+class _RankPool:
+    """``n`` spawned ranks and what the parent needs to end them: the store they meet at, the stack files."""
+
+    def __init__(self, n: int) -> None:
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        self.n = n
+        self.started = False
+        self.dir = tempfile.mkdtemp(prefix=f"tmgp-ranks{n}-")
+        # hosted here on a port the kernel picks and kept bound: no free-port race
+        self.store = dist.TCPStore(HOST, 0, n, True, wait_for_workers=False)
+        self.pool: Pool = mp.get_context("spawn").Pool(n, initializer=_start_rank, initargs=(self.dir,))
+
+    def end(self) -> None:
+        self.pool.terminate()  # SIGTERM: a rank dies without running gloo's teardown
+        self.pool.join()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stacks(self, ranks: set[int]) -> dict[int, tuple[int, str]]:
+        """The pid and Python stack of each process now running one of ``ranks`` (SIGUSR1 -> faulthandler)."""
+        pids = {}
+        for path in Path(self.dir).glob("*.rank"):
+            rank = int(path.read_text() or -1)
+            if rank in ranks:
+                pids[rank] = int(path.stem)
+        for pid in pids.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        return {rank: (pid, _read(Path(self.dir, f"{pid}.stack"))) for rank, pid in pids.items()}
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, fresh: bool = False, **kwargs: Any
+) -> list[Any]:
+    """``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; the results in rank order.
+
+    Raises :class:`RankError` if a rank raises or the call outlasts ``timeout`` seconds (a new pool's start-up
+    apart); skips the test if a rank skipped and none failed.
+    """
+    import pytest
+
+    ranks = (
+        _RankPool(world_size)
+        if fresh
+        else _POOLS.get(world_size) or _POOLS.setdefault(world_size, _RankPool(world_size))
+    )
+    seen: set[int] = set()
+    calls = [
+        ranks.pool.apply_async(_in_rank, (fn, index, world_size, ranks.store.port, args, kwargs))
+        for index in range(world_size)
+    ]
+    # the clock starts once every rank has reached the call (a new pool first spawns and imports torch)
+    clock = time.monotonic() if ranks.started else None
+    deadline = time.monotonic() + STARTUP
+    outcomes: dict[int, tuple[str, Any]] = {}
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        if clock is None and len(list(Path(ranks.dir).glob("*.rank"))) == world_size:
+            clock = time.monotonic()
+            deadline = min(deadline, clock + timeout) if outcomes else clock + timeout
+        for index, call in enumerate(calls):
+            if call.ready() and index not in seen:
+                seen.add(index)
+                try:
+                    rank, kind, value = call.get()
+                except Exception as error:  # the call could not reach the rank or come back (pickling)
+                    rank, kind, value = index, "error", "".join(traceback.format_exception(error))
+                if kind == "error":
+                    deadline = min(deadline, time.monotonic() + GRACE)  # the others may wait for it forever
+                outcomes[rank] = (kind, value)
+        time.sleep(0.02)
+    pending = sorted(set(range(world_size)) - set(outcomes))
+    stacks = ranks.stacks(set(pending)) if pending else {}
+    failed = pending or any(kind == "error" for kind, _ in outcomes.values())
+    if fresh or failed:  # a rank may be left in a collective, or with state a failure left behind
+        if _POOLS.get(world_size) is ranks:
+            del _POOLS[world_size]
+        ranks.end()
+    else:
+        ranks.started = True
+    name = getattr(fn, "__qualname__", repr(fn))
+    failures = [
+        f"rank {r} of {world_size} raised in {name}:\n{v}" for r, (k, v) in sorted(outcomes.items()) if k == "error"
+    ]
+    for r in pending:
+        pid, stack = stacks.get(r, (None, ""))
+        failures.append(
+            f"rank {r} of {world_size} (pid {pid}) did not finish {name} in {timeout:g} s; its stack:\n{stack}"
+        )
+    if failures:
+        raise RankError("\n\n".join(failures))
+    skips = [f"rank {r}: {v}" for r, (k, v) in sorted(outcomes.items()) if k == "skip"]
+    if skips:
+        pytest.skip("; ".join(skips))
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def close_all() -> None:
+    """End every warm pool (at exit; a test of the pools themselves may call it)."""
+    while _POOLS:
+        _POOLS.popitem()[1].end()
+
+
+atexit.register(close_all)
+
+
+# --- rank side -------------------------------------------------------------------------------------------------------
+
+
+def _start_rank(directory: str) -> None:
+    """Pool initializer: die with the parent, and dump this process's stacks to a file on SIGUSR1."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    stack = open(Path(directory, f"{os.getpid()}.stack"), "w")  # noqa: SIM115 - held for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
+    os.environ["TMGP_RANKS_DIR"] = directory
+
+
+def _in_rank(
+    fn: Callable[..., Any], index: int, world_size: int, port: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, str, Any]:
+    """Join the group on first use, run ``fn`` as this process's rank, put the patch state back.
+
+    Returns ``(rank, "ok" | "error" | "skip", value)``; never raises (a pool worker dies on a BaseException, and an
+    exception may not pickle), so the traceback travels as text.
+    """
+    import pytest
+    import torch.distributed as dist
+
+    marker = Path(os.environ["TMGP_RANKS_DIR"], f"{os.getpid()}.rank")
+    if not dist.is_initialized():
+        marker.write_text(f"{index}\n")  # the rank it is joining as, should the join hang
+        store = dist.TCPStore(HOST, port, world_size, False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=store, rank=index, world_size=world_size, timeout=datetime.timedelta(seconds=600)
+        )
+    rank = dist.get_rank()
+    marker.write_text(f"{rank}\n")
+    try:
+        outcome: tuple[int, str, Any] = (rank, "ok", fn(rank, world_size, *args, **kwargs))
+    except pytest.skip.Exception as skip:
+        outcome = (rank, "skip", str(skip))
+    except BaseException:
+        outcome = (rank, "error", traceback.format_exc())
+    left = _reset_patch_state()
+    return (rank, "error", f"{left}\n") if left and outcome[1] == "ok" else outcome
+
+
+def _reset_patch_state() -> str | None:
+    """Put the patch back as a fresh import leaves it, so the next test on this warm rank starts alike; what the
+    test left that it should not have (a ``patched()`` block open), or None."""
+    try:
+        from tests._patch_state import reset_patch_state
+    except ImportError:  # the package's own hook, while it still has one
+        from torchmetrics_gradpatch._api import reset_for_tests as reset_patch_state
+    return reset_patch_state()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
