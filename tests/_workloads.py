@@ -1,5 +1,6 @@
 """Workloads the tests check and the benchmarks time: two small MSE metrics (the cat-state one is ``check``'s
-own), the soak's gathers and Metric-loss steps, and the ten-member classification collection.
+own), and the soak's gathers and Metric-loss steps. (The classification collections live in
+``benchmarks/workloads.py``, which the collection tests import.)
 
 Shared by ``tests/`` and ``benchmarks/`` and importing neither (only torch, torchmetrics and the package), so the
 short soak in ``tests/test_leak.py`` runs exactly what ``benchmarks/bench_soak.py`` measures, and neither tree
@@ -115,26 +116,3 @@ def settled_sample(done: int) -> dict[str, int]:
         warnings.simplefilter("ignore", FutureWarning)
         tensors = sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
     return {"done": done, "rss_kib": last, "tensors": tensors}
-
-
-def classification_collection(num_classes: int) -> Any:
-    """Ten members: five share the ``[num_classes]`` stat-score states, two a confusion matrix, two the ``cat``
-    lists of scores and targets; the calibration error has ``cat`` lists of its own."""
-    from torchmetrics import MetricCollection
-    from torchmetrics import classification as tc
-
-    c = num_classes
-    return MetricCollection(
-        {
-            "acc": tc.MulticlassAccuracy(num_classes=c, average="macro"),
-            "prec": tc.MulticlassPrecision(num_classes=c, average="macro"),
-            "rec": tc.MulticlassRecall(num_classes=c, average="macro"),
-            "f1": tc.MulticlassF1Score(num_classes=c, average="macro"),
-            "spec": tc.MulticlassSpecificity(num_classes=c, average="macro"),
-            "confmat": tc.MulticlassConfusionMatrix(num_classes=c),
-            "kappa": tc.MulticlassCohenKappa(num_classes=c),
-            "auroc": tc.MulticlassAUROC(num_classes=c, thresholds=None),
-            "ap": tc.MulticlassAveragePrecision(num_classes=c, thresholds=None),
-            "ece": tc.MulticlassCalibrationError(num_classes=c),
-        }
-    )
