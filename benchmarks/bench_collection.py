@@ -185,7 +185,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     right.legend()
     figure.suptitle(f"MetricCollection sync, {result['classes']} classes, gloo (torch {result['torch']})", fontsize=10)
     figure.tight_layout()
-    figure.savefig(path)
+    figure.savefig(path, metadata={"Date": None})  # no timestamp: the same run draws the same file
 
 
 def main() -> None:
