@@ -446,20 +446,24 @@ def scaled(rank: int, num_classes: int) -> MetricCollection:
     return metrics
 
 
-def _thousand_classes_reduce_the_confusion_matrix(rank: int, world_size: int) -> None:
+def _thousand_classes_reduce_the_confusion_matrix(rank: int, world_size: int, mode: str) -> None:
     expected, fused = scaled(rank, 1000), scaled(rank, 1000)
-    reference, tm_calls = compute_counted(expected, "torchmetrics")
+    reference, tm_calls = compute_counted(expected, "torchmetrics", mode)
     with recording("all_reduce") as reductions:
-        result, fused_calls = compute_counted(fused, "fused")
+        result, fused_calls = compute_counted(fused, "fused", mode)
     # the header, the payload (the [C] stat scores ride in it), one int64 sum for the 8 MB confusion matrix
     assert fused_calls == 3 and len(reductions) == 1 and reductions[0][1] == 8 * 1000 * 1000, (fused_calls, reductions)
-    assert tm_calls > 20 and same_dicts(result, reference)
+    assert tm_calls > 10, tm_calls
+    assert same_dicts(result, reference), {
+        k: (result[k], reference[k]) for k in result if not same(result[k], reference[k])
+    }
     assert same_dicts(local_states(fused), local_states(expected))
 
 
 @pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_thousand_classes_reduce_the_confusion_matrix(world_size: int) -> None:
-    run_ranks(_thousand_classes_reduce_the_confusion_matrix, world_size, timeout=120)
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_thousand_classes_reduce_the_confusion_matrix(world_size: int, mode: str) -> None:
+    run_ranks(_thousand_classes_reduce_the_confusion_matrix, world_size, mode, timeout=120)
 
 
 def _a_member_of_another_class_is_named_per_rank(rank: int, world_size: int) -> None:

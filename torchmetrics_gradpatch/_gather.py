@@ -74,7 +74,8 @@ def chunk_refusal(sizes: Sequence[int]) -> str | None:
 def staging_device(group: Any) -> torch.device | None:
     """The device CPU-held tensors cross on for ``group``: the current CUDA device where the group takes device
     tensors only (NCCL), ``None`` where it takes CPU tensors as they are (gloo, or a group with a CPU backend)."""
-    if isinstance(group, dist.ProcessGroup) and group.name() == "gloo":
+    name = getattr(group, "name", None) if isinstance(group, dist.ProcessGroup) else None
+    if callable(name) and name() == "gloo":
         return None  # a C++ getter: this runs at every gather of a CPU tensor
     backend = str(dist.get_backend(group)).lower()
     cpu_ok = "cpu:" in backend if ":" in backend else backend != "nccl"
