@@ -1,61 +1,66 @@
-"""The sync inside ``MetricCollection.compute()``: one fused exchange, per-member fused syncs, torchmetrics' own.
+"""How a MetricCollection's sync grows with the world: torchmetrics' own, per-member fused, one fused exchange.
 
-    python benchmarks/bench_collection.py [--world-sizes 2 4] [--rounds 15] [--computes 3]
+    python benchmarks/bench_collection.py [--world-sizes 2 4 8] [--rounds 5] [--classes 1000] [--plot PATH]
     python benchmarks/bench_collection.py --quick     # a smoke test of the script (the figures mean nothing)
 
-Each spawned rank (gloo on loopback, one intra-op thread) builds a ten-member classification collection (five
-members sharing the ``[C]`` stat-score states, two a confusion matrix, two the ``cat`` lists of scores and targets,
-a calibration error with ``cat`` lists of its own), updates it with two uneven batches, and then, for ``--rounds``
-rounds, times a block of ``--computes`` ``compute()`` calls in each arm, the order of the arms rotating from
-round to round (every member's cached result is dropped before each call, so each call syncs and computes):
+The workload (``benchmarks/workloads.py``): a ``MulticlassConfusionMatrix`` over ``--classes`` classes (``[C, C]``
+int64: 8 MB at 1,000) and macro ``MulticlassAccuracy`` and ``MulticlassF1Score`` sharing four ``[C]`` stat-score
+states, updated with two uneven batches per rank. For each world size the script starts its own gloo ranks on
+loopback (``torch.multiprocessing``, one intra-op thread each) and, per round, runs one ``compute()`` in each arm,
+the arms' order rotating from round to round (every member's cached result is dropped first, so each call syncs):
 
 * ``torchmetrics``: torchmetrics' own sync (``patched(sync="torchmetrics")``);
 * ``per-member fused``: the fused sync with torchmetrics' own ``MetricCollection.compute`` (each member syncs in its
-  own ``compute()``, two collectives each: what ``self.log_dict(collection)`` gets in Lightning);
-* ``fused collection``: ``compute()`` under ``patched(sync="fused")``, one exchange for the collection;
-* ``no sync``: torchmetrics' ``compute()`` with every member's sync turned off (``_to_sync = False``): the
-  members' arithmetic, and everything else ``compute()`` does, alone.
+  own ``compute()``: what ``self.log_dict(collection)`` gets in Lightning);
+* ``fused``: ``compute()`` under ``patched(sync="fused")``, one exchange for the collection.
 
-Ranks meet at a barrier before each block, and a block's time is the slowest rank's. The sync's cost in an arm is
-its ``compute()`` minus the same round's ``no sync`` one; reported per arm: collectives per ``compute()`` (the
-default group's sequence number), the median ``compute()``, the median sync cost, and the median of the
-per-round ratios of sync costs to torchmetrics' with a distribution-free 95% confidence interval.
+Reported per arm: collectives per ``compute()`` (the default group's sequence number), the bytes of the buffers the
+collectives fill on one rank (what ``all_gather`` receives into, what ``all_reduce`` reduces in place), the median
+``compute()`` time (the slowest rank's) and the median of the per-round ratios to torchmetrics' arm with a
+distribution-free 95% confidence interval. ``--plot`` draws bytes and time against the world size (matplotlib).
+It imports nothing from ``tests/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__:
+    from benchmarks import workloads
+    from benchmarks._stats import spread
+else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
+    import workloads  # type: ignore[no-redef]
+    from _stats import spread  # type: ignore[no-redef]
 
-from benchmarks._stats import spread
-
-ARMS = ("torchmetrics", "per-member fused", "fused collection", "no sync")
-CLASSES = 10
-
-
-def _collection(rank: int) -> Any:
-    """The ten-member collection, updated with rank ``rank``'s two uneven batches."""
-    import torch
-
-    from tests._workloads import classification_collection
-
-    metrics = classification_collection(CLASSES)
-    generator = torch.Generator().manual_seed(rank)
-    for k in range(2):
-        n = 1000 + 250 * rank + 100 * k
-        probs = torch.randn(n, CLASSES, generator=generator).softmax(-1)
-        metrics.update(probs, torch.randint(0, CLASSES, (n,), generator=generator))
-    return metrics
+ARMS = ("torchmetrics", "per-member fused", "fused")
+_FILLING = ("all_gather", "all_reduce", "all_gather_into_tensor", "all_gather_single")
 
 
-def _rank_main(rounds: int, computes: int) -> dict[str, Any]:
+def _count_bytes(counter: list[int]) -> None:
+    """Wrap the collectives that fill buffers, adding the bytes they fill on this rank to ``counter[0]``."""
+    import torch.distributed as dist
+
+    for name in _FILLING:
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            out = args[0] if args else kwargs.get("tensor_list", kwargs.get("tensor", kwargs.get("output_tensor")))
+            tensors = out if isinstance(out, list) else [out]
+            counter[0] += sum(t.numel() * t.element_size() for t in tensors)
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, results: Any) -> None:
     import warnings
 
     import torch
@@ -64,12 +69,18 @@ def _rank_main(rounds: int, computes: int) -> dict[str, Any]:
 
     import torchmetrics_gradpatch as tg
 
-    warnings.filterwarnings("ignore")  # torchmetrics' per-call notes (empty classes and the like)
+    warnings.filterwarnings("ignore")  # torchmetrics' notes on classes without samples
     torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     group = dist.distributed_c10d._get_default_group()
-    metrics = _collection(dist.get_rank())
+    metrics = workloads.scale_collection(classes)
+    for preds, target in workloads.scale_batches(rank, classes):
+        metrics.update(preds, target)
     members = list(metrics.values(copy_state=False))
     own_compute = MetricCollection.__dict__["compute"]
+    filled = [0]
+    _count_bytes(filled)
 
     def compute(arm: str) -> None:
         for metric in members:
@@ -77,19 +88,9 @@ def _rank_main(rounds: int, computes: int) -> dict[str, Any]:
         if arm == "torchmetrics":
             with tg.patched(sync="torchmetrics"):
                 metrics.compute()
-        elif arm == "no sync":
-            saved = [metric._to_sync for metric in members]
-            for metric in members:
-                metric._to_sync = False
-            try:
-                with tg.patched(sync="torchmetrics"):
-                    metrics.compute()
-            finally:
-                for metric, value in zip(members, saved, strict=True):
-                    metric._to_sync = value
         else:
             with tg.patched(sync="fused"):
-                if arm == "fused collection":
+                if arm == "fused":
                     metrics.compute()
                 else:  # torchmetrics' own MetricCollection.compute: each member's compute() syncs on its own
                     getattr(own_compute, "__wrapped__", own_compute)(metrics)
@@ -99,94 +100,121 @@ def _rank_main(rounds: int, computes: int) -> dict[str, Any]:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return float(value)
 
-    collectives = {}
+    counts: dict[str, dict[str, int]] = {}
     for arm in ARMS:
-        compute(arm)  # warm-up, and the count
-        before = group._get_sequence_number_for_group()
+        compute(arm)  # warm-up, and the counts
+        before, filled[0] = group._get_sequence_number_for_group(), 0
         compute(arm)
-        collectives[arm] = group._get_sequence_number_for_group() - before
+        counts[arm] = {"collectives": group._get_sequence_number_for_group() - before, "bytes": filled[0]}
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    costs: dict[str, list[float]] = {arm: [] for arm in ARMS[:-1]}
-    ratios: dict[str, list[float]] = {arm: [] for arm in ARMS[1:-1]}
     for round_ in range(rounds):
-        order = ARMS[round_ % len(ARMS) :] + ARMS[: round_ % len(ARMS)]
-        block = {}
-        for arm in order:
+        for arm in ARMS[round_ % len(ARMS) :] + ARMS[: round_ % len(ARMS)]:
             dist.barrier()
             started = time.perf_counter()
-            for _ in range(computes):
-                compute(arm)
-            block[arm] = slowest((time.perf_counter() - started) / computes)
-            times[arm].append(block[arm])
-        for arm in costs:
-            costs[arm].append(block[arm] - block["no sync"])
-        for arm in ratios:
-            ratios[arm].append(costs[arm][-1] / costs["torchmetrics"][-1])
-    return {
-        "collectives": collectives,
-        "compute_seconds": {arm: spread(v) for arm, v in times.items()},
-        "sync_seconds": {arm: spread(v) for arm, v in costs.items()},
-        "sync_ratio_to_torchmetrics": {arm: spread(v) for arm, v in ratios.items()},
-    }
+            compute(arm)
+            times[arm].append(slowest(time.perf_counter() - started))
+    if rank == 0:
+        results.put({"counts": counts, "times": times})
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-def run(world_sizes: list[int], rounds: int, computes: int) -> dict[str, Any]:
+def measure(world_size: int, classes: int, rounds: int) -> dict[str, Any]:
+    """One world: spawn its ranks, return rank 0's counts and every round's times."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:  # a free port for rank 0's store; a race here fails loudly, never silently
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    processes = mp.start_processes(
+        _rank, args=(world_size, port, classes, rounds, results), nprocs=world_size, join=False, start_method="spawn"
+    )
+    while not processes.join(timeout=600):
+        pass
+    return results.get()  # type: ignore[no-any-return]
+
+
+def as_text(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['command']}  (torch {result['torch']}, torchmetrics {result['torchmetrics']}, {result['classes']} "
+        f"classes, {result['rounds']} rounds, load {result['load_at_start']} -> {result['load_at_end']})",
+        "bytes: what the collectives fill on one rank; compute(): medians, slowest rank; ratio: median of the "
+        "per-round compute() ratios to torchmetrics' [95% CI]",
+        f"{'ranks':>5} {'arm':18} {'collectives':>11} {'MiB filled':>10} {'compute() ms':>12} {'/ torchmetrics':>24}",
+    ]
+    for world_size, row in result["worlds"].items():
+        for arm in ARMS:
+            count, times = row["counts"][arm], row["times"][arm]
+            ratios = [t / r for t, r in zip(times, row["times"]["torchmetrics"], strict=True)]
+            ratio = spread(ratios)
+            ratio_text = f"{ratio['median']:.2f} [{ratio['ci95_lo']:.2f}, {ratio['ci95_hi']:.2f}]"
+            lines.append(
+                f"{world_size:>5} {arm:18} {count['collectives']:>11} {count['bytes'] / 2**20:>10.1f} "
+                f"{1e3 * statistics.median(times):>12.0f} {ratio_text:>24}"
+            )
+    fused = {int(w): row["counts"]["fused"]["bytes"] for w, row in result["worlds"].items()}
+    if len(fused) > 1:
+        low, high = min(fused), max(fused)
+        lines.append(f"fused bytes per rank, {high} ranks / {low} ranks: {fused[high] / fused[low]:.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Bytes filled per rank and compute() time against the world size, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted(int(w) for w in result["worlds"])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for arm, style in zip(ARMS, ("o-", "s--", "^-"), strict=True):
+        rows = [result["worlds"][str(w)] for w in worlds]
+        left.plot(worlds, [r["counts"][arm]["bytes"] / 2**20 for r in rows], style, label=arm)
+        right.plot(worlds, [1e3 * statistics.median(r["times"][arm]) for r in rows], style, label=arm)
+    left.set(xlabel="ranks", ylabel="MiB filled per rank", title="bytes the collectives fill")
+    right.set(xlabel="ranks", ylabel="ms (median, slowest rank)", title="compute()")
+    for axis in (left, right):
+        axis.set_xticks(worlds)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    right.legend()
+    figure.suptitle(f"MetricCollection sync, {result['classes']} classes, gloo (torch {result['torch']})", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, metadata={"Date": None})  # no timestamp: the same run draws the same file
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--plot", metavar="PATH", help="also draw the figure (needs matplotlib)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.world_sizes, args.rounds, args.classes = [2], 2, 50
     import torch
     import torchmetrics
-
-    from tests.harness import spawn_ranks
 
     result: dict[str, Any] = {
         "command": "python benchmarks/bench_collection.py " + " ".join(sys.argv[1:]),
         "load_at_start": [round(v, 2) for v in os.getloadavg()],
         "torch": torch.__version__,
         "torchmetrics": torchmetrics.__version__,
-        "rounds": rounds,
-        "computes": computes,
-        "worlds": {},
+        "classes": args.classes,
+        "rounds": args.rounds,
+        "worlds": {str(n): measure(n, args.classes, args.rounds) for n in args.world_sizes},
     }
-    for world_size in world_sizes:
-        ranks = spawn_ranks(_rank_main, world_size, args=(rounds, computes), timeout=1800)
-        result["worlds"][str(world_size)] = ranks[0]
     result["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
-    return result
-
-
-def as_text(result: dict[str, Any]) -> str:
-    lines = [
-        f"{result['command']}  (torch {result['torch']}, torchmetrics {result['torchmetrics']}, load "
-        f"{result['load_at_start']} -> {result['load_at_end']}, {result['rounds']} rounds of "
-        f"{result['computes']} compute() per arm)",
-        "sync = compute() minus the same round's compute() with every member's sync off; medians, slowest rank",
-    ]
-    for world_size, row in result["worlds"].items():
-        lines.append(f"\n{world_size} gloo ranks")
-        lines.append(
-            f"{'arm':18} {'collectives':>11} {'compute ms':>11} {'sync ms':>9} {'sync / torchmetrics [95% CI]':>30}"
-        )
-        for arm in ARMS:
-            whole = row["compute_seconds"][arm]["median"]
-            sync = row["sync_seconds"].get(arm)
-            ratio = row["sync_ratio_to_torchmetrics"].get(arm)
-            sync_text = f"{1e3 * sync['median']:9.2f}" if sync else f"{'':9}"
-            ratio_text = (
-                f"{ratio['median']:>12.3f} [{ratio['ci95_lo']:.3f}, {ratio['ci95_hi']:.3f}]"
-                if ratio
-                else (f"{1.0:>12.3f}" if arm == "torchmetrics" else "")
-            )
-            lines.append(f"{arm:18} {row['collectives'][arm]:>11} {1e3 * whole:>11.2f} {sync_text} {ratio_text}")
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--computes", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    world_sizes, rounds, computes = ([2], 2, 1) if args.quick else (args.world_sizes, args.rounds, args.computes)
-    print(as_text(run(world_sizes, rounds, computes)))
+    print(as_text(result))
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Workloads several tests share: two small MSE metrics (the cat-state one is ``check``'s own) and the ten-member
-classification collection. The soak's workload lives in ``benchmarks/soak_workload.py``, which the leak test
-imports, so it runs exactly what ``benchmarks/bench_soak.py`` measures."""
+"""Two small MSE metrics several tests share: sum states, and the ``cat``-state one that ``check`` runs itself.
+
+The classification collections live in ``benchmarks/workloads.py`` and the soak's workload in
+``benchmarks/soak_workload.py``; the tests import them from there, so they run exactly what the benchmarks time.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ from typing import Any
 
 import torch
 from torchmetrics import Metric
+
+from torchmetrics_gradpatch.cli.checks import CatMeanSquaredError as CatSquaredError  # check's own cat-state MSE
+
+__all__ = ["CatSquaredError", "SumSquaredError"]
 
 
 class SumSquaredError(Metric):
@@ -26,26 +32,3 @@ class SumSquaredError(Metric):
 
     def compute(self) -> torch.Tensor:
         return self.sse / self.n
-
-
-def classification_collection(num_classes: int) -> Any:
-    """Ten members: five share the ``[num_classes]`` stat-score states, two a confusion matrix, two the ``cat``
-    lists of scores and targets; the calibration error has ``cat`` lists of its own."""
-    from torchmetrics import MetricCollection
-    from torchmetrics import classification as tc
-
-    c = num_classes
-    return MetricCollection(
-        {
-            "acc": tc.MulticlassAccuracy(num_classes=c, average="macro"),
-            "prec": tc.MulticlassPrecision(num_classes=c, average="macro"),
-            "rec": tc.MulticlassRecall(num_classes=c, average="macro"),
-            "f1": tc.MulticlassF1Score(num_classes=c, average="macro"),
-            "spec": tc.MulticlassSpecificity(num_classes=c, average="macro"),
-            "confmat": tc.MulticlassConfusionMatrix(num_classes=c),
-            "kappa": tc.MulticlassCohenKappa(num_classes=c),
-            "auroc": tc.MulticlassAUROC(num_classes=c, thresholds=None),
-            "ap": tc.MulticlassAveragePrecision(num_classes=c, thresholds=None),
-            "ece": tc.MulticlassCalibrationError(num_classes=c),
-        }
-    )

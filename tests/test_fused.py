@@ -1,17 +1,22 @@
-"""The fused sync against torchmetrics' own sync, on real gloo ranks: values bit for bit, two collectives, gradients.
+"""The fused sync against torchmetrics' own sync, on real gloo ranks: values bit for bit, two collectives (plus
+one per operation and dtype of the states it reduces), gradients, and CPU-held states crossing in chunks.
 
 Each rank builds the same Metric twice from the same data, syncs one with torchmetrics' own ``_sync_dist`` (the
 original method, with torchmetrics' gather) and the other with the fused sync, and compares every state's dtype,
 shape and bytes. Collectives are counted with the process group's sequence number, which counts every collective
 whatever API issued it. Gradients are checked against the same loss computed in one process from every rank's
-data (each rank regenerates every rank's data from the same seeds).
+data (each rank regenerates every rank's data from the same seeds). Rank bodies are the ``_``-prefixed functions
+beside each test, run by ``tests._ranks.run_ranks``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -21,9 +26,12 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from tests._rank_tools import destroy_subgroup
+from tests._ranks import run_ranks
 from tests._tensors import gloo_dtypes
-from torchmetrics_gradpatch import _syncs
+from torchmetrics_gradpatch import _gather, _syncs
 from torchmetrics_gradpatch import fused as _fused
+from torchmetrics_gradpatch._errors import FusedSyncError
+from torchmetrics_gradpatch.fused import transit
 
 ORIGINAL_SYNC_DIST = _syncs.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 
@@ -153,15 +161,12 @@ def comparable(spec: list[Any]) -> list[Any]:
     return [state for state in spec if str(state[2]).removeprefix("torch.") in usable]
 
 
-def worlds(*sizes: int, timeout: float = 60) -> list[Any]:
-    """One parameter per world size, each run on that many pooled ranks."""
-    return [pytest.param(n, marks=pytest.mark.ranks(n, reuse=True, timeout=timeout), id=f"{n}ranks") for n in sizes]
+def worlds(*sizes: int) -> list[Any]:
+    """One parameter per world size."""
+    return [pytest.param(n, id=f"{n}ranks") for n in sizes]
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-@pytest.mark.parametrize("case", list(STATE_CASES))
-def test_values_bit_identical_and_two_collectives(world_size: int, case: str) -> None:
-    rank = dist.get_rank()
+def _values_bit_identical(rank: int, world_size: int, case: str) -> None:
     spec = comparable(STATE_CASES[case])
     expected, fused = build(rank, spec), build(rank, spec)
     torchmetrics_sync(expected)
@@ -170,6 +175,12 @@ def test_values_bit_identical_and_two_collectives(world_size: int, case: str) ->
     assert calls() - before == 2
     for name, value in states(expected).items():
         assert same(getattr(fused, name), value), (name, getattr(fused, name), value)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("case", list(STATE_CASES))
+def test_values_bit_identical_and_two_collectives(world_size: int, case: str) -> None:
+    run_ranks(_values_bit_identical, world_size, case, timeout=60)
 
 
 def test_install_restores_the_identical_original() -> None:
@@ -209,12 +220,10 @@ def real_metrics(rank: int) -> dict[str, tuple[Callable[[], Metric], tuple[torch
     }
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-@pytest.mark.parametrize("name", ["MeanSquaredError", "MulticlassAccuracy(macro)", "SpearmanCorrCoef (cat lists)"])
-def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
+def _real_metrics_sync_through_sync(rank: int, world_size: int, name: str) -> None:
     import torchmetrics_gradpatch as tg
 
-    make, batch = real_metrics(dist.get_rank())[name]
+    make, batch = real_metrics(rank)[name]
     expected, fused, custom = make(), make(), make()
     for metric in (expected, fused, custom):
         metric.update(*batch)
@@ -239,9 +248,13 @@ def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
         assert same(getattr(custom, name_), value), name_
 
 
-@pytest.mark.ranks(3, reuse=True, timeout=60)
-def test_subgroup() -> None:
-    rank = dist.get_rank()
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("name", ["MeanSquaredError", "MulticlassAccuracy(macro)", "SpearmanCorrCoef (cat lists)"])
+def test_real_metrics_sync_through_sync(world_size: int, name: str) -> None:
+    run_ranks(_real_metrics_sync_through_sync, world_size, name, timeout=60)
+
+
+def _subgroup(rank: int, world_size: int) -> None:
     group = dist.new_group([0, 2])
     if rank == 1:
         return  # not a member: it takes part in new_group only
@@ -256,6 +269,10 @@ def test_subgroup() -> None:
     destroy_subgroup(group)  # the warm ranks stay
 
 
+def test_subgroup() -> None:
+    run_ranks(_subgroup, 3, timeout=60)
+
+
 class OwnSync(Probe):
     """Overrides ``_sync_dist`` and calls ``super()`` (as MeanAveragePrecision does), then post-processes."""
 
@@ -264,9 +281,7 @@ class OwnSync(Probe):
         self.extra = self.s0 * 2
 
 
-@pytest.mark.parametrize("world_size", worlds(2))
-def test_override_calling_super(world_size: int) -> None:
-    rank = dist.get_rank()
+def _override_calling_super(rank: int, world_size: int) -> None:
     case = STATE_CASES["builtin reductions, 0-d"] + STATE_CASES["dist_reduce_fx=None lists"]
     specs = {f"s{i}": (torch.zeros(()) if k == "tensor" else [], r) for i, (r, k, _, _) in enumerate(case)}
     expected, fused = OwnSync(specs), OwnSync(specs)
@@ -283,6 +298,10 @@ def test_override_calling_super(world_size: int) -> None:
         _syncs.uninstall()
     for name, value in [*states(expected).items(), ("extra", expected.extra)]:
         assert same(getattr(fused, name), value), name
+
+
+def test_override_calling_super() -> None:
+    run_ranks(_override_calling_super, 2, timeout=60)
 
 
 class WeightedLoss(Metric):
@@ -345,10 +364,7 @@ def reference_grads(world_size: int) -> list[torch.Tensor]:
     return [p.grad for p in preds]  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-@pytest.mark.parametrize("mode", ["local", "global"])
-def test_gradients_against_one_process(world_size: int, mode: str) -> None:
-    rank = dist.get_rank()
+def _gradients_against_one_process(rank: int, world_size: int, mode: str) -> None:
     preds, target = batch(rank)
     preds.requires_grad_()
     _syncs.install("fused", mode=mode)
@@ -367,8 +383,12 @@ def test_gradients_against_one_process(world_size: int, mode: str) -> None:
 
 
 @pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
-    rank = dist.get_rank()
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_gradients_against_one_process(world_size: int, mode: str) -> None:
+    run_ranks(_gradients_against_one_process, world_size, mode, timeout=60)
+
+
+def _global_mode_with_a_rank_without_graph(rank: int, world_size: int) -> None:
     preds, target = batch(rank)
     if rank != 1:
         preds.requires_grad_()  # rank 1's states have no graph: it still takes part in the backward
@@ -386,6 +406,11 @@ def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
         torch.testing.assert_close(preds.grad, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
+    run_ranks(_global_mode_with_a_rank_without_graph, world_size, timeout=60)
+
+
 def test_description_round_trip_and_alignment() -> None:
     from torchmetrics_gradpatch.fused import wire as fp
 
@@ -399,6 +424,13 @@ def test_description_round_trip_and_alignment() -> None:
         fp.State(fp.KIND_LIST, tuple(fp.piece_of(t.requires_grad_(t.is_floating_point())) for t in tensors[1:])),
         fp.State(fp.KIND_LIST, (fp.piece_of(torch.tensor([])),), placeholder=True),
     ]
+    streamed = fp.State(fp.KIND_LIST, (fp.piece_of(tensors[1], streamed=True), fp.piece_of(tensors[2])))
+    assert fp.decode(fp.encode([streamed])) == ([], [streamed])
+    # a streamed piece and a reduced (skipped) state take no payload bytes; the stream holds the streamed piece
+    (_, kept), size = fp.layout([described[0], streamed], 0, skip=[0])
+    assert kept[0] == -1 and kept[1] == 0 and size == 64
+    (_, in_stream), stream_size = fp.layout([described[0], streamed], 0, skip=[0], streamed=True)
+    assert in_stream == [0, -1] and stream_size == 16
     words = fp.encode(described)
     assert fp.decode(words) == ([], described) and len(words) % 2 == 0
     assert fp.decode(fp.encode(described, [7, 8, 9])) == ([7, 8, 9], described)
@@ -411,11 +443,9 @@ def test_description_round_trip_and_alignment() -> None:
     assert not buffer[size:].any()  # padding is zeros, not this process's memory
 
 
-@pytest.mark.parametrize("world_size", worlds(2))
-def test_global_mode_graph_keeps_no_receive_buffer(world_size: int) -> None:
+def _global_mode_graph_keeps_no_receive_buffer(rank: int, world_size: int) -> None:
     import gc
 
-    rank = dist.get_rank()
     metric = Probe({"x": ([], "cat")})
     metric.x = [torch.randn(100_000 + rank, dtype=torch.float64, requires_grad=True)]
     _fused.fused_sync(metric, mode="global")
@@ -447,6 +477,10 @@ def test_global_mode_graph_keeps_no_receive_buffer(world_size: int) -> None:
     metric.x.sum().backward()
 
 
+def test_global_mode_graph_keeps_no_receive_buffer() -> None:
+    run_ranks(_global_mode_graph_keeps_no_receive_buffer, 2, timeout=60)
+
+
 def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
     """The API wiring seen from this module (tests/test_sync_api.py has the rest): the engine installs and restores."""
     import torchmetrics_gradpatch as tg
@@ -466,3 +500,251 @@ def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
             tg.patch(sync="fast")
     finally:
         _api.reset_for_tests()
+
+
+# --- exact reductions -------------------------------------------------------------------------------------------
+
+BIG = (300, 300)  # 90,000 elements: at least reduced.REDUCE_MIN_BYTES in every dtype, int8 included
+
+# name -> states (reduction, dtype, shape), the all_reduce groups they use; the gathered ones are float sums, means
+# and lists, mixed in
+REDUCTION_CASES: dict[str, tuple[list[tuple[Any, torch.dtype, tuple[int, ...]]], int]] = {
+    "integer sums, int64 result": (
+        [("sum", torch.int64, BIG), ("sum", torch.int32, BIG), ("sum", torch.uint8, BIG), ("sum", torch.bool, BIG)],
+        1,
+    ),
+    "integer max and min ride together": (
+        [("max", torch.int64, BIG), ("min", torch.int32, BIG), ("min", torch.int8, BIG), ("max", torch.uint8, BIG)],
+        1,
+    ),
+    "float max and min": ([("max", torch.float32, BIG), ("min", torch.float16, BIG), ("min", torch.float64, BIG)], 2),
+    "a mix with gathered states": (
+        [
+            ("sum", torch.int64, BIG),
+            ("sum", torch.float32, BIG),  # a floating-point sum: gathered
+            ("mean", torch.float64, BIG),
+            ("min", torch.int64, BIG),
+            ("max", torch.float64, (3,)),  # small: in the payload
+            ("cat", torch.float32, (4, 2)),
+        ],
+        2,
+    ),
+}
+
+
+def big_values(rank: int, seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s data: integers near their type's limits (int32 sums overflow int32 but not torchmetrics'
+    int64; int64 sums wrap), floats without NaN or -0.0 (+0.0 included)."""
+    generator = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if dtype.is_floating_point:
+        value = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+        value.view(-1)[0] = 0.0
+        return value
+    info = torch.iinfo(dtype)
+    value = torch.randint(info.min, info.max, shape, generator=generator, dtype=torch.int64).to(dtype)
+    value.view(-1)[0] = info.max  # every rank: the sum overflows the state's own dtype
+    return value
+
+
+def reduction_probe(rank: int, spec: list[tuple[Any, torch.dtype, tuple[int, ...]]]) -> Probe:
+    metric = Probe({f"s{i}": (torch.zeros(shape, dtype=dtype), r) for i, (r, dtype, shape) in enumerate(spec)})
+    for i, (_, dtype, shape) in enumerate(spec):
+        setattr(metric, f"s{i}", big_values(rank, i, shape, dtype))
+    return metric
+
+
+@contextlib.contextmanager
+def recording(name: str) -> Iterator[list[tuple[str, int]]]:
+    """Record every ``dist.<name>`` call's tensor (device type, bytes) while calling through to the real one."""
+    real = getattr(dist, name)
+    seen: list[tuple[str, int]] = []
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        tensor = args[1] if name == "all_gather" else args[0]
+        seen.append((tensor.device.type, tensor.numel() * tensor.element_size()))
+        return real(*args, **kwargs)
+
+    setattr(dist, name, record)
+    try:
+        yield seen
+    finally:
+        setattr(dist, name, real)
+
+
+def _exact_reductions(rank: int, world_size: int, case: str) -> None:
+    spec, groups = REDUCTION_CASES[case]
+    usable = set(gloo_dtypes())
+    spec = [state for state in spec if str(state[1]).removeprefix("torch.") in usable]
+    expected, fused = reduction_probe(rank, spec), reduction_probe(rank, spec)
+    torchmetrics_sync(expected)
+    before = calls()
+    with recording("all_reduce") as reductions:
+        _fused.fused_sync(fused)
+    assert calls() - before == 2 + groups and len(reductions) == groups, (calls() - before, reductions)
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), name
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("case", list(REDUCTION_CASES))
+def test_exact_reductions_are_reduced_bit_for_bit(world_size: int, case: str) -> None:
+    run_ranks(_exact_reductions, world_size, case, timeout=120)
+
+
+def _order_sensitive_floats_are_gathered(rank: int, world_size: int, odd: str) -> None:
+    spec = [("max", torch.float32, BIG), ("min", torch.float64, BIG), ("sum", torch.int64, BIG)]
+    expected, fused = reduction_probe(rank, spec), reduction_probe(rank, spec)
+    for metric in (expected, fused):
+        if rank == world_size - 1:  # one rank only: the ranks' proposals differ, so every state is gathered
+            metric.s0[1, 1] = float("nan") if odd == "nan" else -0.0
+    torchmetrics_sync(expected)
+    before = calls()
+    _fused.fused_sync(fused)
+    assert calls() - before == 2
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), name
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("odd", ["nan", "negative zero"])
+def test_float_max_with_nan_or_negative_zero_is_gathered(world_size: int, odd: str) -> None:
+    run_ranks(_order_sensitive_floats_are_gathered, world_size, odd, timeout=60)
+
+
+def _a_state_with_a_graph_is_gathered(rank: int, world_size: int, mode: str) -> None:
+    leaf = big_values(rank, 0, BIG, torch.float64).requires_grad_()
+    metric = Probe({"x": (torch.zeros(BIG, dtype=torch.float64), "max")})
+    metric.x = leaf * 2
+    _syncs.install("fused", mode=mode)
+    try:
+        before = calls()
+        metric.sync()
+        assert calls() - before == 2 and metric.x.requires_grad
+    finally:
+        _syncs.uninstall()
+    metric.x.sum().backward()
+    assert leaf.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_a_state_with_a_graph_is_gathered(mode: str) -> None:
+    run_ranks(_a_state_with_a_graph_is_gathered, 2, mode, timeout=60)
+
+
+# --- CPU-held states on a device-only group (NCCL), the device path forced on gloo --------------------------------
+
+
+@contextlib.contextmanager
+def device_path(chunk: int) -> Iterator[None]:
+    """The path CPU-held states take under NCCL, on this gloo group: the staging device is the CPU (the test's
+    stand-in for the current CUDA device), chunks of ``chunk`` bytes. Put back after."""
+    original, previous = _gather.staging_device, os.environ.get(_gather.CHUNK_ENV)
+    _gather.staging_device = lambda group: torch.device("cpu")  # type: ignore[assignment]
+    os.environ[_gather.CHUNK_ENV] = str(chunk)
+    try:
+        yield
+    finally:
+        _gather.staging_device = original  # type: ignore[assignment]
+        if previous is None:
+            del os.environ[_gather.CHUNK_ENV]
+        else:
+            os.environ[_gather.CHUNK_ENV] = previous
+
+
+def cpu_held(rank: int) -> Probe:
+    """A Metric on the CPU: ``cat`` and ``None`` lists of uneven sizes, a big integer sum, a small float sum."""
+    metric = Probe({"c": ([], "cat"), "n": ([], None), "big": (torch.zeros(20_000, dtype=torch.int64), "sum")})
+    metric.add_state("f", torch.zeros(3), dist_reduce_fx="sum")
+    metric.c = [values(rank, k, (3 + rank, 5), torch.float32) for k in range(2)]
+    metric.n = [values(rank, 9, (7 + rank,), torch.int64)]
+    metric.big = values(rank, 4, (20_000,), torch.int64)
+    metric.f = values(rank, 5, (3,), torch.float32)
+    return metric
+
+
+def _which_device_each_exchange_uses(rank: int, world_size: int) -> None:
+    group = dist.distributed_c10d._get_default_group()
+    assert _gather.staging_device(group) is None  # gloo takes CPU tensors as they are
+    assert transit.devices("cpu", group) == (torch.device("cpu"), None, False)  # a CPU Metric: unchanged
+    with device_path(1000):
+        assert transit.devices("cpu", group) == (torch.device("cpu"), torch.device("cpu"), True)
+
+
+def test_which_device_each_exchange_uses() -> None:
+    run_ranks(_which_device_each_exchange_uses, 2, timeout=60)
+
+
+def _cpu_states_cross_in_chunks(rank: int, world_size: int, chunk: int) -> None:
+    expected, fused = cpu_held(rank), cpu_held(rank)
+    torchmetrics_sync(expected)
+    # every rank's streamed bytes: its concatenated cat list, its None list, its float sum, each 16-byte aligned
+    streams = [sum(-(-n // 16) * 16 for n in (2 * (3 + r) * 5 * 4, (7 + r) * 8, 3 * 4)) for r in range(world_size)]
+    stream_chunks = -(-max(streams) // chunk)
+    reduce_chunks = -(-20_000 * 8 // chunk)
+    with device_path(chunk), recording("all_gather") as gathers, recording("all_reduce") as reductions:
+        before = calls()
+        _fused.fused_sync(fused)
+        count = calls() - before
+    assert count == 2 + stream_chunks + reduce_chunks, (count, stream_chunks, reduce_chunks)
+    chunks = [size for _, size in gathers[2:]]
+    assert sum(chunks) == max(streams) and max(chunks) <= chunk and len(chunks) == stream_chunks, chunks
+    assert len(reductions) == reduce_chunks and max(size for _, size in reductions) <= chunk
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), name
+        for element in value if isinstance(value, list) else [value]:
+            assert element.device.type == "cpu"
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("chunk", [64, 1000, 1 << 20])
+def test_cpu_states_cross_in_chunks(world_size: int, chunk: int) -> None:
+    run_ranks(_cpu_states_cross_in_chunks, world_size, chunk, timeout=120)
+
+
+def _patched_gather_crosses_in_chunks(rank: int, world_size: int, shape: tuple[int, ...]) -> None:
+    own = (shape[0] + rank, *shape[1:]) if shape else ()  # uneven first dimension: padded, gathered, trimmed
+    x = values(rank, 7, own, torch.float64)
+    reference = gather_all_tensors(x)
+    chunk = 1000
+    with device_path(chunk), recording("all_gather") as gathers:
+        before = calls()
+        got = _gather.gather_local(x)
+        count = calls() - before
+    padded = 8 * (math.prod((shape[0] + world_size - 1, *shape[1:])) if shape else 1)
+    data = -(-padded // chunk)
+    assert count == 2 + data, (count, data)  # the barrier, the shapes with each rank's chunk size, the data
+    assert [size for _, size in gathers[1:]] == [min(chunk, padded - k * chunk) for k in range(data)]
+    assert got[rank] is x and all(same(a, b) for a, b in zip(got, reference, strict=True))
+    assert all(entry.device.type == "cpu" for entry in got)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("shape", [(), (3, 100), (40, 7, 2)], ids=["scalar", "2-d", "3-d"])
+def test_patched_gather_crosses_in_chunks(world_size: int, shape: tuple[int, ...]) -> None:
+    run_ranks(_patched_gather_crosses_in_chunks, world_size, shape, timeout=60)
+
+
+def _a_bad_chunk_size_raises_on_every_rank(rank: int, world_size: int) -> None:
+    previous = os.environ.get(_gather.CHUNK_ENV)
+    os.environ[_gather.CHUNK_ENV] = "lots" if rank == 1 else "1000"
+    try:
+        with pytest.raises(FusedSyncError) as caught:
+            _fused.fused_sync(cpu_held(rank))
+    finally:
+        if previous is None:
+            del os.environ[_gather.CHUNK_ENV]
+        else:
+            os.environ[_gather.CHUNK_ENV] = previous
+    texts: list[object] = [None] * world_size
+    dist.all_gather_object(texts, str(caught.value))
+    assert texts == [texts[0]] * world_size and "rank(s) [1]" in str(caught.value), texts
+    follow_up = Probe({"x": ([], "cat")})
+    follow_up.x = [torch.ones(1)]
+    _fused.fused_sync(follow_up)  # the group is in step
+    assert same(follow_up.x, torch.ones(world_size))
+
+
+def test_a_bad_chunk_size_raises_on_every_rank() -> None:
+    run_ranks(_a_bad_chunk_size_raises_on_every_rank, 2, timeout=60)

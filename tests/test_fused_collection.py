@@ -20,9 +20,10 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import torchmetrics_gradpatch as tg
+from benchmarks.workloads import classification_collection, scale_batches, scale_collection
 from tests._rank_tools import destroy_subgroup, dynamo_refusal
-from tests._workloads import classification_collection
-from tests.test_fused import Probe, calls, same, values, worlds
+from tests._ranks import run_ranks
+from tests.test_fused import Probe, calls, device_path, recording, same, values, worlds
 from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch.fused import collection
 
@@ -30,7 +31,7 @@ C = 5  # classes
 
 
 def classification() -> MetricCollection:
-    """The ten-member collection of ``tests/_workloads.py`` with ``C`` classes."""
+    """The ten-member collection of ``benchmarks/workloads.py`` with ``C`` classes."""
     return classification_collection(C)
 
 
@@ -71,10 +72,7 @@ def compute_counted(metrics: MetricCollection, sync: str, mode: str = "local") -
         return result, calls() - before
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3, timeout=120))
-@pytest.mark.parametrize("mode", ["local", "global"])
-def test_ten_members_bit_identical_in_one_exchange(world_size: int, mode: str) -> None:
-    rank = dist.get_rank()
+def _ten_members_bit_identical_in_one_exchange(rank: int, world_size: int, mode: str) -> None:
     expected, fused = filled(classification, rank), filled(classification, rank)
     assert len(fused.compute_groups) == 4  # stat scores, confusion matrix, AUROC and AP's lists, ECE
     reference, tm_calls = compute_counted(expected, "torchmetrics", mode)
@@ -91,8 +89,13 @@ def test_ten_members_bit_identical_in_one_exchange(world_size: int, mode: str) -
     assert same_dicts(compute_counted(fused, "fused", mode)[0], compute_counted(expected, "torchmetrics", mode)[0])
 
 
-@pytest.mark.parametrize("world_size", worlds(2, timeout=120))
-def test_under_torch_compile_the_exchange_runs_behind_one_graph_break(world_size: int) -> None:
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_ten_members_bit_identical_in_one_exchange(world_size: int, mode: str) -> None:
+    run_ranks(_ten_members_bit_identical_in_one_exchange, world_size, mode, timeout=120)
+
+
+def _under_torch_compile_the_exchange_runs_behind_one_graph_break(rank: int, world_size: int) -> None:
     refusal = dynamo_refusal()  # torch 2.0's dynamo refuses Python 3.11
     if refusal is not None:
         pytest.skip(refusal)
@@ -107,8 +110,11 @@ def test_under_torch_compile_the_exchange_runs_behind_one_graph_break(world_size
     assert same_dicts(result, reference)
 
 
-@pytest.mark.parametrize("world_size", worlds(2))
-def test_a_shared_state_crosses_the_wire_once(world_size: int) -> None:
+def test_under_torch_compile_the_exchange_runs_behind_one_graph_break() -> None:
+    run_ranks(_under_torch_compile_the_exchange_runs_behind_one_graph_break, 2, timeout=120)
+
+
+def _a_shared_state_crosses_the_wire_once(rank: int, world_size: int) -> None:
     from torchmetrics_gradpatch.fused import sync as fs
 
     rank = dist.get_rank()
@@ -117,9 +123,9 @@ def test_a_shared_state_crosses_the_wire_once(world_size: int) -> None:
     prepared: list[Any] = []
     original = fs.prepare_state
 
-    def counting(metric: Any, attr: str, reduction: Any, rule: bool) -> Any:
+    def counting(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu: bool = False) -> Any:
         prepared.append(attr)
-        return original(metric, attr, reduction, rule)
+        return original(metric, attr, reduction, rule, stream_cpu)
 
     fs.prepare_state = counting  # type: ignore[assignment]
     try:
@@ -135,9 +141,11 @@ def test_a_shared_state_crosses_the_wire_once(world_size: int) -> None:
         metric.unsync()
 
 
-@pytest.mark.parametrize("world_size", worlds(2))
-def test_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others(world_size: int) -> None:
-    rank = dist.get_rank()
+def test_a_shared_state_crosses_the_wire_once() -> None:
+    run_ranks(_a_shared_state_crosses_the_wire_once, 2, timeout=60)
+
+
+def _cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others(rank: int, world_size: int) -> None:
     expected, fused = filled(classification, rank), filled(classification, rank)
     first, _ = compute_counted(fused, "fused")
     assert same_dicts(first, compute_counted(expected, "torchmetrics")[0])
@@ -154,6 +162,10 @@ def test_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_ot
     result, count = compute_counted(fused, "fused")
     assert count == 2
     assert same_dicts(result, compute_counted(expected, "torchmetrics")[0])
+
+
+def test_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others() -> None:
+    run_ranks(_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others, 2, timeout=60)
 
 
 class Sum(Metric):
@@ -179,9 +191,7 @@ def own_gather(result: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
     return gather_all_tensors(result, group)
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3, timeout=120))
-def test_members_that_opt_out_sync_as_today(world_size: int) -> None:
-    rank = dist.get_rank()
+def _members_that_opt_out_sync_as_today(rank: int, world_size: int) -> None:
     subgroup = dist.new_group(list(range(world_size)))
 
     def make() -> MetricCollection:
@@ -214,6 +224,11 @@ def test_members_that_opt_out_sync_as_today(world_size: int) -> None:
     destroy_subgroup(subgroup)
 
 
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_members_that_opt_out_sync_as_today(world_size: int) -> None:
+    run_ranks(_members_that_opt_out_sync_as_today, world_size, timeout=120)
+
+
 def every_rank(value: object) -> list[object]:
     gathered: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
@@ -229,9 +244,7 @@ def outcome_of(action: Callable[[], object]) -> tuple[str, float]:
     return "synced", time.monotonic() - start
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_ranks_disagreeing_on_a_member_raise_the_same_error(world_size: int) -> None:
-    rank = dist.get_rank()
+def _ranks_disagreeing_on_a_member_raise_the_same_error(rank: int, world_size: int) -> None:
     metrics = MetricCollection({"a": Sum(), "b": Sum(sync_on_compute=rank != 1)}, compute_groups=False)
     metrics.update(torch.ones(2, dtype=torch.float64))
     before = local_states(metrics)
@@ -244,8 +257,11 @@ def test_ranks_disagreeing_on_a_member_raise_the_same_error(world_size: int) -> 
 
 
 @pytest.mark.parametrize("world_size", worlds(2, 3))
-def test_list_lengths_sync_and_a_shape_mismatch_raises_naming_member_and_state(world_size: int) -> None:
-    rank = dist.get_rank()
+def test_ranks_disagreeing_on_a_member_raise_the_same_error(world_size: int) -> None:
+    run_ranks(_ranks_disagreeing_on_a_member_raise_the_same_error, world_size, timeout=60)
+
+
+def _list_lengths_sync_and_a_shape_mismatch_raises_naming_member_and_state(rank: int, world_size: int) -> None:
     lengths = [1, 3, 2][:world_size]
     everyone = [[values(r, k, (r + 1, 2), torch.float32) for k in range(lengths[r])] for r in range(world_size)]
 
@@ -282,6 +298,11 @@ def test_list_lengths_sync_and_a_shape_mismatch_raises_naming_member_and_state(w
     )
     assert took < 5 and same_dicts(local_states(metrics), before_states)
     assert not metrics["fine"]._is_synced
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_list_lengths_sync_and_a_shape_mismatch_raises_naming_member_and_state(world_size: int) -> None:
+    run_ranks(_list_lengths_sync_and_a_shape_mismatch_raises_naming_member_and_state, world_size, timeout=60)
 
 
 class Loss(Metric):
@@ -357,10 +378,7 @@ def reference_grads(world_size: int) -> list[list[torch.Tensor]]:
     return [[leaf.grad for leaf in mine] for mine in leaves]  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("world_size", worlds(2, 3, timeout=120))
-@pytest.mark.parametrize("mode", ["local", "global"])
-def test_gradients_against_one_process(world_size: int, mode: str) -> None:
-    rank = dist.get_rank()
+def _gradients_against_one_process(rank: int, world_size: int, mode: str) -> None:
     leaves = [p.clone().requires_grad_() for p, _ in loss_batches(rank)]
     metrics = loss_collection()
     with tg.patched(mode=mode, sync="fused"):
@@ -376,6 +394,12 @@ def test_gradients_against_one_process(world_size: int, mode: str) -> None:
     scale = world_size if mode == "global" else 1  # global: every rank's (equal) loss reaches every rank's preds
     for leaf, expected in zip(leaves, reference_grads(world_size)[rank], strict=True):
         torch.testing.assert_close(leaf.grad, scale * expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_gradients_against_one_process(world_size: int, mode: str) -> None:
+    run_ranks(_gradients_against_one_process, world_size, mode, timeout=120)
 
 
 def test_install_replaces_compute_and_uninstall_restores_the_identical_original() -> None:
@@ -413,3 +437,64 @@ def test_without_a_process_group_compute_is_torchmetrics_own() -> None:
     with tg.patched(sync="fused"):
         result = metrics.compute()
     assert same_dicts(result, expected.compute())
+
+
+def scaled(rank: int, num_classes: int) -> MetricCollection:
+    metrics = scale_collection(num_classes)
+    for preds, target in scale_batches(rank, num_classes):
+        metrics.update(preds, target)
+    return metrics
+
+
+def _thousand_classes_reduce_the_confusion_matrix(rank: int, world_size: int, mode: str) -> None:
+    expected, fused = scaled(rank, 1000), scaled(rank, 1000)
+    reference, tm_calls = compute_counted(expected, "torchmetrics", mode)
+    with recording("all_reduce") as reductions:
+        result, fused_calls = compute_counted(fused, "fused", mode)
+    # the header, the payload (the [C] stat scores ride in it), one int64 sum for the 8 MB confusion matrix
+    assert fused_calls == 3 and len(reductions) == 1 and reductions[0][1] == 8 * 1000 * 1000, (fused_calls, reductions)
+    assert tm_calls > 10, tm_calls
+    assert same_dicts(result, reference), {
+        k: (result[k], reference[k]) for k in result if not same(result[k], reference[k])
+    }
+    assert same_dicts(local_states(fused), local_states(expected))
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_thousand_classes_reduce_the_confusion_matrix(world_size: int, mode: str) -> None:
+    run_ranks(_thousand_classes_reduce_the_confusion_matrix, world_size, mode, timeout=120)
+
+
+def _a_member_of_another_class_is_named_per_rank(rank: int, world_size: int) -> None:
+    from torchmetrics.aggregation import MeanMetric, SumMetric
+
+    metrics = MetricCollection({"m": MeanMetric() if rank == 0 else SumMetric(), "s": Sum()}, compute_groups=False)
+    metrics.update(torch.ones(2, dtype=torch.float64))
+    with tg.patched(sync="fused"):
+        outcome, _ = outcome_of(metrics.compute)
+    outcomes = every_rank(outcome)
+    assert outcomes == [outcome] * world_size, outcomes  # one rank's log suffices
+    assert "rank 0: 'm': MeanMetric (mean_value: sum, weight: sum)" in outcome, outcome
+    assert "rank 1: 'm': SumMetric (sum_value: sum)" in outcome, outcome
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_a_member_of_another_class_is_named_per_rank_in_one_text(world_size: int) -> None:
+    run_ranks(_a_member_of_another_class_is_named_per_rank, world_size, timeout=60)
+
+
+def _collection_on_the_device_path(rank: int, world_size: int) -> None:
+    expected, fused = scaled(rank, 300), scaled(rank, 300)  # a 720 kB confusion matrix
+    reference, _ = compute_counted(expected, "torchmetrics")
+    chunk = 64 * 1024
+    with device_path(chunk), recording("all_gather") as gathers, recording("all_reduce") as reductions:
+        result, count = compute_counted(fused, "fused")
+    # the stat scores (4 x [300] int64) are streamed in one chunk; the confusion matrix reduced in 11 chunks
+    assert count == 2 + 1 + 11 and len(reductions) == 11, (count, reductions)
+    assert max(size for _, size in gathers[2:] + reductions) <= chunk
+    assert same_dicts(result, reference)
+
+
+def test_collection_on_the_device_path() -> None:
+    run_ranks(_collection_on_the_device_path, 2, timeout=120)

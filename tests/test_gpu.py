@@ -1,5 +1,6 @@
 """The gpu profile (``tox -e gpu``, or ``pytest tests/test_gpu.py``): the gather, both gradient modes, a Metric loss and
-torch.compile (inductor) on CUDA tensors.
+torch.compile (inductor) on CUDA tensors; and CPU-held states crossing an NCCL group in chunks, through the fused
+sync and the patched gather.
 
 Two worlds: NCCL with one rank per device, for as many devices as the machine has (``ranks(n, backend="nccl")``
 puts rank r on cuda:r), and gloo with CUDA tensors for 2 and 3 ranks sharing device 0. Every body checks its own
@@ -121,3 +122,79 @@ def test_compiled_metric_loss_on_cuda_matches_eager(world: str, mode: str) -> No
     inp.assert_rel(compiled_loss, eager_loss)
     inp.assert_rel(compiled_grad, eager_grad)
     assert eager_grad.abs().max() > 0
+
+
+# --- the fused sync and the patched gather: CPU-held states under NCCL (torchmetrics #2477) ---------------------------
+# Ranks from tests._ranks.run_ranks (gloo default group); each body makes an NCCL group of every rank, one rank per
+# device (a world of one NCCL rank runs on a single GPU), checks against torchmetrics' own sync over the gloo group,
+# and destroys the NCCL group before it returns.
+
+NCCL_WORLDS = sorted({1, DEVICES}) if CUDA else [1]
+CHUNK = 4096
+
+
+def _on_nccl(rank: int, world_size: int, case: str) -> None:
+    import contextlib
+
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    from tests._rank_tools import destroy_subgroup
+    from tests.test_fused import ORIGINAL_SYNC_DIST, cpu_held, same, states, values
+    from torchmetrics_gradpatch import _gather, fused
+
+    torch.cuda.set_device(rank)
+    nccl = dist.new_group(backend="nccl")
+    previous = os.environ.get(_gather.CHUNK_ENV)
+    os.environ[_gather.CHUNK_ENV] = str(CHUNK)
+    try:
+        assert _gather.staging_device(nccl) == torch.device("cuda", rank)
+        assert _gather.staging_device(None) is None  # the gloo default group: CPU tensors as they are
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if case == "fused, a Metric on the CPU":
+            expected, synced = cpu_held(rank), cpu_held(rank)
+            ORIGINAL_SYNC_DIST(expected, gather_all_tensors)  # torchmetrics' own, over gloo
+            fused.fused_sync(synced, process_group=nccl)
+            checks = [(getattr(synced, k), v) for k, v in states(expected).items()]
+            whole = 20_000 * 8  # the big integer sum, reduced in chunks
+        elif case == "fused, compute_on_cpu":
+            from torchmetrics import CatMetric
+
+            made = [CatMetric(compute_on_cpu=True).to(f"cuda:{rank}") for _ in range(2)]
+            for metric in made:
+                metric.update(values(rank, 1, (50_000 + rank,), torch.float32).to(f"cuda:{rank}"))
+                assert all(t.device.type == "cpu" for t in metric.value)  # torchmetrics moved the list states
+            expected, synced = made
+            ORIGINAL_SYNC_DIST(expected, gather_all_tensors)
+            fused.fused_sync(synced, process_group=nccl)
+            checks = [(synced.value, expected.value)]
+            whole = 50_000 * 4
+        else:  # the patched gather (torchmetrics < 1.6 runs it as its own gather_all_tensors)
+            x = values(rank, 3, (3000 + rank, 4), torch.float64)
+            got = tg.gather_all_tensors(x, group=nccl)
+            checks = list(zip(got, gather_all_tensors(x), strict=True))
+            assert got[rank] is x
+            whole = 3000 * 4 * 8
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        for got_value, value in checks:
+            assert same(got_value, value)
+            for element in got_value if isinstance(got_value, list) else [got_value]:
+                assert element.device.type == "cpu", element.device  # back where torchmetrics keeps it
+        # the device held a chunk per rank at a time (and the small header and descriptions), never a whole state
+        bound = (world_size + 1) * CHUNK + 16 * 1024
+        assert peak <= bound < whole, (peak, bound, whole)
+    finally:
+        with contextlib.suppress(KeyError):
+            del os.environ[_gather.CHUNK_ENV]
+        if previous is not None:
+            os.environ[_gather.CHUNK_ENV] = previous
+        destroy_subgroup(nccl)
+
+
+@pytest.mark.parametrize("case", ["fused, a Metric on the CPU", "fused, compute_on_cpu", "patched gather"])
+@pytest.mark.parametrize("world_size", NCCL_WORLDS)
+def test_cpu_held_states_cross_nccl_in_chunks(world_size: int, case: str) -> None:
+    from tests._ranks import run_ranks
+
+    run_ranks(_on_nccl, world_size, case, timeout=TIMEOUT)

@@ -13,10 +13,16 @@ Invariants:
   gathered copy of the caller's own tensor outlives the call; no warning (uneven results are sliced with a tuple).
 * It knows nothing of global mode (:mod:`torchmetrics_gradpatch._global`); :mod:`torchmetrics_gradpatch._modes`
   chooses between the two.
+* A tensor held on the CPU under a group that takes device tensors only (NCCL; torchmetrics #2477) crosses on the
+  current CUDA device in chunks of at most :func:`chunk_bytes` per rank and comes back on the CPU
+  (:func:`staging_device`, :func:`all_gather_chunked`, :func:`all_reduce_chunked`, shared with the fused sync).
+  Every rank of the group must hold the tensor on the CPU then, and use the same chunk size. Gloo groups take CPU
+  tensors as they are.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +30,114 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-__all__ = ["gather_entries", "gather_local", "size_and_rank"]
+__all__ = [
+    "CHUNK_ENV",
+    "all_gather_chunked",
+    "all_reduce_chunked",
+    "chunk_bytes",
+    "chunk_refusal",
+    "gather_entries",
+    "gather_local",
+    "size_and_rank",
+    "staging_device",
+]
+
+CHUNK_ENV = "TORCHMETRICS_GRADPATCH_CHUNK_BYTES"
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+
+
+def chunk_bytes() -> int:
+    """The most bytes per rank a CPU-held tensor puts on the device at once: ``TORCHMETRICS_GRADPATCH_CHUNK_BYTES``
+    (default 32 MiB), read at every sync, so it is the one place to set it. ``0`` for a value that is not a positive
+    whole number: callers exchange it, and every rank refuses alike (:func:`chunk_refusal`)."""
+    raw = os.environ.get(CHUNK_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CHUNK_BYTES
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        return 0
+
+
+def chunk_refusal(sizes: Sequence[int]) -> str | None:
+    """The error text when some rank's chunk size (``sizes``, by rank) is not valid; ``None`` when all are."""
+    bad = [rank for rank, size in enumerate(sizes) if size < 1]
+    if not bad:
+        return None
+    return (
+        f"torchmetrics_gradpatch: {CHUNK_ENV} is not a positive whole number of bytes on rank(s) {bad}. Set it alike "
+        f"on every rank (default {DEFAULT_CHUNK_BYTES}), or unset it. Every rank raised this error after the same "
+        "exchange; none is left waiting."
+    )
+
+
+def staging_device(group: Any) -> torch.device | None:
+    """The device CPU-held tensors cross on for ``group``: the current CUDA device where the group takes device
+    tensors only (NCCL), ``None`` where it takes CPU tensors as they are (gloo, or a group with a CPU backend)."""
+    name = getattr(group, "name", None) if isinstance(group, dist.ProcessGroup) else None
+    if callable(name) and name() == "gloo":
+        return None  # a C++ getter: this runs at every gather of a CPU tensor
+    backend = str(dist.get_backend(group)).lower()
+    cpu_ok = "cpu:" in backend if ":" in backend else backend != "nccl"
+    return None if cpu_ok else torch.device("cuda", torch.cuda.current_device())
+
+
+def _gather_into(out: torch.Tensor, n: int, rank: int, world_size: int, group: Any) -> None:
+    """All-gather each rank's ``out[rank * n : (rank + 1) * n]`` into ``out``, in place: on NCCL into the one flat
+    tensor (no further device buffer), elsewhere through views of it."""
+    mine = out[rank * n : (rank + 1) * n]
+    if out.device.type == "cuda":
+        into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        into(out, mine, group=group)
+    else:
+        dist.all_gather([out[r * n : (r + 1) * n] for r in range(world_size)], mine.clone(), group)
+
+
+def all_gather_chunked(
+    receive: Sequence[torch.Tensor | None],
+    fill: Callable[[torch.Tensor, int], None],
+    total: int,
+    group: Any,
+    rank: int,
+    device: torch.device,
+    chunk: int,
+) -> int:
+    """All-gather ``total`` bytes from every rank through ``device``, at most ``chunk`` bytes per rank at a time.
+
+    ``fill(dst, start)`` writes this rank's bytes ``[start, start + dst.numel())`` into the ``uint8`` tensor
+    ``dst``; rank ``r``'s bytes land in ``receive[r]`` (``uint8``; ``None``: not wanted, this rank's own; bytes past
+    its size are dropped). Every rank must pass the same ``total`` and ``chunk``. Returns the collectives issued:
+    ``ceil(total / chunk)``. The device holds one chunk per rank at a time.
+    """
+    world_size = len(receive)
+    count = 0
+    for start in range(0, total, chunk):
+        n = min(chunk, total - start)
+        out = torch.empty(world_size * n, dtype=torch.uint8, device=device)
+        fill(out[rank * n : (rank + 1) * n], start)
+        _gather_into(out, n, rank, world_size, group)
+        for r, target in enumerate(receive):
+            if target is not None and start < target.numel():
+                end = min(target.numel(), start + n)
+                target[start:end].copy_(out[r * n : r * n + end - start])
+        count += 1
+    return count
+
+
+def all_reduce_chunked(flat: torch.Tensor, op: Any, group: Any, device: torch.device, chunk: int) -> int:
+    """``dist.all_reduce`` of the 1-d ``flat`` in place, through ``device`` at most ``chunk`` bytes at a time.
+
+    Every rank must pass the same numel, dtype and ``chunk``. Returns the collectives issued.
+    """
+    step = max(1, chunk // flat.element_size())
+    count = 0
+    for start in range(0, flat.numel(), step):
+        part = flat[start : start + step]
+        moved = part.to(device, copy=True)
+        dist.all_reduce(moved, op, group)
+        part.copy_(moved)
+        count += 1
+    return count
 
 
 def _all_gather(buffers: list[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
@@ -118,6 +231,9 @@ def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.T
     result = result.contiguous()
     world_size, rank = size_and_rank(group)
     dist.barrier(group=group)
+    staging = staging_device(group) if result.device.type == "cpu" and world_size > 0 else None
+    if staging is not None:
+        return _gather_staged(result, world_size, group, rank, staging)
 
     if result.ndim == 0:
         return _gather_equal(result, world_size, group, rank, torch.zeros_like)
@@ -128,3 +244,38 @@ def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.T
     if not local_sizes:  # a non-member of ``group``: the unpatched gather fails in ``torch.stack`` of no sizes
         torch.stack(local_sizes)
     return gather_entries(result, [size.tolist() for size in local_sizes], group, rank)
+
+
+def _gather_staged(
+    result: torch.Tensor, world_size: int, group: Any, rank: int, staging: torch.device
+) -> list[torch.Tensor]:
+    """:func:`gather_local` for a CPU tensor under a group that takes device tensors only (NCCL; torchmetrics
+    #2477): the shapes and each rank's chunk size cross on ``staging`` in one ``all_gather`` (scalars too), then the
+    padded data in chunks of the smallest chunk size; the entries are CPU tensors, as on gloo."""
+    local = torch.tensor([*result.shape, chunk_bytes()], dtype=torch.int64, device=staging)
+    everyone = torch.empty(world_size * local.numel(), dtype=torch.int64, device=staging)
+    dist.all_gather(list(everyone.view(world_size, -1).unbind(0)), local, group=group)
+    rows = everyone.view(world_size, -1).tolist()
+    refusal = chunk_refusal([row[-1] for row in rows])
+    if refusal is not None:
+        raise ValueError(refusal)
+    shapes = [row[:-1] for row in rows]
+    chunk = min(row[-1] for row in rows)
+    max_shape = [max(sizes) for sizes in zip(*shapes, strict=True)]
+    pad: list[int] = []
+    for have, most in zip(reversed(shapes[rank]), reversed(max_shape), strict=True):
+        pad.extend((0, most - have))
+    with torch.no_grad():
+        padded = F.pad(result, pad) if any(pad) else result.detach()
+        buffers = [torch.zeros_like(padded) if r != rank else None for r in range(world_size)]
+        mine = padded.reshape(-1).view(torch.uint8)
+
+        def fill(dst: torch.Tensor, start: int) -> None:
+            dst.copy_(mine[start : start + dst.numel()])
+
+        receive = [b.reshape(-1).view(torch.uint8) if b is not None else None for b in buffers]
+        all_gather_chunked(receive, fill, mine.numel(), group, rank, staging, chunk)
+    return [
+        result if r == rank else buffer[tuple(slice(n) for n in shape)]  # type: ignore[index]
+        for r, (buffer, shape) in enumerate(zip(buffers, shapes, strict=True))
+    ]

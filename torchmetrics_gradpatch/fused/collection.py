@@ -92,28 +92,46 @@ def _fingerprint(key: str, metric: Any) -> int:
     return zlib.crc32(text.encode())
 
 
-def _table_error(members: list[tuple[str, Any]], tables: list[list[int]]) -> Exception | None:
-    """The error every rank raises when the ranks' member tables disagree (``None``: they agree)."""
+def _held(members: list[tuple[str, Any]]) -> list[str]:
+    """Each member as errors name it to the other ranks: its key, class and states' reductions."""
+    from torchmetrics_gradpatch.fused.sync import describe
+
+    return [f"{key!r}: {describe(metric)}" for key, metric in members]
+
+
+def _table_error(
+    members: list[tuple[str, Any]], tables: list[list[int]], texts: Callable[[str], list[str]]
+) -> Exception | None:
+    """The error every rank raises when the ranks' member tables disagree (``None``: they agree).
+
+    ``texts(text)`` gathers every rank's ``text`` (two collectives): called, alike on every rank, only where the
+    tables disagree on which metrics the ranks hold, so the error names each rank's members, one text everywhere.
+    """
+    import json
+
     from torchmetrics_gradpatch.fused.sync import structure_error
 
     counts = {r: table[0] for r, table in enumerate(tables)}
-    if len(set(counts.values())) > 1:
-        return structure_error(
-            "a MetricCollection",
-            None,
-            "the ranks are computing collections of different sizes",
-            {r: f"{n} members" for r, n in counts.items()},
-        )
     rows = [_rows(table) for table in tables]
+    differing = [i for i in range(min(counts.values())) if len({row[i][0] for row in rows}) > 1]
+    if len(set(counts.values())) > 1 or differing:
+        held = [json.loads(text) for text in texts(json.dumps(_held(members)))]
+        if len(set(counts.values())) > 1:
+            return structure_error(
+                "a MetricCollection",
+                None,
+                "the ranks are computing collections of different sizes",
+                {r: f"{len(h)} members: " + ", ".join(h) for r, h in enumerate(held)},
+            )
+        i = differing[0]
+        return structure_error(
+            f"member {i} of a MetricCollection",
+            None,
+            "the ranks hold different metrics as this member (another key, class, or other states or reductions)",
+            {r: h[i] for r, h in enumerate(held)},
+        )
     for i, (key, metric) in enumerate(members):
         name = _member_name(key, metric)
-        if len({row[i][0] for row in rows}) > 1:
-            return structure_error(
-                name,
-                None,
-                "the ranks hold different metrics as this member (another key, class, or other states or reductions)",
-                {r: f"fingerprint {row[i][0]:#x}" for r, row in enumerate(rows)},
-            )
         if len({row[i][1] for row in rows}) > 1:
             return structure_error(
                 name,
@@ -148,15 +166,19 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
 
     from torchmetrics_gradpatch._gather import size_and_rank
     from torchmetrics_gradpatch.fused import sync as fs
+    from torchmetrics_gradpatch.fused import transit
     from torchmetrics_gradpatch.fused import wire as fp
 
     group = dist.group.WORLD
     world_size, rank = size_and_rank(group)
     hows = [_how(metric) for _, metric in members]
+    joining = [metric for how, (_, metric) in zip(hows, members, strict=True) if how == JOINS]
+    device, staging, stream_cpu = transit.devices((joining or [members[0][1]])[0].device, group)
     slots: list[fs.Local] = []
     states: list[list[fs.Local]] = []
     seen: dict[tuple[Any, ...], int] = {}
     table = [len(members)]
+    placement: list[int] = []  # every member's slot references: what a proposal to reduce must agree on too
     any_needs = False
     for (key, metric), how in zip(members, hows, strict=True):
         refs: list[int] = []
@@ -171,28 +193,25 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
                 index = seen.get(slot_key)
                 if index is None:
                     index = seen[slot_key] = len(slots)
-                    slots.append(fs.prepare_state(metric, attr, reduction, rule))
+                    slots.append(fs.prepare_state(metric, attr, reduction, rule, stream_cpu))
                 slot = slots[index]
                 mine.append(fs.Local(attr, reduction, slot.is_cat, slot.value, slot.tensors, slot.described))
                 refs.append(index)
         needs = how == JOINS and metric._computed is None  # a cached result is returned without a sync
         any_needs = any_needs or needs
         table += [_fingerprint(key, metric), how, int(needs), len(refs), *refs]
+        placement += [len(refs), *refs]
         states.append(mine)
-    described = [slot.described for slot in slots]
-    words = fp.encode(described, table)
-    offsets, size = fp.layout(described, 8 * len(words))
+    out = fs.outgoing(slots, table, placement)
     flags = fs.flags_of(slots) | (_NEEDS if any_needs else 0)
     agreed = zlib.crc32(str([(row[0], row[1]) for row in _rows(table)]).encode())  # what every rank must share
-    joining = [metric for how, (_, metric) in zip(hows, members, strict=True) if how == JOINS]
-    device = torch.device((joining or [members[0][1]])[0].device)
     name = "a MetricCollection"
     with torch.no_grad():
-        rows = fs.headers(name, words, size, flags, agreed, group, world_size, device)
-        if len({row[4] for row in rows}) == 1 and not any(row[3] & _NEEDS for row in rows):
+        rows = fs.headers(out, flags, agreed, group, world_size, device)
+        if len({row[fp.FINGERPRINT] for row in rows}) == 1 and not any(row[fp.FLAGS] & _NEEDS for row in rows):
             return []  # every rank agrees and none has anything to sync: no payload
-        got = fs.payloads(words, slots, offsets, rows, rank, group, world_size, device)
-        error = _table_error(members, got.tables)
+        got = fs.payloads(out, slots, rows, rank, group, world_size, device)
+        error = _table_error(members, got.tables, lambda text: fs.gather_texts(text, group, world_size, device))
         if error is not None:
             raise error
         fs.check_grad_modes(name, rows, mode)
@@ -202,6 +221,7 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
         for i in joined:
             views[i] = [[got.slots[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
             fs.validate(_member_name(*members[i]), states[i], views[i])
+        fs.complete(got, out, slots, rows, rank, group, device, staging)
     keep = [[False] * len(got.slots[r]) for r in range(world_size)]
     for i in joined:
         for s, state in enumerate(states[i]):
@@ -214,7 +234,8 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
         for i in joined:
             metric = members[i][1]
             per_rank = [[synced[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
-            _set_synced(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank))
+            values = [(got.reduced or {}).get(ref) for ref in tables[rank][i][3]]
+            _set_synced(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values))
             done.append(metric)
     except BaseException:
         for metric in done:

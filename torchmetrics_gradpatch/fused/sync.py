@@ -25,15 +25,22 @@ what one process holding all the data would get or raises the same :class:`Fused
   states, a state that is neither a tensor nor a list of tensors: :class:`FusedSyncError` on every rank, before
   any state is changed.
 
+Beyond the two collectives: states whose reduction is exact in any order (an integer ``sum``, a ``max`` or
+``min``) and large enough are all-reduced instead of gathered when every rank proposed the same
+(:mod:`torchmetrics_gradpatch.fused.reduced`; one more collective per operation and dtype), and states held on the
+CPU while the exchange runs on a device cross in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
+
 Gradients: in local mode each rank's own entries are its own tensors (as the graph-preserving gather puts them
 back), so its states keep their graphs; in global mode :mod:`torchmetrics_gradpatch.fused.grad` builds one node
-for the whole sync.
+for the whole sync. A reduced state has no graph (a state with one is gathered).
 
 The steps are functions of their own, shared with the one-exchange sync of a whole ``MetricCollection``
-(:mod:`torchmetrics_gradpatch.fused.collection`): :func:`prepare_state` (step 1), :func:`headers` and
-:func:`payloads` (the two collectives), :func:`validate`, :func:`entries` and :func:`reduce` (step 3). They work on
-*slots* (what one rank sends: a prepared state) and on *states* (what a Metric sets), so a slot shared by several
-states crosses the wire once.
+(:mod:`torchmetrics_gradpatch.fused.collection`): :func:`prepare_state` (step 1), :func:`outgoing`,
+:func:`headers` and :func:`payloads` (the two collectives), :func:`validate`, :func:`complete` (the stream and the
+reductions), :func:`entries` and :func:`reduce` (step 3). They work on *slots* (what one rank sends: a prepared
+state) and on *states* (what a Metric sets), so a slot shared by several states crosses the wire once. Errors
+that the ranks' disagreement causes carry the same text on every rank (:func:`gather_texts` fetches what each
+rank holds where the exchanged facts do not say it).
 """
 
 from __future__ import annotations
@@ -47,21 +54,28 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
-from torchmetrics_gradpatch._gather import size_and_rank
+from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch.fused import grad as _fused_grad
+from torchmetrics_gradpatch.fused import reduced as _reduced
+from torchmetrics_gradpatch.fused import transit
 from torchmetrics_gradpatch.fused import wire as fp
 
 __all__ = [
     "Exchanged",
     "Local",
+    "Outgoing",
     "check_grad_modes",
+    "complete",
+    "describe",
     "entries",
     "flags_of",
     "fused_sync",
+    "gather_texts",
     "headers",
     "is_cat",
     "node_wanted",
+    "outgoing",
     "payloads",
     "placeholder_rule",
     "prepare_state",
@@ -118,8 +132,9 @@ def is_cat(reduction: object) -> bool:
     return bool(reduction == dim_zero_cat)
 
 
-def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool) -> Local:
-    """Step 1 for one state, exactly as torchmetrics' ``_sync_dist`` does it, and the state's description."""
+def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu: bool = False) -> Local:
+    """Step 1 for one state, exactly as torchmetrics' ``_sync_dist`` does it, and the state's description
+    (``stream_cpu``: its tensors held on the CPU are described as streamed)."""
     from torchmetrics.utilities.data import dim_zero_cat  # the object torchmetrics.metric compares with
 
     value = getattr(metric, attr)
@@ -132,18 +147,26 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool) -> Local:
         placeholder = True
     if isinstance(value, torch.Tensor):
         tensors = [value.contiguous()]
-        described = fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0]),))
+        described = fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0], stream_cpu and value.device.type == "cpu"),))
     elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
         tensors = [v.contiguous() for v in value]
-        described = fp.State(fp.KIND_LIST, tuple(fp.piece_of(t) for t in tensors), placeholder)
+        pieces = tuple(fp.piece_of(t, stream_cpu and t.device.type == "cpu") for t in tensors)
+        described = fp.State(fp.KIND_LIST, pieces, placeholder)
     else:
         tensors, described = [], fp.State(fp.KIND_OTHER, ())
     return Local(attr, reduction, cat, value, tensors, described)
 
 
-def _prepare(metric: Any) -> list[Local]:
+def _prepare(metric: Any, stream_cpu: bool) -> list[Local]:
     rule = placeholder_rule(metric)
-    return [prepare_state(metric, attr, reduction, rule) for attr, reduction in metric._reductions.items()]
+    return [prepare_state(metric, attr, reduction, rule, stream_cpu) for attr, reduction in metric._reductions.items()]
+
+
+def describe(metric: Any) -> str:
+    """``metric`` as errors name it to the other ranks: its class and each state's reduction."""
+    reductions = getattr(metric, "_reductions", {})
+    held = ", ".join(f"{a}: {reduction_name(r).removeprefix('dim_zero_')}" for a, r in reductions.items())
+    return f"{type(metric).__name__} ({held})"
 
 
 def _fingerprint(metric: Any, states: list[Local]) -> int:
@@ -158,20 +181,66 @@ def flags_of(slots: list[Local]) -> int:
     return (fp.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0) | (fp.FLAG_REQUIRES_GRAD if requires_grad else 0)
 
 
-def headers(
-    name: str, words: list[int], size: int, flags: int, fingerprint: int, group: Any, world_size: int, device: Any
-) -> list[list[int]]:
-    """Collective 1: every rank's header (format, description length, payload size, flags, fingerprint).
+@dataclass
+class Outgoing:
+    """What this rank sends: its description, its payload's layout (every state; and with the states it proposes
+    to reduce left out) and its proposal."""
 
-    Raises on every rank alike when the ranks run different formats: nothing more can be read then.
+    words: list[int]
+    offsets: list[list[int]]
+    size: int
+    offsets_reduced: list[list[int]]
+    size_reduced: int
+    plan: _reduced.Plan
+
+
+def outgoing(slots: list[Local], table: list[int] | None = None, placement: list[int] | None = None) -> Outgoing:
+    """This rank's description of ``slots`` (``table``: the words in front, the collection's member table), its
+    payload layouts and its proposal of states to reduce (``placement``: which slots the members' states are, so
+    that ranks whose members map to other slots do not agree on it)."""
+    described = [s.described for s in slots]
+    words = fp.encode(described, table or ())
+    start = 8 * len(words)
+    plan = _reduced.propose(slots, placement or ())
+    offsets, size = fp.layout(described, start)
+    offsets_reduced, size_reduced = fp.layout(described, start, plan.slots) if plan.slots else (offsets, size)
+    return Outgoing(words, offsets, size, offsets_reduced, size_reduced, plan)
+
+
+def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size: int, device: Any) -> list[list[int]]:
+    """Collective 1: every rank's header (format, description length, payload sizes, flags, fingerprint, proposal
+    digest, chunk size).
+
+    Raises on every rank alike when the ranks run different formats (nothing more can be read then) or some rank's
+    chunk size setting is not valid.
     """
-    rows = fp.gather_headers([len(words), size, flags, fingerprint], group, world_size, device)
+    header = [len(out.words), out.size, flags, fingerprint, out.size_reduced, out.plan.digest, chunk_bytes()]
+    rows = fp.gather_headers(header, group, world_size, device)
     if len({row[0] for row in rows}) > 1:
         raise FusedSyncError(
-            f"torchmetrics_gradpatch: fused sync of {name}: the ranks run different versions of the fused sync's "
-            "format; install the same torchmetrics_gradpatch on every rank."
+            "torchmetrics_gradpatch: fused sync: the ranks run different versions of the fused sync's format ("
+            + "; ".join(f"rank {r}: {row[0]:#x}" for r, row in enumerate(rows))
+            + "); install the same torchmetrics_gradpatch on every rank."
         )
+    refusal = chunk_refusal([row[fp.CHUNK] for row in rows])
+    if refusal is not None:
+        raise FusedSyncError(refusal)
     return rows
+
+
+def gather_texts(text: str, group: Any, world_size: int, device: Any) -> list[str]:
+    """Every rank's ``text``, in group-rank order: two collectives, issued only where every rank has found from
+    the same exchanged facts that an error needs what each rank holds named."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group)
+    lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: data.numel()].copy_(data)
+    received = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(received, padded, group)
+    return [bytes(b[:n].tolist()).decode("utf-8", "replace") for b, n in zip(received, lengths, strict=True)]
 
 
 def check_grad_modes(name: str, rows: list[list[int]], mode: str) -> None:
@@ -197,26 +266,34 @@ def node_wanted(rows: list[list[int]], mode: str) -> bool:
 
 @dataclass
 class Exchanged:
-    """Every rank's description table and slots, and every slot's pieces (views of the receive buffers)."""
+    """Every rank's description table and slots, every slot's pieces (views of the receive buffers), the slots
+    every rank reduces (``skip``: they have no pieces) and, once :func:`complete` ran, their values."""
 
     tables: list[list[int]]
     slots: list[list[fp.State]]
     gathered: list[list[list[torch.Tensor]]]
+    skip: tuple[int, ...] = ()
+    reduced: dict[int, torch.Tensor] | None = None
 
 
 def payloads(
-    words: list[int],
+    out: Outgoing,
     slots: list[Local],
-    offsets: list[list[int]],
     rows: list[list[int]],
     rank: int,
     group: Any,
     world_size: int,
     device: Any,
 ) -> Exchanged:
-    """Collective 2: every rank's description and data, padded to the largest payload; read back per rank."""
+    """Collective 2: every rank's description and data, padded to the largest payload; read back per rank.
+
+    The states every rank proposed alike to reduce are left out (:func:`torchmetrics_gradpatch.fused.reduced.agreed`).
+    """
+    words = out.words
+    skip = out.plan.slots if _reduced.agreed(rows, out.plan) else ()
+    offsets = out.offsets_reduced if skip else out.offsets
     sent = [[fp.sendable(t) for t in s.tensors] for s in slots]
-    payload = fp.pack(words, sent, offsets, max(row[2] for row in rows), device)
+    payload = fp.pack(words, sent, offsets, max(row[fp.SIZE_REDUCED if skip else fp.SIZE] for row in rows), device)
     buffers = fp.gather_payloads(payload, group, world_size)
     del payload
     tables: list[list[int]] = []
@@ -233,10 +310,28 @@ def payloads(
             table, described = fp.decode(theirs)
             tables.append(table)
             every.append(described)
-            layouts.append(offsets if r == rank else fp.layout(described, 8 * len(theirs))[0])
+            layouts.append(offsets if r == rank else fp.layout(described, 8 * len(theirs), skip)[0])
         previous = theirs
-    gathered = [fp.unpack(buffer, descs, lay) for buffer, descs, lay in zip(buffers, every, layouts, strict=True)]
-    return Exchanged(tables, every, gathered)
+    gathered = [fp.unpack(buffer, descs, lay, skip) for buffer, descs, lay in zip(buffers, every, layouts, strict=True)]
+    return Exchanged(tables, every, gathered, skip)
+
+
+def complete(
+    got: Exchanged,
+    out: Outgoing,
+    slots: list[Local],
+    rows: list[list[int]],
+    rank: int,
+    group: Any,
+    device: Any,
+    staging: torch.device | None,
+) -> None:
+    """After validation: every rank's streamed pieces into ``got.gathered``, the agreed reductions into
+    ``got.reduced`` (the collectives both need, decided from the exchanged facts alike on every rank)."""
+    chunk = min(row[fp.CHUNK] for row in rows)
+    own = [s.tensors for s in slots]
+    transit.receive_stream(got.gathered, own, got.slots, got.skip, rank, group, staging, chunk)
+    got.reduced = _reduced.run(out.plan, slots, group, device, staging, chunk) if got.skip else {}
 
 
 def validate(name: str, states: list[Local], every: list[list[fp.State]]) -> None:
@@ -302,27 +397,27 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     resolved = dist.group.WORLD if group is None else group
     world_size, rank = size_and_rank(resolved)
     name = type(metric).__name__
-    states = _prepare(metric)
-    described = [s.described for s in states]
-    words = fp.encode(described)
-    offsets, size = fp.layout(described, 8 * len(words))
-    device = torch.device(metric.device)
+    device, staging, stream_cpu = transit.devices(metric.device, resolved)
+    states = _prepare(metric, stream_cpu)
+    out = outgoing(states)
     flags = flags_of(states)  # grad mode as the caller has it, before the exchange's no_grad
     with torch.no_grad():
-        rows = headers(name, words, size, flags, _fingerprint(metric, states), resolved, world_size, device)
-        if len({row[4] for row in rows}) > 1:
+        rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)
+        if len({row[fp.FINGERPRINT] for row in rows}) > 1:
+            held = gather_texts(describe(metric), resolved, world_size, device)
             raise structure_error(
-                name,
+                "a Metric",
                 None,
                 "the ranks are syncing different metrics (another class, or other states or reductions)",
-                {r: f"fingerprint {row[4]:#x}" for r, row in enumerate(rows)},
+                dict(enumerate(held)),
             )
         check_grad_modes(name, rows, mode)
-        got = payloads(words, states, offsets, rows, rank, resolved, world_size, device)
+        got = payloads(out, states, rows, rank, resolved, world_size, device)
         validate(name, states, got.slots)
+        complete(got, out, states, rows, rank, resolved, device, staging)
     keep = [s.described.kind == fp.KIND_LIST and not s.is_cat for s in states]
     synced = entries(states, got, [keep] * world_size, rank, world_size, group, node_wanted(rows, mode), device)
-    reduce(metric, states, got.slots, synced)
+    reduce(metric, states, got.slots, synced, [got.reduced.get(s) if got.reduced else None for s in range(len(states))])
 
 
 def entries(
@@ -365,13 +460,21 @@ def entries(
 
 
 def reduce(
-    metric: Any, states: list[Local], every: list[list[fp.State]], entries: list[list[list[torch.Tensor]]]
+    metric: Any,
+    states: list[Local],
+    every: list[list[fp.State]],
+    entries: list[list[list[torch.Tensor]]],
+    reduced: list[torch.Tensor | None] | None = None,
 ) -> None:
     """Step 3, as torchmetrics does it: stack or flatten, reduce, set (see the module docstring for list order).
 
-    ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``.
+    ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
+    ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
     for s, state in enumerate(states):
+        if reduced is not None and reduced[s] is not None:
+            setattr(metric, state.attr, reduced[s])
+            continue
         per_rank = [entries[r][s] for r in range(len(entries))]
         if state.described.kind == fp.KIND_TENSOR:
             gathered: Any = torch.stack([pieces[0] for pieces in per_rank])

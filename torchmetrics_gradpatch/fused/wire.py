@@ -3,10 +3,14 @@
 What one rank sends
 -------------------
 * A **header** of :data:`HEADER_WORDS` int64 words, the same size on every rank: a format tag, the length of the
-  rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad) and a
-  fingerprint of the Metric (class and state names, each state's reduction).
+  rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad), a
+  fingerprint of the Metric (class and state names, each state's reduction), the length of its payload when the
+  states it proposes to reduce are left out, a digest of that proposal (``0``: none; see
+  :mod:`torchmetrics_gradpatch.fused.reduced`) and its chunk size for CPU-held states.
 * A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
-  :data:`ALIGN` so that it can be viewed back as its dtype in place.
+  :data:`ALIGN` so that it can be viewed back as its dtype in place. Left out: the states every rank agreed to
+  reduce (:func:`layout`'s ``skip``), and *streamed* pieces: tensors held on the CPU while the exchange runs on a
+  device, which cross afterwards in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
 
 ``all_gather`` needs the same size on every rank, and a description's size depends on what the rank holds (list
 lengths, numbers of dimensions). So the fixed-size header goes first (collective 1) and tells every rank every
@@ -16,10 +20,10 @@ rank decides what to do next from the same gathered headers and descriptions.
 
 The description: ``[n, *table]`` (``n`` words a caller puts in front: the collection sync's member table; none
 for one Metric), the number of states, then per state ``[kind, placeholder, n_pieces]`` and per piece ``[dtype
-code, requires_grad, ndim, *shape]``. A tensor state is one piece; a list state is its elements. Dtype codes,
-sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on every rank even where a
-torch lacks some dtype; a dtype a buffer cannot carry is described as :data:`UNKNOWN_DTYPE` and refused on every
-rank.
+code, flags (requires_grad, streamed), ndim, *shape]``. A tensor state is one piece; a list state is its elements.
+Dtype codes, sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on every rank
+even where a torch lacks some dtype; a dtype a buffer cannot carry is described as :data:`UNKNOWN_DTYPE` and
+refused on every rank.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ __all__ = [
     "words_of",
 ]
 
-FORMAT = 0x7467_6673_0002  # "tgfs", format 2: a rank running another format is told so, not misread
-HEADER_WORDS = 5
+FORMAT = 0x7467_6673_0003  # "tgfs", format 3: a rank running another format is told so, not misread
+HEADER_WORDS = 8
+SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PLAN, CHUNK = 2, 3, 4, 5, 6, 7  # a header row's words
 FLAG_GRAD_MODE = 1
 FLAG_REQUIRES_GRAD = 2
 
@@ -68,11 +73,13 @@ UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
 
 @dataclass(frozen=True)
 class Piece:
-    """One tensor as the description gives it: dtype (``None``: unknown to the format), shape, requires_grad."""
+    """One tensor as the description gives it: dtype (``None``: unknown to the format), shape, requires_grad, and
+    whether it is streamed (held on the CPU while the exchange runs on a device)."""
 
     dtype: torch.dtype | None
     shape: tuple[int, ...]
     requires_grad: bool
+    streamed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -94,9 +101,10 @@ def sendable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if _bytes.plain(tensor.dtype) else torch.empty(0, dtype=torch.uint8)
 
 
-def piece_of(tensor: torch.Tensor) -> Piece:
+def piece_of(tensor: torch.Tensor, streamed: bool = False) -> Piece:
     """The description of ``tensor``."""
-    return Piece(tensor.dtype if _bytes.plain(tensor.dtype) else None, tuple(tensor.shape), tensor.requires_grad)
+    dtype = tensor.dtype if _bytes.plain(tensor.dtype) else None
+    return Piece(dtype, tuple(tensor.shape), tensor.requires_grad, streamed)
 
 
 def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
@@ -109,7 +117,7 @@ def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
         words += [state.kind, int(state.placeholder), len(state.pieces)]
         for piece in state.pieces:
             code = UNKNOWN_DTYPE if piece.dtype is None else _bytes.code(piece.dtype)
-            words += [code, int(piece.requires_grad), len(piece.shape), *piece.shape]
+            words += [code, int(piece.requires_grad) | 2 * int(piece.streamed), len(piece.shape), *piece.shape]
     if len(words) % 2:
         words.append(0)
     return words
@@ -127,21 +135,38 @@ def decode(words: Sequence[int]) -> tuple[list[int], list[State]]:
         at += 3
         pieces = []
         for _ in range(n_pieces):
-            code, requires_grad, ndim = words[at : at + 3]
+            code, flags, ndim = words[at : at + 3]
             shape = tuple(words[at + 3 : at + 3 + ndim])
             at += 3 + ndim
             dtype = _bytes.dtype_of(code)
             plain = dtype if dtype is not None and _bytes.plain(dtype) else None
-            pieces.append(Piece(plain, shape, bool(requires_grad)))
+            pieces.append(Piece(plain, shape, bool(flags & 1), bool(flags & 2)))
         states.append(State(kind, tuple(pieces), bool(placeholder)))
     return table, states
 
 
-def layout(states: Sequence[State], start: int) -> tuple[list[list[int]], int]:
-    """Each piece's byte offset in the payload (pieces from ``start`` on, each aligned), and the payload's size."""
-    found, end = _bytes.offsets((piece.nbytes for state in states for piece in state.pieces), start)
+def layout(
+    states: Sequence[State], start: int, skip: Sequence[int] = (), streamed: bool = False
+) -> tuple[list[list[int]], int]:
+    """Each piece's byte offset in the payload (pieces from ``start`` on, each aligned), and the payload's size.
+
+    With ``streamed``, the same for the stream of streamed pieces instead. A piece that is not in that buffer (a
+    state in ``skip``, which is reduced, or a piece of the other buffer) has offset ``-1``.
+    """
+    left_out = set(skip)
+    wanted = [
+        [s not in left_out and piece.streamed == streamed for piece in state.pieces] for s, state in enumerate(states)
+    ]
+    sizes = (
+        piece.nbytes
+        for state, keep in zip(states, wanted, strict=True)
+        for piece, k in zip(state.pieces, keep, strict=True)
+        if k
+    )
+    found, end = _bytes.offsets(sizes, start)
     at = iter(found)
-    return [[next(at) for _ in state.pieces] for state in states], _bytes.aligned(end)
+    offsets = [[next(at) if k else -1 for k in keep] for keep in wanted]
+    return offsets, _bytes.aligned(end)
 
 
 def pack(
@@ -162,6 +187,8 @@ def pack(
     end = head.numel()
     for state_tensors, state_offsets in zip(tensors, offsets, strict=True):
         for tensor, offset in zip(state_tensors, state_offsets, strict=True):
+            if offset < 0:
+                continue  # reduced, or streamed
             if offset > end:
                 buffer[end:offset].zero_()
             data = as_bytes(tensor)
@@ -171,18 +198,29 @@ def pack(
     return buffer
 
 
-def unpack(buffer: torch.Tensor, states: Sequence[State], offsets: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
-    """Every piece of one rank's payload viewed back as its dtype and shape (views into ``buffer``, no copy)."""
+def unpack(
+    buffer: torch.Tensor, states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Sequence[int] = ()
+) -> list[list[torch.Tensor]]:
+    """Every piece of one rank's ``buffer`` (its payload, or its stream) viewed back as its dtype and shape (views
+    into ``buffer``, no copy). A piece not in it (offset ``-1``) is an empty stand-in, for the other buffer to fill;
+    a state in ``skip`` (reduced) has no pieces."""
+    left_out = set(skip)
     out: list[list[torch.Tensor]] = []
-    for state, state_offsets in zip(states, offsets, strict=True):
+    for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True)):
+        if s in left_out:
+            out.append([])
+            continue
         out.append(
             [
-                buffer[offset : offset + piece.nbytes].view(piece.dtype).view(piece.shape)
+                buffer[offset : offset + piece.nbytes].view(piece.dtype).view(piece.shape) if offset >= 0 else _ABSENT
                 for piece, offset in zip(state.pieces, state_offsets, strict=True)
                 if piece.dtype is not None
             ]
         )
     return out
+
+
+_ABSENT = torch.empty(0)
 
 
 def gather_headers(header: Sequence[int], group: Any, world_size: int, device: torch.device) -> list[list[int]]:

@@ -1,0 +1,191 @@
+"""Exact reductions: states whose reduction gives the same bits in any order are all-reduced, not gathered.
+
+torchmetrics gathers every state and reduces the stack, so what each rank receives grows with the world. For some
+states the stack is not needed: an integer ``sum`` (torchmetrics' ``dim_zero_sum`` gives ``int64`` for every
+integer and ``bool`` state, wrapping included) and an integer ``max`` or ``min`` come out bit for bit the same in
+any order, and so do a floating-point ``max`` or ``min`` over values without NaN and without negative zero (where
+``torch.max`` over the stack and a reduction in another order can differ). A ring all-reduce moves about twice
+the state per rank, whatever the world size.
+
+Which states (:func:`propose`): a tensor state of at least :data:`REDUCE_MIN_BYTES` that does not require grad,
+whose reduction is torchmetrics' own ``dim_zero_sum`` over ``bool``/``uint8``/``int8``/``int16``/``int32``/
+``int64``, or ``dim_zero_max``/``dim_zero_min`` over those or ``float16``/``bfloat16``/``float32``/``float64``
+(floating point: only where this rank's tensor holds no NaN and no ``-0.0``), and whose reduction gives, on this
+torch, the dtype the all-reduce yields. Everything else (floating-point sums and means, lists, custom reductions,
+small states, anything with a graph) is gathered as before.
+
+Agreement: each rank proposes from its own states; the header carries a digest of the proposal (slot, operation,
+dtypes, shape, where it is held; the collection's member table too). Every rank follows it only when every rank
+sent the same non-zero digest (:func:`agreed`); else every state is gathered, and the exchanged descriptions decide
+as before whether the ranks can be synced. So no state of one rank can make the ranks issue different collectives.
+
+The collectives (:func:`run`): one ``all_reduce`` per operation and transport dtype used, at most four: ``int64``
+SUM; ``int64`` MAX (integer max, and integer min as the max of the bitwise complement); ``float32`` MAX (``float16``,
+``bfloat16`` and ``float32`` widened exactly; min as the max of the negation, which is exact without NaN and
+``-0.0``); ``float64`` MAX. A state held on the CPU under a group that takes device tensors only crosses on the
+device in chunks (:func:`torchmetrics_gradpatch._gather.all_reduce_chunked`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchmetrics_gradpatch import _bytes
+from torchmetrics_gradpatch._gather import all_reduce_chunked
+from torchmetrics_gradpatch.fused import wire as fp
+
+__all__ = ["REDUCE_MIN_BYTES", "Plan", "agreed", "propose", "run"]
+
+#: A state smaller than this rides in the payload: its own collective would cost more than the bytes it saves.
+REDUCE_MIN_BYTES = 64 * 1024
+
+_INTEGERS = ("bool", "uint8", "int8", "int16", "int32", "int64")
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One reduced slot: its index, the operation (``sum``, ``max``, ``min``), the dtype it is reduced in
+    (``transport``) and comes out as (``result``), its shape, and whether it is held on the CPU and streamed."""
+
+    slot: int
+    op: str
+    transport: torch.dtype
+    result: torch.dtype
+    shape: tuple[int, ...]
+    streamed: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """This rank's proposal: the slots it would reduce and the digest every rank compares (``0``: none)."""
+
+    entries: tuple[Entry, ...] = ()
+    digest: int = 0
+    slots: tuple[int, ...] = field(default=())
+
+
+def _ops() -> dict[Any, str]:
+    from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
+
+    return {dim_zero_sum: "sum", dim_zero_max: "max", dim_zero_min: "min"}
+
+
+@functools.cache
+def _result_dtype(reduction: Any, dtype: torch.dtype) -> torch.dtype | None:
+    """What ``reduction`` over a stack of ``dtype`` gives on this torch (``None``: it fails)."""
+    try:
+        return reduction(torch.zeros(1, dtype=dtype)).dtype  # type: ignore[no-any-return]
+    except Exception:  # a dtype this torch cannot reduce: gathered, as torchmetrics does
+        return None
+
+
+def _transport(op: str, dtype: torch.dtype) -> torch.dtype | None:
+    name = str(dtype).removeprefix("torch.")
+    if name in _INTEGERS:
+        return torch.int64
+    if name in _FLOATS and op != "sum":
+        return torch.float64 if dtype == torch.float64 else torch.float32
+    return None
+
+
+def _order_free(tensor: torch.Tensor) -> bool:
+    """Whether a floating-point max/min over ``tensor``'s values gives the same bits in any order here."""
+    if not tensor.is_floating_point():
+        return True
+    return not bool(torch.isnan(tensor).any()) and not bool(((tensor == 0) & torch.signbit(tensor)).any())
+
+
+def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Plan:
+    """This rank's proposal for ``slots`` (the fused sync's prepared states: ``reduction``, ``tensors``,
+    ``described``); ``table`` (the collection's member table) enters the digest, so ranks whose members map to
+    other slots do not agree."""
+    ops = _ops()
+    entries = []
+    for index, slot in enumerate(slots):
+        op = ops.get(slot.reduction) if _hashable(slot.reduction) else None
+        described = slot.described
+        if op is None or described.kind != fp.KIND_TENSOR or len(slot.tensors) != 1:
+            continue
+        tensor, piece = slot.tensors[0], described.pieces[0]
+        if piece.dtype is None or piece.requires_grad or piece.nbytes < REDUCE_MIN_BYTES:
+            continue
+        transport = _transport(op, piece.dtype)
+        result = _result_dtype(slot.reduction, piece.dtype)
+        wanted = torch.int64 if op == "sum" else piece.dtype
+        if transport is None or result is None or result != wanted or not _order_free(tensor):
+            continue
+        entries.append(Entry(index, op, transport, result, piece.shape, piece.streamed))
+    if not entries:
+        return Plan()
+    text = repr((list(table), [(e.slot, e.op, str(e.transport), str(e.result), e.shape, e.streamed) for e in entries]))
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1 | 1
+    return Plan(tuple(entries), digest, tuple(e.slot for e in entries))
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def agreed(rows: Sequence[Sequence[int]], plan: Plan) -> bool:
+    """Whether every rank follows the plan: every rank sent this rank's non-zero digest."""
+    return plan.digest != 0 and all(row[fp.PLAN] == plan.digest for row in rows)
+
+
+def _encode(entry: Entry, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    moved = tensor.detach().to(device=device, dtype=entry.transport).reshape(-1)
+    if entry.op != "min":
+        return moved
+    return torch.bitwise_not(moved) if entry.transport == torch.int64 else torch.neg(moved)
+
+
+def _decode(entry: Entry, flat: torch.Tensor) -> torch.Tensor:
+    if entry.op == "min":
+        flat = torch.bitwise_not(flat) if entry.transport == torch.int64 else torch.neg(flat)
+    return flat.to(entry.result).view(entry.shape)
+
+
+def run(
+    plan: Plan,
+    slots: Sequence[Any],
+    group: Any,
+    device: torch.device,
+    staging: torch.device | None,
+    chunk: int,
+) -> dict[int, torch.Tensor]:
+    """The agreed reductions: per slot index, its value as torchmetrics' stacked reduction gives it.
+
+    A group whose slots are streamed (held on the CPU) is built on the CPU and crosses on ``staging`` in chunks of
+    ``chunk`` bytes (gloo: as it is); the others are built and reduced on ``device``. Values held on the CPU come
+    back there.
+    """
+    groups: dict[tuple[str, torch.dtype, bool], list[Entry]] = {}
+    for entry in plan.entries:
+        key = ("sum" if entry.op == "sum" else "max", entry.transport, entry.streamed)
+        groups.setdefault(key, []).append(entry)
+    out: dict[int, torch.Tensor] = {}
+    for (op, transport, streamed), members in groups.items():
+        where = torch.device("cpu") if streamed else device
+        flat = torch.cat([_encode(e, slots[e.slot].tensors[0], where) for e in members])
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        if streamed and staging is not None:
+            all_reduce_chunked(flat, reduce_op, group, staging, chunk)
+        else:
+            dist.all_reduce(flat, reduce_op, group)
+        at = 0
+        for entry in members:
+            n = _bytes.nbytes(entry.shape, transport) // _bytes.itemsize(transport)
+            out[entry.slot] = _decode(entry, flat[at : at + n])
+            at += n
+    return out
