@@ -91,15 +91,24 @@ class _RankPool:
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, fresh: bool = False, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    fresh: bool = False,
+    backend: str = "gloo",
+    **kwargs: Any,
 ) -> list[Any]:
     """``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; the results in rank order.
+
+    ``backend="nccl"`` makes the default group NCCL on fresh ranks, rank ``r`` on ``cuda:r`` (the gpu profile).
 
     Raises :class:`RankError` if a rank raises or the call outlasts ``timeout`` seconds (a new pool's start-up
     apart); skips the test if a rank skipped and none failed.
     """
     import pytest
 
+    fresh = fresh or backend != "gloo"
     ranks = (
         _RankPool(world_size)
         if fresh
@@ -107,7 +116,7 @@ def run_ranks(
     )
     seen: set[int] = set()
     calls = [
-        ranks.pool.apply_async(_in_rank, (fn, index, world_size, ranks.store.port, args, kwargs))
+        ranks.pool.apply_async(_in_rank, (fn, index, world_size, ranks.store.port, backend, args, kwargs))
         for index in range(world_size)
     ]
     # the clock starts once every rank has reached the call (a new pool first spawns and imports torch)
@@ -181,7 +190,13 @@ def _start_rank(directory: str) -> None:
 
 
 def _in_rank(
-    fn: Callable[..., Any], index: int, world_size: int, port: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    fn: Callable[..., Any],
+    index: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> tuple[int, str, Any]:
     """Join the group on first use, run ``fn`` as this process's rank, put the patch state back.
 
@@ -195,8 +210,12 @@ def _in_rank(
     if not dist.is_initialized():
         marker.write_text(f"{index}\n")  # the rank it is joining as, should the join hang
         store = dist.TCPStore(HOST, port, world_size, False, timeout=datetime.timedelta(seconds=60))
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(index)
         dist.init_process_group(
-            "gloo", store=store, rank=index, world_size=world_size, timeout=datetime.timedelta(seconds=600)
+            backend, store=store, rank=index, world_size=world_size, timeout=datetime.timedelta(seconds=600)
         )
     rank = dist.get_rank()
     marker.write_text(f"{rank}\n")

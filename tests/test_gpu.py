@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._rank_tools import every_rank
+from tests._ranks import run_ranks
 from tests._workloads import CatSquaredError, SumSquaredError
 
 CUDA = torch.cuda.is_available()
@@ -30,20 +30,16 @@ pytestmark = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 TIMEOUT = 300  # NCCL's start-up and inductor's first compile take tens of seconds per process
 
 
-def worlds() -> list[Any]:
-    """NCCL on every device (one rank each; at least 1), and gloo with CUDA tensors for 2 and 3 ranks on cuda:0."""
-    n = max(DEVICES, 1)
-    # NCCL replaces the runner's gloo group, which a warm pool cannot take back: a fresh spawn each
-    nccl = pytest.param("nccl", marks=pytest.mark.ranks(n, backend="nccl", timeout=TIMEOUT), id=f"nccl-{n}ranks")
-    gloo = [
-        pytest.param("gloo", marks=pytest.mark.ranks(n, reuse=True, timeout=TIMEOUT), id=f"gloo-{n}ranks-cuda0")
-        for n in (2, 3)
-    ]
-    return [nccl, *gloo]
+#: NCCL with one rank per device (at least 1; fresh ranks, rank r on cuda:r), and gloo with CUDA tensors for 2 and
+#: 3 warm ranks sharing cuda:0.
+WORLDS = [
+    pytest.param("nccl", max(DEVICES, 1), id=f"nccl-{max(DEVICES, 1)}ranks"),
+    *(pytest.param("gloo", n, id=f"gloo-{n}ranks-cuda0") for n in (2, 3)),
+]
 
 
 def device() -> torch.device:
-    """This rank's device: cuda:rank under NCCL (set by the marker), cuda:0 for the gloo ranks."""
+    """This rank's device: cuda:rank under NCCL (set by run_ranks), cuda:0 for the gloo ranks."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(0)
@@ -51,10 +47,14 @@ def device() -> torch.device:
 
 
 @pytest.mark.parametrize("case", ["equal", "uneven_rows", "scalar"])
-@pytest.mark.parametrize("world", worlds())
-def test_gather_on_cuda_in_both_modes(world: str, case: str) -> None:
+@pytest.mark.parametrize(("backend", "world_size"), WORLDS)
+def test_gather_on_cuda_in_both_modes(backend: str, world_size: int, case: str) -> None:
     """Values equal every rank's input; local mode keeps the own entry's graph, global mode's gradient is exact."""
-    rank, world_size, dev = dist.get_rank(), dist.get_world_size(), device()
+    run_ranks(_gather_on_cuda, world_size, case, backend=backend, timeout=TIMEOUT)
+
+
+def _gather_on_cuda(rank: int, world_size: int, case: str) -> None:
+    dev = device()
     xs = [inp.gather_input(case, r) for r in range(world_size)]
     total = sum(inp.gather_loss([x.contiguous() for x in xs], r) for r in range(world_size))
     (global_ref,) = torch.autograd.grad(total, xs[rank])
@@ -72,10 +72,14 @@ def test_gather_on_cuda_in_both_modes(world: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("metric", ["sum", "cat"])
-@pytest.mark.parametrize("world", worlds())
-def test_metric_loss_on_cuda_backpropagates_like_single_process(world: str, metric: str) -> None:
+@pytest.mark.parametrize(("backend", "world_size"), WORLDS)
+def test_metric_loss_on_cuda_backpropagates_like_single_process(backend: str, world_size: int, metric: str) -> None:
     """A Metric with ``dist_sync_on_step=True`` as the loss through torchmetrics' own gather (patched)."""
-    rank, world_size, dev = dist.get_rank(), dist.get_world_size(), device()
+    run_ranks(_metric_loss_on_cuda, world_size, metric, backend=backend, timeout=TIMEOUT)
+
+
+def _metric_loss_on_cuda(rank: int, world_size: int, metric: str) -> None:
+    dev = device()
     rows = inp.ROWS["equal" if metric == "sum" else "uneven"]
     data = [inp.model_inputs(r, rows[r % 3]) for r in range(world_size)]
     w = inp.weight().requires_grad_()
@@ -96,10 +100,14 @@ def test_metric_loss_on_cuda_backpropagates_like_single_process(world: str, metr
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="inductor needs a C++ compiler")
 @pytest.mark.parametrize("mode", ["local", "global"])
-@pytest.mark.parametrize("world", worlds())
-def test_compiled_metric_loss_on_cuda_matches_eager(world: str, mode: str) -> None:
+@pytest.mark.parametrize(("backend", "world_size"), WORLDS)
+def test_compiled_metric_loss_on_cuda_matches_eager(backend: str, world_size: int, mode: str) -> None:
     """torch.compile(backend="inductor") around a cat-state Metric loss on CUDA: eager's loss and gradient."""
-    rank, dev = dist.get_rank(), device()
+    run_ranks(_compiled_metric_loss_on_cuda, world_size, mode, backend=backend, timeout=TIMEOUT)
+
+
+def _compiled_metric_loss_on_cuda(rank: int, world_size: int, mode: str) -> None:
+    dev = device()
     if tg.status().native:
         tg.compile_support()  # what the docs tell users of native torchmetrics to do for torch.compile
     features, target = (t.to(dev) for t in inp.model_inputs(rank, 3 + rank))
@@ -195,6 +203,4 @@ def _on_nccl(rank: int, world_size: int, case: str) -> None:
 @pytest.mark.parametrize("case", ["fused, a Metric on the CPU", "fused, compute_on_cpu", "patched gather"])
 @pytest.mark.parametrize("world_size", NCCL_WORLDS)
 def test_cpu_held_states_cross_nccl_in_chunks(world_size: int, case: str) -> None:
-    from tests._ranks import run_ranks
-
     run_ranks(_on_nccl, world_size, case, timeout=TIMEOUT)
