@@ -31,7 +31,6 @@ from torchmetrics_gradpatch.cli import checks
 from torchmetrics_gradpatch.cli.exit import EXIT_CANNOT_RUN, EXIT_FAILED, EXIT_OK, PROG
 
 HOST = "127.0.0.1"
-_GRACE = 5.0  # seconds the ranks get to leave their group once every result is in
 
 
 class _RunError(Exception):
@@ -53,8 +52,10 @@ def _rank(rank: int, world_size: int, port: int, workdir: str, run_args: tuple[A
     dist.barrier()  # gloo may return from init on one rank while a peer still connects
     store.add("joined", 1)
     store.set(f"result{rank}", pickle.dumps(checks.rank_main(*run_args)))  # type: ignore[arg-type]
-    dist.barrier()  # leave together: gloo on torch 2.0 to 2.4 can deadlock in destroy right after a gather
-    dist.destroy_process_group()
+    # Wait to be killed: leaving would only tear gloo down, which can hang (torch 2.0 to 2.4) or abort noisily (2.13
+    # to 2.15). A parent killed outright ends the wait with torch's PR_SET_PDEATHSIG (SIGINT).
+    while True:
+        signal.pause()
 
 
 def _run(args: argparse.Namespace, deadline: float, with_compile_support: bool = False) -> list[Any]:
@@ -87,11 +88,7 @@ def _run(args: argparse.Namespace, deadline: float, with_compile_support: bool =
                 if finished and not store.check(keys):  # every rank exited 0, one before leaving its result
                     rank = next(rank for rank, key in enumerate(keys) if not store.check([key]))
                     raise _rank_failed(rank, "died", "it exited without its result", args, store)
-            results = [pickle.loads(store.get(key)) for key in keys]
-            end = time.monotonic() + _GRACE
-            for proc in context.processes:  # each is leaving its group now
-                proc.join(max(0.0, end - time.monotonic()))
-            return results
+            return [pickle.loads(store.get(key)) for key in keys]
         finally:
             for proc in context.processes:  # SIGKILL, which nothing a rank runs can delay; one reaped is not signalled
                 proc.kill()
@@ -110,10 +107,9 @@ def _read(path: str) -> str:
 def _timed_out(args: argparse.Namespace, context: Any, store: Any, workdir: str) -> _RunError:
     """Ask each rank still running for its Python stacks; the report names each one and shows them."""
     pending = [rank for rank in range(args.world_size) if not store.check([f"result{rank}"])]
-    for rank in pending:
-        if os.path.exists(_stacks(workdir, rank)):  # else SIGUSR1 would kill it: it has no stacks to show yet
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(context.processes[rank].pid, signal.SIGUSR1)
+    for rank in pending:  # one without its stacks file has no handler yet: SIGUSR1 would kill it
+        if context.processes[rank].is_alive() and os.path.exists(_stacks(workdir, rank)):
+            os.kill(context.processes[rank].pid, signal.SIGUSR1)
     time.sleep(0.5)  # faulthandler writes from its signal handler, at once
     started = int(store.add("joined", 0)) == args.world_size
     doing = "the ranks had started and were still running the checks" if started else "the ranks were still starting"
@@ -136,8 +132,10 @@ def _rank_failed(rank: int, what: str, details: str, args: argparse.Namespace, s
 
 def check(args: argparse.Namespace) -> int:
     """The ``check`` command: run the checks on the ranks and print the table; its exit status."""
-    ranks = f"{args.world_size} rank{'s' if args.world_size > 1 else ''}"
-    print(f"starting {ranks.replace('rank', 'gloo rank')} on loopback (each imports torch)...", file=sys.stderr)
+    print(
+        f"starting {args.world_size} gloo rank{'s' * (args.world_size > 1)} on loopback (each imports torch)...",
+        file=sys.stderr,
+    )
     start = time.monotonic()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the ranks as Ctrl-C does
     try:
@@ -184,7 +182,7 @@ def _report(
         mode = "local (each rank backpropagates through its own entry: torchmetrics 1.6 semantics)"
     sync = {"fused": "fused (two collectives per Metric sync)"}.get(state["sync"], "torchmetrics (its own collectives)")
     lines = [
-        f"{PROG} check, {args.world_size} rank{'s' if args.world_size > 1 else ''} (gloo, loopback)",
+        f"{PROG} check, {args.world_size} rank{'s' * (args.world_size > 1)} (gloo, loopback)",
         f"  torch         {state['torch_version']}",
         f"  torchmetrics  {state['torchmetrics_version']}",
         f"  gather        {gather}",
