@@ -134,6 +134,7 @@ def test_another_programs_python_m_still_gets_the_exception(old_torch: list[str]
             ["python", "-X", "dev", "-Wdefault", "-W", "error", "-m", "torchmetrics_gradpatch", "check"],
             True,
         ),
+        (["-m"], ["python", "--check-hash-based-pycs", "always", "-m", "torchmetrics_gradpatch"], True),
         (["-m"], ["python", "-W", "torchmetrics_gradpatch", "-m", "pytest"], False),
         (["-m", "torchmetrics_gradpatch"], ["python", "-m", "pytest", "torchmetrics_gradpatch"], False),
         (["-m"], ["python", "-m", "pytest"], False),
