@@ -8,7 +8,6 @@ only) placed first on ``PYTHONPATH``, which is what the version gate reads.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -125,41 +124,33 @@ def test_another_programs_python_m_still_gets_the_exception(old_torch: list[str]
 
 @needs_supported_torch
 @pytest.mark.parametrize(
-    ("orig_argv", "target"),
+    ("argv", "orig_argv", "expected"),
     [
-        (["python", "-m", "torchmetrics_gradpatch", "check"], "torchmetrics_gradpatch"),
-        (["python", "-mtorchmetrics_gradpatch"], "torchmetrics_gradpatch"),
-        (["python", "-Im", "torchmetrics_gradpatch.__main__"], "torchmetrics_gradpatch.__main__"),
-        (["python", "-X", "dev", "-Wdefault", "-W", "error", "-m", "x"], "x"),
-        (["python", "--check-hash-based-pycs", "always", "-m", "x"], "x"),
-        (["python", "-X", "-m", "-m", "y"], "y"),  # "-m" as the value of -X is not the -m option
-        (["python", "-c", "code", "-m", "x"], None),
-        (["python", "script.py", "-m", "x"], None),
-        (["python"], None),
+        (["-m", "check"], ["python", "-m", "torchmetrics_gradpatch", "check"], True),
+        (["-m"], ["python", "-mtorchmetrics_gradpatch"], True),
+        (["-m", "status"], ["python", "-Im", "torchmetrics_gradpatch.__main__", "status"], True),
+        (
+            ["-m", "check"],
+            ["python", "-X", "dev", "-Wdefault", "-W", "error", "-m", "torchmetrics_gradpatch", "check"],
+            True,
+        ),
+        (["-m"], ["python", "--check-hash-based-pycs", "always", "-m", "torchmetrics_gradpatch"], True),
+        (["-m"], ["python", "-W", "torchmetrics_gradpatch", "-m", "pytest"], False),
+        (["-m", "torchmetrics_gradpatch"], ["python", "-m", "pytest", "torchmetrics_gradpatch"], False),
+        (["-m"], ["python", "-m", "pytest"], False),
+        (["/venv/bin/torchmetrics-gradpatch"], ["python", "/venv/bin/torchmetrics-gradpatch"], True),
+        (["C:\\venv\\Scripts\\torchmetrics-gradpatch.exe"], [], os.sep == "\\"),
+        (["/venv/bin/pytest"], ["python", "/venv/bin/pytest"], False),
+        (["train.py"], ["python", "train.py"], False),
     ],
 )
-def test_module_target(orig_argv: list[str], target: str | None) -> None:
-    from torchmetrics_gradpatch.cli.exit import _module_target
-
-    assert _module_target(orig_argv) == target
-
-
-@needs_supported_torch
-@pytest.mark.parametrize(
-    ("argv0", "orig_argv", "expected"),
-    [
-        ("-m", ["python", "-m", "torchmetrics_gradpatch"], True),
-        ("-m", ["python", "-m", "pytest"], False),
-        ("/venv/bin/torchmetrics-gradpatch", ["python", "/venv/bin/torchmetrics-gradpatch"], True),
-        ("C:\\venv\\Scripts\\torchmetrics-gradpatch.exe", [], os.sep == "\\"),
-        ("/venv/bin/pytest", ["python", "/venv/bin/pytest"], False),
-        ("train.py", ["python", "train.py"], False),
-    ],
-)
-def test_launched_as_cli(monkeypatch: pytest.MonkeyPatch, argv0: str, orig_argv: list[str], expected: bool) -> None:
+def test_launched_as_cli(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], orig_argv: list[str], expected: bool
+) -> None:
+    """While runpy imports the package, ``sys.argv`` is ``["-m", *arguments]``: the word before them names it."""
     from torchmetrics_gradpatch.cli import exit as cli_exit
 
-    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(sys, "orig_argv", orig_argv)
     assert cli_exit.launched_as_cli() is expected
 
@@ -250,14 +241,16 @@ def result_of(stdout: str, title: str) -> str:
 
 
 @needs_supported_torch
-@pytest.mark.parametrize("mode", [None, "global"])
-def test_check_passes_on_this_install(mode: str | None) -> None:
-    proc = cli("check", *(["--mode", mode] if mode else []))
+@pytest.mark.parametrize(("mode", "sync"), [(None, None), ("global", "fused")])
+def test_check_passes_on_this_install(mode: str | None, sync: str | None) -> None:
+    proc = cli("check", *(["--mode", mode] if mode else []), *(["--sync", sync] if sync else []))
     assert proc.returncode == 0, show(proc)
     assert f"torch         {TORCH}" in proc.stdout and f"torchmetrics  {TORCHMETRICS}" in proc.stdout, show(proc)
     assert ("native" if NATIVE and not mode else "patched") in proc.stdout, show(proc)
     assert f"gradient mode {mode or 'local'} (" in proc.stdout, show(proc)
+    assert f"sync          {sync or 'torchmetrics'} (" in proc.stdout, show(proc)
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
+    assert "all 4 checks passed" in proc.stdout, show(proc)
     assert "starting 2 gloo ranks" in proc.stderr and "ranks finished in" in proc.stderr, show(proc)  # progress
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, show(proc)
 
@@ -272,45 +265,6 @@ def test_check_without_the_patch_shows_the_failures() -> None:
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["FAIL"] * 4, show(proc)
     assert "does not require grad" in proc.stdout, show(proc)
     assert "Warning" not in proc.stderr, show(proc)
-
-
-@needs_supported_torch
-def test_check_reports_ranks_that_cannot_run(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A rank that dies or raises before the checks is reported with the runner's details and exit status 3."""
-    from torchmetrics_gradpatch.cli import _ranks, main
-
-    def failing_runner(*args: object, **kwargs: object) -> None:
-        raise _ranks.RankError(1, "died", "process was killed by SIGKILL")
-
-    monkeypatch.setattr(_ranks, "run", failing_runner)
-    assert main(["check"]) == 3
-    err = capsys.readouterr().err
-    assert "cannot run here: rank 1 died before the checks could run" in err and "starting 2 gloo ranks" in err
-    assert "killed by SIGKILL" in err, err
-    assert "ranks FAILED after" in err and "finished" not in err, err  # the progress line says it failed
-
-
-@needs_supported_torch
-@pytest.mark.parametrize("failed", [False, True])
-def test_live_progress_line_tells_failure_from_success(monkeypatch: pytest.MonkeyPatch, failed: bool) -> None:
-    """On a terminal the progress line ends in "done in" or "FAILED after", never "done" for a failure."""
-    import io
-
-    from torchmetrics_gradpatch.cli.check import _Progress
-
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    terminal = Terminal()
-    monkeypatch.setattr(sys, "stderr", terminal)
-    with pytest.raises(KeyError) if failed else contextlib.nullcontext(), _Progress("starting"):
-        if failed:
-            raise KeyError("a rank failed")
-    last = terminal.getvalue().rsplit("\r", 1)[-1]
-    assert last.startswith("starting FAILED after" if failed else "starting done in"), last
 
 
 @needs_supported_torch
@@ -347,13 +301,13 @@ def analytic_gradient(name: str, rank: int, world_size: int) -> list[Any]:
     with torch.no_grad():
         if name.startswith("gather"):
             # loss = sum_i (i + 1) * |e_i|^2 + (sum of every element)^2
-            entries = [_checks._gather_input(name, q) for q in range(world_size)]
+            entries = [_checks._inputs(name, q)[0] for q in range(world_size)]
             total = sum(float(e.sum()) for e in entries)
             return [2 * (rank + 1) * entries[rank] + 2 * total]
         # loss = mean over every rank's samples of (w.x + b - y)^2; only this rank's predictions carry a graph
         model = _checks._model()
-        count = sum(_checks._batch_size(name, q) for q in range(world_size))
-        x, y = _checks._batch(name, rank)
+        count = sum(len(_checks._inputs(name, q)[0]) for q in range(world_size))
+        x, y = _checks._inputs(name, rank)
         residual = model(x).squeeze(-1) - y
         return [(2 / count) * (residual @ x).unsqueeze(0), (2 / count) * residual.sum().reshape(1)]
 
@@ -384,13 +338,3 @@ def test_installed_console_script_checks_three_ranks() -> None:
     assert proc.returncode == 0, show(proc)
     assert "3 ranks" in proc.stdout and "starting 3 gloo ranks" in proc.stderr, show(proc)
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
-
-
-@needs_supported_torch
-def test_the_sync_line_says_whether_the_fused_sync_is_in_place() -> None:
-    from torchmetrics_gradpatch.cli.check import _sync
-
-    in_place = ["torchmetrics.Metric._sync_dist (runs the 'fused' sync; one graph break under torch.compile)"]
-    assert _sync({"sync": "fused", "sync_applied_to": in_place}) == "fused (two collectives per Metric sync)"
-    assert _sync({"sync": "fused", "sync_applied_to": []}).endswith(", NOT installed")
-    assert _sync({"sync": "torchmetrics"}) == "torchmetrics (its own collectives)"

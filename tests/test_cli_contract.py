@@ -2,28 +2,33 @@
 
 0 success; 1 a check failed or did not finish within ``--timeout`` (saying how to give it more time); 2 a usage
 error -- a bad argument or a bad ``TORCHMETRICS_GRADPATCH_*`` variable, in every command; 3 only "cannot run here"
-(versions refused, no loopback port to listen on, a rank that could not start). Never a traceback. Every run is
-the real CLI in a fresh interpreter; the occupied-ports case fills the ephemeral port range of a private network
-namespace, so the rendezvous really meets EADDRINUSE.
+(versions refused, no loopback port to listen on, a rank that failed before the checks). Never a Python traceback
+of the command itself: a rank's own traceback or stack is shown where it failed or hung. Every run is the real CLI
+in a fresh interpreter. Faults reach the ranks from outside the package, through a ``sitecustomize`` module on
+``PYTHONPATH``; the occupied-ports case fills the ephemeral port range of a private network namespace, so the
+rendezvous really meets EADDRINUSE.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from packaging.version import Version
 
+from tests._procs import alive
 from tests._rank_tools import dynamo_refusal
-from tests._subprocess import cli, console_script, fake_torchmetrics, show
+from tests._subprocess import cli, console_script, fake_torchmetrics, python_path, show, suite_path
 
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
 TORCH = importlib.metadata.version("torch")
@@ -130,7 +135,54 @@ def test_compile_defaults_to_the_eager_backend_and_takes_inductor_by_name() -> N
     assert build_parser().parse_args(["check"]).compile is None
 
 
-# --- the run: timeouts are not "cannot run here" -------------------------------------------------------------------
+# --- the run: a deadline, a named failure, nothing left behind ------------------------------------------------------
+
+# Imported at start-up by every process with ``tmp_path`` first on PYTHONPATH; it acts only in the ranks the command
+# spawns (``--multiprocessing-fork``), which write their pid into TMGP_TEST_PIDS. TMGP_TEST_FAULT chooses the fault:
+# "raise" before joining the group, "crash" (SIGSEGV) or "stall" (sleep for an hour) in the first check's collective.
+FAULTS = """
+import os
+import sys
+
+fault = os.environ.get("TMGP_TEST_FAULT")
+if fault and "--multiprocessing-fork" in sys.orig_argv:
+    import signal
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    Path(os.environ["TMGP_TEST_PIDS"], str(os.getpid())).touch()
+    init_process_group, all_gather = dist.init_process_group, dist.all_gather
+
+    def init_or_raise(*args, **kwargs):
+        if fault == "raise":
+            raise ValueError(f"rank {kwargs['rank']} cannot join")
+        return init_process_group(*args, **kwargs)
+
+    def gather(*args, **kwargs):
+        if fault == "stall":
+            time.sleep(3600)
+        if fault == "crash":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return all_gather(*args, **kwargs)
+
+    dist.init_process_group, dist.all_gather = init_or_raise, gather
+"""
+
+
+def with_fault(tmp_path: Path, fault: str) -> tuple[dict[str, str], list[str], Path]:
+    """``env`` and ``pythonpath`` for :func:`cli` that make its ranks meet ``fault``, and where their pids go."""
+    (tmp_path / "sitecustomize.py").write_text(FAULTS)
+    (tmp_path / "pids").mkdir()
+    return {"TMGP_TEST_FAULT": fault, "TMGP_TEST_PIDS": str(tmp_path / "pids")}, [str(tmp_path)], tmp_path / "pids"
+
+
+def assert_no_rank_left(pids: Path, world_size: int) -> None:
+    """Every rank started (its pid written) and none is alive once the command has returned."""
+    found = [int(path.name) for path in pids.iterdir()]
+    assert len(found) == world_size, found
+    assert not [pid for pid in found if alive(pid)], found
 
 
 @pytest.mark.waits
@@ -140,52 +192,81 @@ def test_a_run_that_times_out_while_the_ranks_start_says_so_and_how_to_give_more
     assert "cannot run here" not in proc.stderr and "could not" not in proc.stderr, show(proc)
 
 
-# Imported by every rank (``sitecustomize`` on PYTHONPATH): the first check's collective never returns, so the ranks
-# start and then stay inside the checks, however fast this machine compiles or gathers.
-STALL_IN_THE_CHECKS = """
-import os
-if os.environ.get("TMGP_TEST_STALL") == "1":
-    import time
-    import torch.distributed as dist
-    dist.all_gather = lambda *args, **kwargs: time.sleep(3600)
-"""
-
-
 @pytest.mark.waits
-def test_a_run_that_times_out_in_the_checks_says_the_ranks_had_started(tmp_path: Path) -> None:
-    (tmp_path / "sitecustomize.py").write_text(STALL_IN_THE_CHECKS)
-    # The run waits out its whole timeout: 6 s is enough for two ranks to start on a quiet machine; on a loaded
+def test_a_hung_rank_is_named_with_its_python_stack_and_ended(tmp_path: Path) -> None:
+    env, pythonpath, pids = with_fault(tmp_path, "stall")
+    # The run waits out its whole timeout: 10 s is enough for two ranks to start on a quiet machine; on a loaded
     # one (a torch import can take 10 s) a run whose ranks were still starting is run again with room to spare.
-    for timeout in ("6", "20"):
-        proc = cli("check", "--timeout", timeout, env={"TMGP_TEST_STALL": "1"}, pythonpath=[str(tmp_path)])
+    for timeout in ("10", "40"):
+        for pid_file in pids.iterdir():
+            pid_file.unlink()
+        proc = cli("check", "--timeout", timeout, env=env, pythonpath=pythonpath)
         if "still starting" not in proc.stderr:
             break
     assert_one_message(proc, 1, f"did not finish within --timeout {timeout} s", "had started", "--timeout SECONDS")
-    assert "rank 0 was at File" in proc.stderr and "rank 1 was at File" in proc.stderr, show(proc)
-    assert "cannot run here" not in proc.stderr and "could not start" not in proc.stderr, show(proc)
+    for rank in (0, 1):  # each rank's own section shows where it hangs: in the stalled collective
+        section = proc.stderr.split(f"--- rank {rank} was still running; its Python stack:\n", 1)[1]
+        section = section.split("--- rank ", 1)[0]
+        assert "(most recent call first):" in section, show(proc)
+        assert f'File "{tmp_path / "sitecustomize.py"}", line ' in section and " in gather\n" in section, show(proc)
+    assert "in _step" in proc.stderr and "in rank_main" in proc.stderr, show(proc)
+    assert "cannot run here" not in proc.stderr, show(proc)
+    assert_no_rank_left(pids, 2)
 
 
-@pytest.mark.parametrize(
-    ("details", "status", "says"),
-    [
-        ('File "/x/checks.py", line 9 in _run_one\nprocess was killed by SIGSEGV', 1, "while running the checks"),
-        ("process exited with code 1 without returning", 3, "cannot run here: rank 1 died before the checks"),
-    ],
-    ids=["inside-a-check", "before-the-checks"],
-)
-def test_a_rank_that_died_is_cannot_run_here_only_before_the_checks(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], details: str, status: int, says: str
-) -> None:
-    """The runner's report decides: a rank that crashed inside a check failed it (1); one that never got there is 3."""
-    from torchmetrics_gradpatch.cli import _ranks, main
+def test_a_rank_that_raises_before_the_checks_is_cannot_run_here_with_its_traceback(tmp_path: Path) -> None:
+    env, pythonpath, pids = with_fault(tmp_path, "raise")
+    proc = cli("check", "--world-size", "1", env=env, pythonpath=pythonpath)
+    assert proc.returncode == 3 and proc.stdout == "", show(proc)
+    assert "torchmetrics-gradpatch: cannot run here: rank 0 raised before the checks could run:" in proc.stderr
+    assert "Traceback (most recent call last):" in proc.stderr, show(proc)
+    assert "in init_or_raise" in proc.stderr and proc.stderr.rstrip().endswith("ValueError: rank 0 cannot join")
+    assert_no_rank_left(pids, 1)
 
-    def dying_runner(*args: object, **kwargs: object) -> None:
-        raise _ranks.RankError(1, "died", details)
 
-    monkeypatch.setattr(_ranks, "run", dying_runner)
-    assert main(["check"]) == status
-    err = capsys.readouterr().err
-    assert says in err and details in err, err
+def test_a_rank_that_dies_in_a_check_fails_the_check_with_its_stack(tmp_path: Path) -> None:
+    env, pythonpath, pids = with_fault(tmp_path, "crash")
+    proc = cli("check", "--world-size", "1", env=env, pythonpath=pythonpath)
+    assert proc.returncode == 1 and proc.stdout == "", show(proc)
+    assert "check FAILED: rank 0 died while running the checks:\nprocess 0 terminated with signal SIGSEGV" in (
+        proc.stderr
+    ), show(proc)
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, show(proc)  # faulthandler's dump: the stack
+    assert "in gather" in proc.stderr and "in _step" in proc.stderr, show(proc)
+    assert_no_rank_left(pids, 1)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as in a terminal, even where this suite inherited it ignored
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_and_sigterm_end_every_rank(tmp_path: Path, signum: signal.Signals) -> None:
+    """The command alone is signalled (a terminal's Ctrl-C would reach the ranks too): it ends them itself."""
+    env, pythonpath, pids = with_fault(tmp_path, "stall")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchmetrics_gradpatch", "check", "--timeout", "300"],
+        env={**os.environ, **env, "PYTHONPATH": python_path(*pythonpath)},
+        cwd=suite_path(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1)  # past the ranks' start-up, into their imports or the checks: either way they must go
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, f"exit {proc.returncode}\n{out}\n{err}"
+    assert "torchmetrics-gradpatch: interrupted; every rank has been ended" in err and "Traceback" not in err, err
+    assert_no_rank_left(pids, 2)
 
 
 # --- cannot run here --------------------------------------------------------------------------------------------
@@ -246,58 +327,3 @@ def test_check_compile_says_whether_a_compiled_metric_loss_needs_compile_support
     row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("Metric loss, sum state"))
     assert row.rstrip().endswith("with compile_support() only"), show(proc)
     assert "needs compile_support()" in proc.stdout and "allgather" in proc.stdout, show(proc)
-
-
-# --- the ranks check runs on: a named failure, a deadline, nothing left behind ----------------------------------------
-
-
-def _raise_on_rank_one(pid_dir: str) -> int:
-    import os
-
-    import torch.distributed as dist
-
-    Path(pid_dir, str(os.getpid())).write_text("")
-    if dist.get_rank() == 1:
-        raise ValueError("rank one's own error")
-    dist.barrier()  # rank 0 waits for the rank that raised, as a peer in a collective would
-    return 0
-
-
-def _exit_without_returning(pid_dir: str) -> None:
-    import os
-
-    Path(pid_dir, str(os.getpid())).write_text("")
-    os._exit(7)
-
-
-def _sleep_in_the_body(pid_dir: str) -> None:
-    import os
-    import time
-
-    Path(pid_dir, str(os.getpid())).write_text("")
-    time.sleep(600)
-
-
-@pytest.mark.parametrize(
-    ("fn", "world_size", "timeout", "rank", "reason", "says"),
-    [
-        (_raise_on_rank_one, 2, 120.0, 1, "raised", "ValueError: rank one's own error"),
-        (_exit_without_returning, 1, 120.0, 0, "died", "process exited with code 7"),
-        (_sleep_in_the_body, 1, 8.0, 0, "timed out", "in _sleep_in_the_body"),
-    ],
-    ids=["raised", "died", "timed-out"],
-)
-def test_the_ranks_name_the_failing_rank_and_leave_no_process(
-    tmp_path: Path, fn: Any, world_size: int, timeout: float, rank: int, reason: str, says: str
-) -> None:
-    """Fresh ranks by design: what is tested is how the command's own runner starts, fails and ends them."""
-    from tests._procs import alive
-    from torchmetrics_gradpatch.cli import _ranks
-
-    with pytest.raises(_ranks.RankError) as caught:
-        _ranks.run(fn, world_size, args=(str(tmp_path),), timeout=timeout)
-    assert (caught.value.rank, caught.value.reason) == (rank, reason), caught.value
-    assert says in caught.value.details, caught.value.details
-    assert caught.value.started, caught.value  # every rank had joined the group before the body ran
-    pids = [int(path.name) for path in tmp_path.iterdir()]
-    assert len(pids) == world_size and not [pid for pid in pids if alive(pid)]

@@ -81,13 +81,11 @@ try:
     _api.apply_environment()
 except BaseException as _error:
     try:
-        if isinstance(_error, (UnsupportedVersionError, ValueError)):
-            # `python -m torchmetrics_gradpatch` and the console script import this package before any CLI code
-            # runs; there (only there) a refusal (exit 3) or a bad environment variable (exit 2) is one message,
-            # not a traceback.
-            from torchmetrics_gradpatch.cli.exit import exit_if_cli
+        # `python -m torchmetrics_gradpatch` and the console script import this package before any CLI code runs;
+        # there (only there) a refused version (exit 3) or a bad environment variable (exit 2) is one message.
+        from torchmetrics_gradpatch.cli.exit import exit_if_cli
 
-            exit_if_cli(_error)
+        exit_if_cli(_error)
     finally:
         _forget_this_package()
     raise

@@ -1,269 +1,229 @@
-"""The ``check`` command: run :mod:`torchmetrics_gradpatch.cli.checks` on spawned gloo ranks and print the table.
+"""The ``check`` command: :mod:`.checks` on spawned gloo ranks, the table of what they found, and its exit status.
 
-Ranks run through :func:`torchmetrics_gradpatch.cli._ranks.run` (torch's ``start_processes`` with a deadline);
-every rank's gradients are compared with the single-process reference computed here. What cannot run here
-(versions refused, no loopback port, a rank that could not start) is exit 3; a run that outlives ``--timeout`` is
-exit 1 and says how to give it more time (the statuses: :mod:`torchmetrics_gradpatch.cli.exit`). torch is
-imported inside the functions, once the command runs.
+The ranks start with ``torch.multiprocessing.start_processes`` and meet at a ``TCPStore`` hosted here on a port the
+kernel chooses (port 0: no free-port race), where each leaves its result. At the deadline, ``--timeout``, each rank
+still running is asked for its Python stacks (``faulthandler`` on SIGUSR1) and the report names it and shows them; a
+rank that raises is shown with its traceback, one that dies with its exit status and any fatal-signal dump. Every
+rank is killed and joined in a ``finally``: on success, failure, Ctrl-C and SIGTERM (which unwinds as Ctrl-C does).
+
+Non-goals: this is no general rank supervisor. The ranks of a parent killed outright get torch's own
+``PR_SET_PDEATHSIG`` (SIGINT), no process groups; a process a rank starts must end with it (inductor's compile
+workers watch their parent).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import os
+import pickle
+import signal
 import sys
-import threading
+import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
-from torchmetrics_gradpatch._version import installed_version
-from torchmetrics_gradpatch.cli.exit import (
-    EXIT_CANNOT_RUN,
-    EXIT_CHECK_FAILED,
-    EXIT_OK,
-    PROG,
-    torchmetrics_refused,
-    usage_error,
-)
+import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
+
+from torchmetrics_gradpatch.cli import checks
+from torchmetrics_gradpatch.cli.exit import EXIT_CANNOT_RUN, EXIT_FAILED, EXIT_OK, PROG
+
+HOST = "127.0.0.1"
 
 
-class _Progress:
-    """A progress line on stderr while the ranks start and run (they take seconds to import torch)."""
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-        self._done = threading.Event()
-        self._start = time.monotonic()
-        self._live = sys.stderr.isatty()
-        self._thread = threading.Thread(target=self._tick, daemon=True)
-
-    def _tick(self) -> None:
-        while not self._done.wait(0.5):
-            sys.stderr.write(f"\r{self._text} {time.monotonic() - self._start:.0f} s")
-            sys.stderr.flush()
-
-    def __enter__(self) -> _Progress:
-        sys.stderr.write(f"{self._text}" + ("" if self._live else "\n"))
-        sys.stderr.flush()
-        if self._live:
-            self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self._done.set()
-        seconds = time.monotonic() - self._start
-        if self._live:
-            self._thread.join()
-            outcome = "done in" if exc_type is None else "FAILED after"
-            sys.stderr.write(f"\r{self._text} {outcome} {seconds:.1f} s\n")
-        else:
-            outcome = "ranks finished in" if exc_type is None else "ranks FAILED after"
-            sys.stderr.write(f"{outcome} {seconds:.1f} s\n")
-        sys.stderr.flush()
+class _RunError(Exception):
+    """The run gave no results: ``args`` are the exit status and the message to print."""
 
 
-def _mode(state: dict[str, Any]) -> str:
-    if state["applied_to"]:  # installed: any mode on torchmetrics < 1.6, global mode on native ones too
-        return "patched (torchmetrics_gradpatch's gather is in force)"
-    if state["native"]:
-        return "native (this torchmetrics keeps the graph itself; nothing patched)"
-    if state["graph_preserving"]:
-        return "patched (torchmetrics_gradpatch's gather is in force)"
-    return "NOT patched (TORCHMETRICS_GRADPATCH_AUTOPATCH=0 or unpatch()): torchmetrics' own gather"
+def _stacks(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"rank{rank}.stacks")
 
 
-def _sync(state: dict[str, Any]) -> str:
-    if state.get("sync") == "fused":
-        installed = any("'fused'" in where for where in state.get("sync_applied_to", ()))
-        return "fused (two collectives per Metric sync)" + ("" if installed else ", NOT installed")
-    return "torchmetrics (its own collectives)"
+def _rank(rank: int, world_size: int, port: int, workdir: str, run_args: tuple[Any, ...]) -> None:
+    """One rank: dump its stacks on SIGUSR1, join the group, run the checks, leave the result in the store."""
+    stacks = open(_stacks(workdir, rank) + ".part", "w")  # noqa: SIM115 -- open for faulthandler until the end
+    faulthandler.enable(stacks)  # a fatal signal's dump goes there too
+    faulthandler.register(signal.SIGUSR1, stacks)
+    os.rename(stacks.name, _stacks(workdir, rank))  # the name appears once SIGUSR1 dumps rather than kills
+    store = dist.TCPStore(HOST, port, world_size, False)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.barrier()  # gloo may return from init on one rank while a peer still connects
+    store.add("joined", 1)
+    store.set(f"result{rank}", pickle.dumps(checks.rank_main(*run_args)))  # type: ignore[arg-type]
+    # Wait to be killed: leaving would only tear gloo down, which can hang (torch 2.0 to 2.4) or abort noisily (2.13
+    # to 2.15). A parent killed outright ends the wait with torch's PR_SET_PDEATHSIG (SIGINT).
+    while True:
+        signal.pause()
 
 
-def _gradient_mode(state: dict[str, Any], world_size: int) -> str:
-    mode = state.get("mode", "local")
-    if mode == "global":
-        return f"global (each rank receives every rank's loss gradient: {world_size} x the local-mode reference)"
-    if mode == "off" and not state["native"]:
-        return "off"
-    return "local (each rank backpropagates through its own entry: torchmetrics 1.6 semantics)"
+def _run(args: argparse.Namespace, deadline: float, with_compile_support: bool = False) -> list[Any]:
+    """Every rank's result in rank order, or :class:`_RunError`; no rank is left running either way."""
+    try:
+        store = dist.TCPStore(HOST, 0, args.world_size, True, wait_for_workers=False)  # type: ignore[attr-defined]
+    except (RuntimeError, OSError) as error:  # torch's DistNetworkError is a RuntimeError
+        raise _RunError(
+            EXIT_CANNOT_RUN,
+            f"cannot run here: the ranks' rendezvous cannot listen on a loopback port ({HOST}): "
+            f"{str(error).splitlines()[0]}\nFree some local ports and run it again.",
+        ) from None
+    keys = [f"result{rank}" for rank in range(args.world_size)]
+    run_args = (args.mode, args.sync, args.compile, with_compile_support)
+    with tempfile.TemporaryDirectory(prefix="tmgp-check-") as workdir:
+        rank_args = (args.world_size, store.port, workdir, run_args)
+        context = start_processes(_rank, rank_args, args.world_size, join=False)  # type: ignore[no-untyped-call]
+        try:
+            while not store.check(keys):
+                if time.monotonic() >= deadline:
+                    raise _timed_out(args, context, store, workdir)
+                try:
+                    finished = context.join(timeout=0.1)  # torch ends the other ranks when one fails
+                except ProcessRaisedException as error:  # its traceback follows torch's heading
+                    details = str(error).split("the following error:\n", 1)[-1]
+                    raise _rank_failed(error.error_index, "raised", details.strip(), args, store) from None
+                except ProcessExitedException as error:  # how it ended, and faulthandler's dump of a fatal signal
+                    details = f"{error}\n{_read(_stacks(workdir, error.error_index))}".strip()
+                    raise _rank_failed(error.error_index, "died", details, args, store) from None
+                if finished and not store.check(keys):  # every rank exited 0, one before leaving its result
+                    rank = next(rank for rank, key in enumerate(keys) if not store.check([key]))
+                    raise _rank_failed(rank, "died", "it exited without its result", args, store)
+            return [pickle.loads(store.get(key)) for key in keys]
+        finally:
+            for proc in context.processes:  # SIGKILL, which nothing a rank runs can delay; one reaped is not signalled
+                proc.kill()
+                proc.join()
+            for path in getattr(context, "error_files", ()):  # torch >= 2.2 leaves a raised rank's traceback file
+                with contextlib.suppress(OSError, TypeError):
+                    os.unlink(path)
 
 
-def _rows(table: Iterator[tuple[str, ...]]) -> list[str]:
-    return [f"  {check:<44} {result:<6} {seconds:>9}{note}" for check, result, seconds, note in table]
+def _read(path: str) -> str:
+    with contextlib.suppress(OSError), open(path) as file:
+        return file.read().strip()
+    return ""
 
 
-def _cannot_listen(error: BaseException) -> bool:
-    """Whether ``error`` is the rendezvous store failing to listen on loopback (no free port, EADDRINUSE)."""
-    import torch.distributed as dist
-
-    network_error = getattr(dist, "DistNetworkError", None)  # torch >= 2.1; torch 2.0 raises a RuntimeError
-    text = str(error).lower()
-    return (network_error is not None and isinstance(error, network_error)) or (
-        isinstance(error, (OSError, RuntimeError)) and ("eaddrinuse" in text or "address already in use" in text)
-    )
-
-
-def _where_ranks_were(details: str) -> list[str]:
-    """From a timed-out run's stack dumps: each pending rank and the innermost frame of the thread running it."""
-    found: list[str] = []
-    for part in details.split("--- rank ")[1:]:
-        rank = "rank " + part.split(",")[0]
-        for thread in part.split(" (most recent call first):")[1:]:
-            frames = [line.strip() for line in thread.splitlines() if line.strip().startswith("File ")]
-            if frames and any("rank_main" in frame for frame in frames):  # the rank's main thread
-                found.append(f"  {rank} was at {frames[0]}")
-                break
-    return found
-
-
-def _in_checks(details: str) -> bool:
-    """Whether a failed run's stacks show a rank inside one check (``_checks._run_one``), not before them."""
-    return "in _run_one" in details  # a traceback's "line N, in f" and faulthandler's "line N in f" alike
-
-
-def _timed_out(args: argparse.Namespace, details: str, started: bool) -> list[str]:
+def _timed_out(args: argparse.Namespace, context: Any, store: Any, workdir: str) -> _RunError:
+    """Ask each rank still running for its Python stacks; the report names each one and shows them."""
+    pending = [rank for rank in range(args.world_size) if not store.check([f"result{rank}"])]
+    for rank in pending:  # one without its stacks file has no handler yet: SIGUSR1 would kill it
+        if context.processes[rank].is_alive() and os.path.exists(_stacks(workdir, rank)):
+            os.kill(context.processes[rank].pid, signal.SIGUSR1)
+    time.sleep(0.5)  # faulthandler writes from its signal handler, at once
+    started = int(store.add("joined", 0)) == args.world_size
     doing = "the ranks had started and were still running the checks" if started else "the ranks were still starting"
-    lines = [f"{PROG}: check did not finish within --timeout {args.timeout:g} s: {doing}.", *_where_ranks_were(details)]
+    lines = [f"check did not finish within --timeout {args.timeout:g} s: {doing}."]
+    for rank in pending:
+        stack = _read(_stacks(workdir, rank)) or "(none: the rank was still starting)"
+        lines.append(f"--- rank {rank} was still running; its Python stack:\n{stack}")
     hint = "Give it more time with --timeout SECONDS"
     if args.compile not in (None, "eager"):
         hint += f", or compile faster with --compile eager (backend {args.compile!r} can take minutes per check)"
-    return [*lines, hint + "."]
+    return _RunError(EXIT_FAILED, "\n".join([*lines, hint + "."]))
 
 
-def _spawn(args: argparse.Namespace, deadline: float, *, with_compile_support: bool = False) -> tuple[int, list[Any]]:
-    """Run the checks on the ranks until ``deadline``: ``(EXIT_OK, results)``, or an exit status, said why."""
-    from torchmetrics_gradpatch.cli import _ranks
-    from torchmetrics_gradpatch.cli import checks as _checks
+def _rank_failed(rank: int, what: str, details: str, args: argparse.Namespace, store: Any) -> _RunError:
+    """A failed rank's report: exit 1 when every rank had joined (the checks were running), else 3."""
+    if int(store.add("joined", 0)) == args.world_size:
+        return _RunError(EXIT_FAILED, f"check FAILED: rank {rank} {what} while running the checks:\n{details}")
+    return _RunError(EXIT_CANNOT_RUN, f"cannot run here: rank {rank} {what} before the checks could run:\n{details}")
 
-    world_size: int = args.world_size
-    text = f"starting {world_size} gloo rank{'s' if world_size > 1 else ''} on loopback (each imports torch)..."
-    if with_compile_support:
-        text = "running the checks again with compile_support() on..."
-    timeout = deadline - time.monotonic()
-    if timeout <= 0:  # the first run used all of --timeout
-        print("\n".join(_timed_out(args, "", started=False)), file=sys.stderr)
-        return EXIT_CHECK_FAILED, []
+
+def check(args: argparse.Namespace) -> int:
+    """The ``check`` command: run the checks on the ranks and print the table; its exit status."""
+    print(
+        f"starting {args.world_size} gloo rank{'s' * (args.world_size > 1)} on loopback (each imports torch)...",
+        file=sys.stderr,
+    )
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the ranks as Ctrl-C does
     try:
-        with _Progress(text):
-            run_args = (args.mode, args.compile, with_compile_support, getattr(args, "sync", None))
-            results = _ranks.run(_checks.rank_main, world_size, args=run_args, timeout=timeout)
-    except _ranks.RankError as err:
-        if err.reason == "timed out":
-            print("\n".join(_timed_out(args, err.details, err.started)), file=sys.stderr)
-            return EXIT_CHECK_FAILED, []
-        if _in_checks(err.details):  # a rank crashed inside a check (rank_main reports what checks raise)
-            print(f"{PROG}: check FAILED: rank {err.rank} {err.reason} while running the checks:", file=sys.stderr)
-            print(err.details, file=sys.stderr)
-            return EXIT_CHECK_FAILED, []
-        print(f"{PROG}: cannot run here: rank {err.rank} {err.reason} before the checks could run.", file=sys.stderr)
-        print(err.details, file=sys.stderr)
-        return EXIT_CANNOT_RUN, []
-    except Exception as err:
-        if not _cannot_listen(err):
-            raise
-        print(
-            f"{PROG}: cannot run here: the ranks' rendezvous cannot listen on a loopback port (127.0.0.1): "
-            f"{str(err).splitlines()[0]}\nFree some local ports (every port of the ephemeral range seems taken) "
-            "and run it again.",
-            file=sys.stderr,
-        )
-        return EXIT_CANNOT_RUN, []
-    return EXIT_OK, results
+        results = _run(args, start + args.timeout)
+        verdicts = {name: checks.failure(name, results) for name in checks.CHECKS}
+        supported: dict[str, str | None] = {}
+        # Native torchmetrics under torch.compile: the run above was the program as it stands. If a check failed,
+        # run again with compile_support() on, to say whether the program needs it (never switched on silently).
+        if args.compile and results[0][0]["native"] and any(verdicts.values()):
+            print("running the checks again with compile_support() on...", file=sys.stderr)
+            again = _run(args, start + args.timeout, with_compile_support=True)
+            supported = {name: checks.failure(name, again) for name in checks.CHECKS}
+    except _RunError as error:
+        status, message = error.args
+        print(f"{PROG}: {message}", file=sys.stderr)
+        return int(status)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; every rank has been ended", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"ranks finished in {time.monotonic() - start:.1f} s", file=sys.stderr)
+    report, passed = _report(args, results, verdicts, supported)
+    print("\n".join(report))
+    return EXIT_OK if passed else EXIT_FAILED
 
 
-def _verdicts(results: list[Any], world_size: int, mode: str) -> dict[str, str | None]:
-    """Each check's failure (see :func:`torchmetrics_gradpatch.cli.checks.failure`), or ``None`` when it passed."""
-    from torchmetrics_gradpatch.cli import checks as _checks
-
-    verdicts: dict[str, str | None] = {}
-    for name in _checks.CHECKS:
-        verdicts[name] = _checks.failure(name, [outcomes[name] for _, outcomes in results], world_size, mode)
-    return verdicts
-
-
-def run(args: argparse.Namespace) -> int:
-    """The ``check`` command; returns the exit status."""
-    if torchmetrics_refused():  # before the ranks start: each would refuse the same way, slower
-        return EXIT_CANNOT_RUN
-
-    from torchmetrics_gradpatch.cli import checks as _checks
-
-    if args.compile is not None:
-        offered = _checks.compile_backends()
-        if args.compile not in offered:
-            shown = ", ".join(name for name in offered if "TESTING_ONLY" not in name)
-            return usage_error(
-                f"argument --compile: torch {installed_version('torch')} has no backend {args.compile!r}; "
-                f"choose one of: {shown}",
-                "check",
-            )
-    deadline = time.monotonic() + args.timeout
-    status, results = _spawn(args, deadline)
-    if status != EXIT_OK:
-        return status
-
-    world_size: int = args.world_size
-    state = results[0][0]
-    mode = state.get("mode", "local")
-    verdicts = _verdicts(results, world_size, mode)
-    # Native torchmetrics under torch.compile: the run above was the user's program as it stands. If a check failed,
-    # run again with compile_support() on, to say whether the program needs it (never switched on silently).
-    native_compiled = args.compile is not None and state["native"]
-    supported: dict[str, str | None] = {}
-    if native_compiled and any(verdicts.values()):
-        status, again = _spawn(args, deadline, with_compile_support=True)
-        if status != EXIT_OK:
-            return status
-        supported = _verdicts(again, world_size, mode)
+def _report(
+    args: argparse.Namespace, results: list[Any], verdicts: dict[str, Any], supported: dict[str, Any]
+) -> tuple[list[str], bool]:
+    """The table printed on stdout, and whether every check passed."""
+    state, tm = results[0][0], f"torchmetrics {results[0][0]['torchmetrics_version']}"
+    if state["applied_to"]:
+        gather = "patched (torchmetrics_gradpatch's gather is in force)"
+    elif state["native"]:
+        gather = "native (this torchmetrics keeps the graph itself; nothing patched)"
+    else:
+        gather = "NOT patched (TORCHMETRICS_GRADPATCH_AUTOPATCH=0 or unpatch()): torchmetrics' own gather"
+    if state["mode"] == "global":
+        mode = f"global (each rank receives every rank's loss gradient: {args.world_size} x the local-mode reference)"
+    elif state["mode"] == "off" and not state["native"]:
+        mode = "off"
+    else:
+        mode = "local (each rank backpropagates through its own entry: torchmetrics 1.6 semantics)"
+    sync = {"fused": "fused (two collectives per Metric sync)"}.get(state["sync"], "torchmetrics (its own collectives)")
     lines = [
-        f"torchmetrics-gradpatch check, {world_size} rank{'s' if world_size > 1 else ''} (gloo, loopback)",
+        f"{PROG} check, {args.world_size} rank{'s' * (args.world_size > 1)} (gloo, loopback)",
         f"  torch         {state['torch_version']}",
         f"  torchmetrics  {state['torchmetrics_version']}",
-        f"  gather        {_mode(state)}",
-        f"  gradient mode {_gradient_mode(state, world_size)}",
-        f"  sync          {_sync(state)}",
-        *([f"  compiled      torch.compile(step, backend={args.compile!r})"] if args.compile else []),  # --compile
+        f"  gather        {gather}",
+        f"  gradient mode {mode}",
+        f"  sync          {sync}",
+        *([f"  compiled      torch.compile(step, backend={args.compile!r})"] if args.compile else []),
         "",
+        f"  {'check':<44} {'result':<6} {'time':>9}",
     ]
-    failures: list[str] = []
-    needs_support: list[str] = []  # checks that pass only with compile_support() (native torchmetrics, --compile)
-    table = [("check", "result", "time", "")]
-    for name, title in _checks.CHECKS.items():
+    failures, needs_support = [], []  # the second: checks that pass only with compile_support()
+    for name, title in checks.CHECKS.items():
         why, note = verdicts[name], ""
         if why is not None and name in supported and supported[name] is None:
             needs_support.append(f"  {title}, {why}")
             why, note = None, "  with compile_support() only"
         if why is not None:
             failures.append(f"  {title}, {why}")
-        seconds = max(outcomes[name].seconds for _, outcomes in results)
-        table.append((title, "pass" if why is None else "FAIL", f"{seconds * 1000:.1f} ms", note))
-    lines += _rows(iter(table))
-    passed_count = len(_checks.CHECKS) - len(failures)
-    lines.append("")
-    if not failures:
-        lines.append(
-            f"all {passed_count} checks passed: every rank's gradient matches the single-process reference"
-            + (f" ({len(needs_support)} only with compile_support(), below)" if needs_support else "")
-        )
-    else:
-        lines.append(f"{len(failures)} of {len(_checks.CHECKS)} checks FAILED:")
-        lines += failures
+        seconds = max(found[name].seconds for _, found in results)
+        lines.append(f"  {title:<44} {'pass' if why is None else 'FAIL':<6} {seconds * 1000:>6.1f} ms{note}")
+    if failures:
+        lines += ["", f"{len(failures)} of {len(checks.CHECKS)} checks FAILED:", *failures]
         if not state["graph_preserving"]:
             lines.append(
-                f"torchmetrics {state['torchmetrics_version']} drops the autograd graph in its gather; this is what "
-                "the patch fixes (run without TORCHMETRICS_GRADPATCH_AUTOPATCH=0)."
+                f"{tm} drops the autograd graph in its gather; this is what the patch fixes (run without "
+                "TORCHMETRICS_GRADPATCH_AUTOPATCH=0)."
             )
+    else:
+        also = f" ({len(needs_support)} only with compile_support(), below)" if needs_support else ""
+        lines += [
+            "",
+            f"all {len(checks.CHECKS)} checks passed: every rank's gradient matches the single-process reference{also}",
+        ]
     if needs_support:
         lines += [
-            f"needs compile_support(): on torchmetrics {state['torchmetrics_version']} your compiled Metric loss "
-            "needs torchmetrics_gradpatch.compile_support() in your program; without it these fail inside "
+            f"needs compile_support(): on {tm} your compiled Metric loss needs "
+            "torchmetrics_gradpatch.compile_support() in your program; without it these fail inside "
             "torch.compile (with it they pass):",
             *needs_support,
         ]
-    elif native_compiled and not failures:
+    elif args.compile and state["native"] and not failures:
         lines.append(
-            f"compile_support() is not needed here: on torchmetrics {state['torchmetrics_version']} every check "
-            "passed inside torch.compile without it."
+            f"compile_support() is not needed here: on {tm} every check passed inside torch.compile without it."
         )
-    print("\n".join(lines))
-    return EXIT_OK if not failures else EXIT_CHECK_FAILED
+    return lines, not failures

@@ -1,49 +1,43 @@
-"""The self-checks behind ``torchmetrics-gradpatch check``: what each rank runs, and the reference it must match.
+"""The self-checks behind ``check``: what each rank runs, and the single-process reference it must match.
 
-Each check builds deterministic inputs (the same on every process, so the parent can rebuild them), runs one
-path into torchmetrics' gather on every rank and backpropagates. The parent then recomputes, in one process and
-without any gather, the gradient each rank must receive: the gradient of the *same global loss* with respect to
-that rank's own tensors, the other ranks' contributions held constant (torchmetrics 1.6.0 semantics: each rank
-backpropagates through its own entry of the gathered list only), times the world size in global mode (every
-rank's copy of the loss sends gradient back to it).
-
-* ``gather_equal`` / ``gather_uneven``: ``torchmetrics.utilities.distributed.gather_all_tensors`` called
-  directly, on tensors of one shape and on tensors with a different number of rows per rank. The loss weighs
-  each gathered entry by its index, so an entry put back at the wrong index fails the check.
-* ``metric_sum``: ``torchmetrics.MeanSquaredError(dist_sync_on_step=True)`` (sum states) used as the loss of a
-  linear model, with a different batch size on each rank.
-* ``metric_cat``: a list-state (``dist_reduce_fx="cat"``) mean squared error used the same way.
-
-Everything here imports torch and torchmetrics: it is loaded by the ``check`` command and by the spawned ranks
-only (rank functions must live in an importable module for the ``spawn`` start method).
+Each check runs one path into torchmetrics' gather on every rank and backpropagates; the reference is the gradient
+of the same global loss, computed in one process, with respect to the rank's own tensors with the other ranks' held
+constant (torchmetrics 1.6 semantics), times the world size in global mode. ``gather_equal`` / ``gather_uneven``
+call ``gather_all_tensors`` on one shape and on a different number of rows per rank (the loss weighs each entry by
+its index, so one put back at the wrong index fails); ``metric_sum`` and ``metric_cat`` use ``MeanSquaredError``
+(sum states) and :class:`CatMeanSquaredError` (a ``cat`` list state) with ``dist_sync_on_step=True`` as the loss
+of a linear model, with a different batch size on each rank. This module imports torch and torchmetrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torchmetrics import MeanSquaredError, Metric
+from torchmetrics.utilities import distributed
 from torchmetrics.utilities.data import dim_zero_cat
 
-CHECKS: dict[str, str] = {
+from torchmetrics_gradpatch._api import compile_support
+from torchmetrics_gradpatch._blocks import patched
+from torchmetrics_gradpatch._status import status
+
+CHECKS = {
     "gather_equal": "gather, equal shapes",
     "gather_uneven": "gather, uneven shapes",
     "metric_sum": "Metric loss, sum state (MeanSquaredError)",
     "metric_cat": "Metric loss, cat state, uneven batches",
 }
-
-_DTYPE = torch.float64
-_FEATURES = 3
+_DTYPE = torch.float64  # so the gradients can be compared to rounding, not to float32 noise
 
 
-@dataclass
-class Outcome:
-    """What one rank saw for one check: its gradients (or the error it hit) and how long the check took."""
+class Outcome(NamedTuple):
+    """What one rank saw for one check: its gradients, or the error it hit, and the seconds it took."""
 
     grads: list[torch.Tensor] | None
     error: str | None
@@ -51,16 +45,11 @@ class Outcome:
 
 
 class CatMeanSquaredError(Metric):
-    """Mean squared error kept as a list (``cat``) state, so every rank's errors travel through the gather.
-
-    Per-rank batch sizes may differ, so the uneven path runs. The tests use this very class (the one home of the
-    cat-state metric that ``check`` and the test suite share).
-    """
+    """Mean squared error kept as a ``cat`` list state, so every rank's errors travel through the gather."""
 
     is_differentiable = True
     higher_is_better = False
     full_state_update = False
-
     errors: list[torch.Tensor]
 
     def __init__(self, **kwargs: Any) -> None:
@@ -74,195 +63,116 @@ class CatMeanSquaredError(Metric):
         return dim_zero_cat(self.errors).mean()
 
 
-# --- deterministic inputs, identical in the parent and in every rank ----------------------------------------
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=_DTYPE)
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _gather_input(name: str, rank: int) -> torch.Tensor:
-    rows = 2 if name == "gather_equal" else 2 * rank + 1
-    return torch.randn(rows, _FEATURES, generator=_generator(100 + rank), dtype=_DTYPE)
-
-
-def _gather_loss(entries: list[torch.Tensor]) -> torch.Tensor:
-    """A loss that depends on every entry and on its index (an entry at the wrong index changes it)."""
-    weighted = sum((index + 1) * (entry**2).sum() for index, entry in enumerate(entries))
-    total = torch.cat([entry.reshape(-1) for entry in entries]).sum()
-    return weighted + total**2
-
-
-def _batch_size(name: str, rank: int) -> int:
-    return 4 + rank if name == "metric_sum" else 3 + 2 * rank
-
-
-def _batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = _generator(200 + rank)
-    x = torch.randn(_batch_size(name, rank), _FEATURES, generator=generator, dtype=_DTYPE)
-    y = torch.randn(_batch_size(name, rank), generator=generator, dtype=_DTYPE)
-    return x, y
+def _inputs(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s ``x`` and ``y``: a different number of rows on every rank, except for ``gather_equal``."""
+    rows = {"gather_equal": 2, "gather_uneven": 2 * rank + 1, "metric_sum": 4 + rank, "metric_cat": 3 + 2 * rank}
+    return _randn(100 + rank, rows[name], 3), _randn(200 + rank, rows[name])
 
 
 def _model() -> torch.nn.Linear:
-    model = torch.nn.Linear(_FEATURES, 1, dtype=_DTYPE)
-    generator = _generator(7)
+    model = torch.nn.Linear(3, 1, dtype=_DTYPE)
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=_DTYPE))
+        model.weight.copy_(_randn(7, 1, 3))
+        model.bias.copy_(_randn(8, 1))
     return model
 
 
-def _metric(name: str) -> Metric:
-    metric: Metric = (
-        MeanSquaredError(dist_sync_on_step=True)
-        if name == "metric_sum"
-        else CatMeanSquaredError(dist_sync_on_step=True)
-    )
-    return metric.set_dtype(_DTYPE)
+def _gather_loss(entries: list[torch.Tensor]) -> torch.Tensor:
+    weighted = sum((index + 1) * (entry**2).sum() for index, entry in enumerate(entries))
+    return weighted + torch.cat([entry.reshape(-1) for entry in entries]).sum() ** 2
 
 
-# --- what each rank runs ----------------------------------------------------------------------------------------
+def _grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [leaf.grad for leaf in leaves if leaf.grad is not None]
 
 
-def _compiled(fn: Any, backend: str | None) -> Any:
-    """``fn`` itself, or ``torch.compile(fn, backend=backend)`` (``fullgraph=False``: the gather is a graph break)."""
-    if backend is None:
-        return fn
-    import torch._dynamo
-
-    torch._dynamo.reset()  # each check compiles its own function, never a cache entry of another check
-    return torch.compile(fn, backend=backend)
-
-
-def _run_one(name: str, rank: int, backend: str | None = None) -> list[torch.Tensor]:
+def _step(name: str, rank: int, backend: str | None) -> list[torch.Tensor]:
+    """One check on this rank: the gradients of its own leaves (its gathered tensor, or the model's parameters)."""
+    x, y = _inputs(name, rank)
     if name.startswith("gather"):
-        from torchmetrics.utilities import distributed
+        leaves = [x.requires_grad_(True)]
 
-        x = _gather_input(name, rank).requires_grad_(True)
-
-        def gather_step(x: torch.Tensor) -> torch.Tensor:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return _gather_loss(distributed.gather_all_tensors(x))
 
-        torch.autograd.backward(_compiled(gather_step, backend)(x))
-        assert x.grad is not None
-        return [x.grad]
-    model = _model()
-    metric = _metric(name)
-    x, y = _batch(name, rank)
+    else:
+        model = _model()
+        metric = (MeanSquaredError if name == "metric_sum" else CatMeanSquaredError)(dist_sync_on_step=True)
+        metric.set_dtype(_DTYPE)
+        leaves = list(model.parameters())
 
-    def metric_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return metric(model(x).squeeze(-1), y)  # type: ignore[no-any-return]
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return metric(model(x).squeeze(-1), y)  # type: ignore[no-any-return]
 
-    torch.autograd.backward(_compiled(metric_step, backend)(x, y))
-    return [parameter.grad.detach().clone() for parameter in model.parameters() if parameter.grad is not None]
+    if backend is not None:
+        from torch import _dynamo
 
-
-def _run_all(rank: int, backend: str | None) -> dict[str, Outcome]:
-    import torch.distributed as dist
-
-    outcomes: dict[str, Outcome] = {}
-    for name in CHECKS:
-        dist.barrier()  # start each check together, so its time is the check's and not a neighbour's lag
-        start = time.perf_counter()
-        try:
-            # A check that failed inside torch.compile can leave grad mode off (dynamo's unwinding of a Metric's
-            # forward); each check starts with it on, so one failure cannot fail the checks after it.
-            with torch.enable_grad():
-                grads: list[torch.Tensor] | None = _run_one(name, rank, backend)
-            error = None
-        except Exception as err:  # reported per check; a failing check must not hide the others
-            grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()
-        outcomes[name] = Outcome(grads, error, time.perf_counter() - start)
-    return outcomes
+        _dynamo.reset()  # each check compiles its own step, never a cache entry of another check
+        step = torch.compile(step, backend=backend)  # fullgraph=False: the sync is a graph break
+    torch.autograd.backward(step(x, y))
+    return _grads(leaves)
 
 
 def rank_main(
-    mode: str | None = None, backend: str | None = None, with_compile_support: bool = False, sync: str | None = None
+    mode: str | None, sync: str | None, backend: str | None, with_compile_support: bool
 ) -> tuple[dict[str, Any], dict[str, Outcome]]:
-    """Run every check on this rank; return this process's ``status()`` and one :class:`Outcome` per check.
+    """Every check on this rank; this process's ``status()`` and one :class:`Outcome` per check.
 
-    ``mode`` (``"local"`` or ``"global"``) runs the checks inside ``patched(mode=mode)``; ``None`` runs them with
-    whatever the import set up (``TORCHMETRICS_GRADPATCH_AUTOPATCH``, ``TORCHMETRICS_GRADPATCH_MODE``); ``sync``
-    (``"torchmetrics"`` or ``"fused"``) likewise runs them inside ``patched(sync=sync)``.
-    ``backend`` runs each check's step inside ``torch.compile(step, backend=backend)``. The checks run as the
-    user's program stands: :func:`~torchmetrics_gradpatch.compile_support` is called only when
-    ``with_compile_support`` asks for it (the CLI does, in a second run, to tell whether a program needs it).
+    The checks run inside ``patched(mode=mode, sync=sync)``, or as the import set them up when both are ``None``;
+    ``backend`` runs each step inside ``torch.compile``. :func:`~torchmetrics_gradpatch.compile_support` is called
+    only when ``with_compile_support`` asks (the command does, in a second run, to say whether a program needs it).
     """
-    import contextlib
-
-    import torch.distributed as dist
-
-    from torchmetrics_gradpatch._api import compile_support
-    from torchmetrics_gradpatch._blocks import patched
-    from torchmetrics_gradpatch._status import status
-
     if with_compile_support:
         compile_support()
-    # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather (tests/test_engine.py shows it); that noise
-    # would bury the table when the checks run unpatched. The patched gather does not warn.
+    # torchmetrics < 1.6 on torch >= 2.8 warns at every uneven gather of its own: noise that would bury the table
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence", category=UserWarning)
-    block = patched(mode=mode, sync=sync) if mode is not None or sync is not None else contextlib.nullcontext()
-    with block:
-        outcomes = _run_all(dist.get_rank(), backend)
-        state = status().as_dict()
-    return state, outcomes
-
-
-# --- what the parent computes -------------------------------------------------------------------------------------
+    outcomes = {}
+    with patched(mode=mode, sync=sync) if mode or sync else contextlib.nullcontext():
+        for name in CHECKS:
+            dist.barrier()  # start each check together, so its time is its own and not a neighbour's lag
+            start = time.perf_counter()
+            try:
+                # a check that failed inside torch.compile can leave grad mode off: each one starts with it on
+                with torch.enable_grad():
+                    grads, error = _step(name, dist.get_rank(), backend), None
+            except Exception as err:  # reported per check: a failing check must not hide the others
+                grads, error = None, "".join(traceback.format_exception_only(type(err), err)).strip()
+            outcomes[name] = Outcome(grads, error, time.perf_counter() - start)
+        return status().as_dict(), outcomes
 
 
 def reference(name: str, rank: int, world_size: int, mode: str = "local") -> list[torch.Tensor]:
-    """Single-process gradient of the global loss with respect to ``rank``'s own tensors (others held fixed).
-
-    That is what each rank receives in local mode (torchmetrics 1.6 semantics). In global mode every rank's copy
-    of the same loss sends its gradient back to ``rank``'s tensors, so ``rank`` receives ``world_size`` times it.
-    """
-    scale = float(world_size) if mode == "global" else 1.0
+    """The gradient ``rank`` must receive: the global loss's, in one process, with the other ranks' held fixed."""
+    inputs = [_inputs(name, q) for q in range(world_size)]
     if name.startswith("gather"):
-        entries = [_gather_input(name, q) for q in range(world_size)]
-        entries[rank].requires_grad_(True)
-        torch.autograd.backward(_gather_loss(entries))
-        grad = entries[rank].grad
-        assert grad is not None
-        return [scale * grad]
-    model = _model()
-    preds, targets = [], []
-    for q in range(world_size):
-        x, y = _batch(name, q)
-        out = model(x).squeeze(-1)
-        preds.append(out if q == rank else out.detach())
-        targets.append(y)
-    torch.autograd.backward(torch.mean((torch.cat(preds) - torch.cat(targets)) ** 2))
-    return [scale * parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+        entries = [x.requires_grad_(q == rank) for q, (x, _) in enumerate(inputs)]
+        leaves, loss = [entries[rank]], _gather_loss(entries)
+    else:
+        model = _model()
+        preds = [model(x).squeeze(-1) for x, _ in inputs]
+        preds = [pred if q == rank else pred.detach() for q, pred in enumerate(preds)]
+        leaves, loss = list(model.parameters()), torch.mean((torch.cat(preds) - torch.cat([y for _, y in inputs])) ** 2)
+    torch.autograd.backward(loss)
+    return [grad * (world_size if mode == "global" else 1) for grad in _grads(leaves)]
 
 
 def matches(got: list[torch.Tensor] | None, want: list[torch.Tensor]) -> bool:
-    """Whether a rank's gradients equal the reference (float64; rounding differences only)."""
-    return (
-        got is not None
-        and len(got) == len(want)
-        and all(
-            g.shape == w.shape and torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want, strict=True)
-        )
-    )
+    """Whether a rank's gradients equal the reference (float64: rounding differences only)."""
+    if got is None or len(got) != len(want):
+        return False
+    return all(g.shape == w.shape and g.allclose(w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want, strict=True))
 
 
-def failure(name: str, outcomes: list[Outcome], world_size: int, mode: str) -> str | None:
-    """Why check ``name`` failed (the first failing rank and its error, or its gradient's mismatch), or ``None``.
-
-    ``outcomes`` holds one :class:`Outcome` per rank, in rank order.
-    """
-    for rank, outcome in enumerate(outcomes):
-        if outcome.error is not None:
-            return f"rank {rank}: {outcome.error.splitlines()[-1]}"
-        if not matches(outcome.grads, reference(name, rank, world_size, mode)):
+def failure(name: str, results: list[tuple[dict[str, Any], dict[str, Outcome]]]) -> str | None:
+    """Why check ``name`` failed on the ranks (each one's ``rank_main`` result, in rank order), or ``None``."""
+    for rank, (state, outcomes) in enumerate(results):
+        grads, error, _ = outcomes[name]
+        if error is not None:
+            return f"rank {rank}: {error.splitlines()[-1]}"
+        if not matches(grads, reference(name, rank, len(results), state["mode"])):
             return f"rank {rank}: gradient differs from the single-process reference"
     return None
-
-
-def compile_backends() -> list[str]:
-    """Every backend name ``torch.compile`` accepts here (debug and experimental ones included)."""
-    import torch._dynamo
-
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
