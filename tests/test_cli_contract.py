@@ -185,14 +185,12 @@ def assert_no_rank_left(pids: Path, world_size: int) -> None:
     assert not [pid for pid in found if alive(pid)], found
 
 
-@pytest.mark.waits
 def test_a_run_that_times_out_while_the_ranks_start_says_so_and_how_to_give_more_time() -> None:
     proc = cli("check", "--timeout", "0.5")
     assert_one_message(proc, 1, "did not finish within --timeout 0.5 s", "still starting", "--timeout SECONDS")
     assert "cannot run here" not in proc.stderr and "could not" not in proc.stderr, show(proc)
 
 
-@pytest.mark.waits
 def test_a_hung_rank_is_named_with_its_python_stack_and_ended(tmp_path: Path) -> None:
     env, pythonpath, pids = with_fault(tmp_path, "stall")
     # The run waits out its whole timeout: 10 s is enough for two ranks to start on a quiet machine; on a loaded
