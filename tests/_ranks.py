@@ -232,10 +232,8 @@ def _in_rank(
 def _reset_patch_state() -> str | None:
     """Put the patch back as a fresh import leaves it, so the next test on this warm rank starts alike; what the
     test left that it should not have (a ``patched()`` block open), or None."""
-    try:
-        from tests._patch_state import reset_patch_state
-    except ImportError:  # the package's own hook, while it still has one
-        from torchmetrics_gradpatch._api import reset_for_tests as reset_patch_state
+    from tests._patch_state import reset_patch_state
+
     return reset_patch_state()
 
 

@@ -210,25 +210,25 @@ def test_status_on_native_torchmetrics_says_nothing_is_needed_in_local_mode(
         assert "in force:         nothing is needed in local mode" in text and "yes: patch() is on" not in text
 
 
-# --- the reset a test harness calls between pooled tests -----------------------------------------------------------
+# --- the suite's reset between pooled tests (tests/_patch_state.py) ---------------------------------------------------
 
 
-def test_reset_for_tests_puts_back_what_a_fresh_import_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchmetrics_gradpatch._api import reset_for_tests
+def test_reset_patch_state_puts_back_what_a_fresh_import_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests._patch_state import reset_patch_state
 
     tg.patch("global")
     tg.patched(MODE).__enter__()  # left open, as a careless test would
     tg.compile_support(True)
-    assert reset_for_tests() == "the test left a torchmetrics_gradpatch.patched() block open"
+    assert reset_patch_state() == "the test left a torchmetrics_gradpatch.patched() block open"
     s = tg.status()
     assert (s.open_blocks, s.switched_on_by, s.mode, s.mode_chosen_by) == (0, "import", "local", "import"), s
     assert not _engine._state.compile_native
-    assert reset_for_tests() is None
+    assert reset_patch_state() is None
     monkeypatch.setenv("TORCHMETRICS_GRADPATCH_AUTOPATCH", "0")
     monkeypatch.setenv("TORCHMETRICS_GRADPATCH_MODE", "global")
-    assert reset_for_tests() is None
+    assert reset_patch_state() is None
     s = tg.status()
     monkeypatch.undo()
-    assert reset_for_tests() is None  # this process's own environment again: the default mode back to local
+    assert reset_patch_state() is None  # this process's own environment again: the default mode back to local
     assert (s.in_force, s.default_mode, s.state) == (False, "global", "off"), s
     assert tg.status().default_mode == "local"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from tests._patch_state import reset_patch_state
 from tests._rank_tools import destroy_subgroup
 from tests._ranks import run_ranks
 from tests._tensors import gloo_dtypes
@@ -185,7 +186,6 @@ def test_values_bit_identical_and_two_collectives(world_size: int, case: str) ->
 
 def test_install_restores_the_identical_original() -> None:
     import torchmetrics_gradpatch as tg
-    from torchmetrics_gradpatch import _api
 
     tg.unpatch()  # the patch in force replaces _sync_dist too (a graph break under torch.compile)
     assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST
@@ -201,7 +201,7 @@ def test_install_restores_the_identical_original() -> None:
     assert Metric.__dict__["_sync_dist"] is ORIGINAL_SYNC_DIST and not fused_installed()
     with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
         _syncs.install("fast")
-    _api.reset_for_tests()
+    reset_patch_state()
 
 
 def real_metrics(rank: int) -> dict[str, tuple[Callable[[], Metric], tuple[torch.Tensor, ...]]]:
@@ -499,7 +499,7 @@ def test_patch_sync_fused_installs_and_unpatch_restores() -> None:
         with pytest.raises(ValueError, match="'fast' is not a sync strategy"):
             tg.patch(sync="fast")
     finally:
-        _api.reset_for_tests()
+        reset_patch_state()
 
 
 # --- exact reductions -------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch as tg
+from tests._patch_state import reset_patch_state
 from tests._ranks import run_ranks
 from tests._subprocess import ok, run_python
 from torchmetrics_gradpatch import _api, _engine, _syncs
@@ -92,7 +93,7 @@ def test_fused_loss_through_the_api_matches_torchmetrics_and_one_process(mode: s
 def restored() -> Iterator[None]:
     """Leave the switches as the import set them (the environment's default sync, the import's patch)."""
     yield
-    _api.reset_for_tests()
+    reset_patch_state()
 
 
 def installed_sync() -> str:
@@ -113,7 +114,7 @@ def test_patch_and_blocks_choose_the_sync_and_restore_the_identical_method(
     restored: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(_api.SYNC_ENV, raising=False)
-    _api.reset_for_tests()
+    reset_patch_state()
     assert installed_sync() == "torchmetrics" and tg.status().sync == "torchmetrics"
     tg.patch(sync="fused")
     assert installed_sync() == "fused"
@@ -132,7 +133,7 @@ def test_patch_and_blocks_choose_the_sync_and_restore_the_identical_method(
         assert installed_sync() == "fused"
     assert installed_sync() == "torchmetrics" and not tg.is_patched() and restored_identically()
     tg.patch(sync="fused")
-    _api.reset_for_tests()  # resets the sync too
+    reset_patch_state()  # resets the sync too
     assert installed_sync() == "torchmetrics"
 
 
@@ -163,7 +164,7 @@ def test_sync_names_are_case_insensitive_everywhere(restored: None, monkeypatch:
 
 def test_the_environment_variable_sets_the_default_sync(restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_api.SYNC_ENV, "Fused")
-    _api.reset_for_tests()  # what a fresh import does with the environment
+    reset_patch_state()  # what a fresh import does with the environment
     assert installed_sync() == "fused"
     status = tg.status()
     assert (status.sync, status.default_sync, status.sync_chosen_by) == ("fused", "fused", "import")
@@ -179,7 +180,7 @@ def test_the_environment_variable_sets_the_default_sync(restored: None, monkeypa
 
 def test_status_when_off_and_unchosen(restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(_api.SYNC_ENV, raising=False)
-    _api.reset_for_tests()
+    reset_patch_state()
     tg.unpatch()
     status = tg.status()
     assert (status.sync, status.sync_chosen_by, status.sync_applied_to) == ("torchmetrics", "", ())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -391,3 +394,172 @@ print(messages[0])
         env={"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))},
     )
     assert "torchmetrics 0.10.3 is installed" in out and ">= 0.11" in out, out
+
+
+# --- a real copy of the installed torchmetrics whose gather gains a keyword: a refusal is atomic -------------------
+
+
+@pytest.fixture(scope="module")
+def changed_torchmetrics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """``PYTHONPATH`` that puts first a copy of the installed torchmetrics package whose ``gather_all_tensors``
+    gained a keyword parameter (``*, async_op: bool = False``); its version is the installed one."""
+    spec = importlib.util.find_spec("torchmetrics")
+    assert spec is not None and spec.submodule_search_locations, spec
+    root = tmp_path_factory.mktemp("changed-torchmetrics")
+    source = Path(next(iter(spec.submodule_search_locations)))
+    shutil.copytree(source, root / "torchmetrics", ignore=shutil.ignore_patterns("__pycache__"))
+    distributed = root / "torchmetrics" / "utilities" / "distributed.py"
+    text, count = re.subn(
+        r"(def gather_all_tensors\(result[^)]*?)\)", r"\1, *, async_op: bool = False)", distributed.read_text(), count=1
+    )
+    assert count == 1, "gather_all_tensors' definition not found in the copy"
+    distributed.write_text(text)
+    return {"PYTHONPATH": str(root), "TMGP_CHANGED_COPY": str(root / "torchmetrics")}
+
+
+# What a process holds of torchmetrics now, and the checks that it is torchmetrics' own (the copy's) and untouched.
+CHANGED = """
+import json, os, sys
+COPY = os.environ["TMGP_CHANGED_COPY"]
+def held():
+    import torchmetrics.metric as tm_metric, torchmetrics.utilities.distributed as tm_dist
+    gather = tm_dist.gather_all_tensors
+    return gather, gather.__code__, tm_metric.Metric.__dict__["_sync_dist"]
+def own(now):
+    gather, code, sync_dist = now
+    assert code.co_filename == os.path.join(COPY, "utilities", "distributed.py"), code.co_filename
+    assert "async_op" in code.co_varnames and code.co_name == "gather_all_tensors", code.co_varnames
+    assert gather.__code__ is code and gather.__dict__ == {}, gather.__dict__
+    assert sync_dist.__code__.co_filename == os.path.join(COPY, "metric.py"), sync_dist
+    assert sync_dist.__qualname__ == "Metric._sync_dist" and not hasattr(sync_dist, "__wrapped__"), sync_dist
+def same(before):
+    now = held()
+    assert all(a is b for a, b in zip(now, before)), (now, before)
+def refused_again(tg, message, before, attempts):
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ImportError as err:
+            assert type(err).__name__ == "UnsupportedVersionError" and str(err) == message, (name, repr(err), message)
+        else:
+            raise SystemExit(f"{name} was accepted after the refusal")
+        same(before)
+        assert not tg.is_patched(), name
+"""
+
+
+def _asked_cases() -> list[tuple[str, dict[str, str]]]:
+    return [
+        ("the import", {}),
+        ("the import, fused sync", {"TORCHMETRICS_GRADPATCH_SYNC": "fused"}),
+        ("a patched() block", {"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"}),
+        ("nobody", {"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"}),
+    ]
+
+
+@pytest.mark.parametrize(("asked", "env"), _asked_cases(), ids=[case for case, _ in _asked_cases()])
+def test_package_first_refusal_leaves_torchmetrics_its_own(
+    changed_torchmetrics: dict[str, str], asked: str, env: dict[str, str]
+) -> None:
+    """The refusal surfaces from ``import torchmetrics``; after it nothing of torchmetrics is changed, whatever asked
+    for the patch, and every later ``patch()``, ``patched()`` block or decorated call raises the same error.
+
+    On native torchmetrics only what needs the gather (global mode, set here) is refused; with nothing asking for
+    it there, the gather is first looked at by ``patch()``.
+    """
+    looked_at_import = asked != "nobody" or not NATIVE
+    out = ok(
+        CHANGED
+        + f"""
+import torchmetrics_gradpatch as tg
+from torchmetrics_gradpatch import UnsupportedVersionError
+asked, looked_at_import = {asked!r}, {looked_at_import!r}
+message = None
+try:
+    if asked == "a patched() block":
+        with tg.patched(sync="fused"):
+            import torchmetrics
+    else:
+        import torchmetrics
+except UnsupportedVersionError as err:
+    message = str(err)
+assert (message is not None) == looked_at_import, message
+import torchmetrics  # the refused import is Python's failed import: importing again gives torchmetrics as it is
+before = held()
+own(before)
+if message is None:  # native torchmetrics with nothing asked: the first call that needs the gather refuses
+    try:
+        tg.patch()
+    except UnsupportedVersionError as err:
+        message = str(err)
+    same(before)
+
+@tg.patched
+def decorated():
+    raise SystemExit("the decorated function ran")
+
+def block():
+    with tg.patched():
+        raise SystemExit("the block ran")
+
+first = tg.status()
+refused_again(tg, message, before, {{
+    "patch()": tg.patch, "patch(sync='fused')": lambda: tg.patch(sync="fused"), "patched()": block,
+    "patched(sync='fused').__enter__()": lambda: tg.patched(sync="fused").__enter__(), "@patched": decorated,
+}})
+assert str(tg.status()) == str(first), (str(tg.status()), str(first))  # the calls left the state as it was
+print(json.dumps({{"message": message, "text": str(first), "json": json.loads(first.to_json())}}))
+""",
+        env={**changed_torchmetrics, **INSTALLING, **env},
+        timeout=180,
+    )
+    seen = json.loads(out.splitlines()[-1])
+    message, text, data = seen["message"], seen["text"], seen["json"]
+    version = _version.installed_version("torchmetrics")
+    assert f"torchmetrics {version}" in message and "unrecognised signature" in message, message
+    assert "async_op" in message and "nothing was patched" in message, message
+    assert data["refused"] == message and f"refused:          {message}" in text.splitlines(), text
+    assert data["in_force"] is False and data["applied_to"] == [] and data["sync_applied_to"] == [], data
+    assert data["mode"] == "off" and data["torchmetrics_imported"] is True, data
+    asked_now = asked == "the import" or asked == "the import, fused sync"
+    assert data["state"] == ("refused" if asked_now else "off"), data
+    assert data["autopatch"] is (asked_now or not env), data
+    if asked_now:
+        assert "in force:         no: asked for by the import, but torchmetrics was refused (see refused)" in text, text
+        assert "at import:        switched the patch on (the default)" in text, text
+    else:
+        assert data["autopatch_variable"] == "0", data
+        assert "in force:         no: TORCHMETRICS_GRADPATCH_AUTOPATCH=0 kept the import from patching" in text, text
+        assert "at import:        left the patch off (TORCHMETRICS_GRADPATCH_AUTOPATCH=0)" in text, text
+    assert "graph preserved:  NO" in text or NATIVE, text
+    assert "applied to" not in text, text
+
+
+def test_torchmetrics_first_refusal_touches_nothing(changed_torchmetrics: dict[str, str]) -> None:
+    """Imported after torchmetrics, the package refuses at its own import, twice alike, and changes nothing."""
+    out = ok(
+        CHANGED
+        + """
+import torchmetrics
+before = held()
+own(before)
+meta_path = list(sys.meta_path)
+messages = []
+for attempt in (1, 2):
+    try:
+        import torchmetrics_gradpatch
+    except ImportError as err:
+        assert type(err).__name__ == "UnsupportedVersionError", repr(err)
+        messages.append(str(err))
+    else:
+        raise SystemExit("the import was accepted")
+    assert not [n for n in sys.modules if n.split(".")[0] == "torchmetrics_gradpatch"], "left in sys.modules"
+    same(before)
+    assert sys.meta_path == meta_path, (sys.meta_path, meta_path)
+assert messages[0] == messages[1], messages
+print(messages[0])
+""",
+        env={**changed_torchmetrics, **INSTALLING},
+        timeout=180,
+    )
+    assert "unrecognised signature" in out and "async_op" in out and "nothing was patched" in out, out

@@ -27,10 +27,14 @@ Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"globa
 ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching; a value of any of these variables that is not
 understood makes the import raise a ``ValueError`` naming it.
 
-Documentation: the README and docs/ in the source distribution and repository.
+Documentation: the README and docs/ in the source distribution and repository (docs/api.md: this API and the
+fields of ``status()``).
 
-On PyTorch below 2.0, or a torchmetrics whose gather is not recognised, the import raises
-:class:`UnsupportedVersionError` and leaves torchmetrics -- and ``sys.modules`` -- exactly as they were.
+On PyTorch below 2.0, torchmetrics below 0.11, or a torchmetrics whose gather is not recognised, the import raises
+:class:`UnsupportedVersionError` and leaves torchmetrics -- and ``sys.modules`` -- exactly as they were. Imported
+before torchmetrics, the package recognises the gather when torchmetrics is imported: an unrecognised one makes
+``import torchmetrics`` raise that error, with nothing changed; the refusal is kept (``status()`` says why) and every
+later ``patch()`` or ``patched()`` raises it again.
 """
 
 from __future__ import annotations

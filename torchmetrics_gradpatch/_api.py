@@ -9,8 +9,9 @@ they share is in docs/design.md.
 Invariants:
 
 * importing this module changes nothing: the package's ``__init__`` applies the environment once, through
-  :func:`apply_environment`;
-* :func:`reset_for_tests` is the one way a test harness puts the patch back as a fresh import leaves it;
+  :func:`apply_environment`, which records what the import found (:func:`at_import`, for ``status()``);
+* once torchmetrics' gather has been refused, :func:`patch`, :func:`~torchmetrics_gradpatch.patched` and
+  :func:`compile_support` raise that refusal and change nothing (the engine decides it, docs/design.md);
 * every variable is read by one function (:func:`_read`), so each names itself and its allowed values alike.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch._modes import check_mode
@@ -27,13 +29,14 @@ __all__ = [
     "AUTOPATCH_ENV",
     "MODE_ENV",
     "SYNC_ENV",
+    "ImportChoice",
     "apply_environment",
+    "at_import",
     "autopatch_requested",
     "compile_support",
     "is_patched",
     "mode_requested",
     "patch",
-    "reset_for_tests",
     "sync_requested",
     "unpatch",
 ]
@@ -58,6 +61,10 @@ def patch(mode: str | None = None, sync: str | None = None) -> None:
     In local mode on a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed; the
     global mode is installed on every torchmetrics. If torchmetrics is not imported yet, the patch lands the
     moment ``torchmetrics.utilities.distributed`` is imported.
+
+    Raises:
+        UnsupportedVersionError: torchmetrics' gather has been refused (by the import, or when torchmetrics was
+            imported after this package); nothing is changed, and ``status()`` says why.
     """
     chosen_mode = None if mode is None else check_mode(mode)
     _engine.set_manual(True, chosen_mode, sync=None if sync is None else check_sync(sync))
@@ -76,7 +83,8 @@ def is_patched() -> bool:
     """Whether the patch is in force: :func:`patch` is on or a :func:`patched` block is open.
 
     On native torchmetrics (1.6.0 and newer) the patch can be "in force" without anything being replaced;
-    :func:`status` tells the two apart.
+    :func:`status` tells the two apart. After a refusal of torchmetrics' gather, what needs the gather is not in
+    force (:func:`status`: ``state == "refused"``).
     """
     return _engine.in_force()
 
@@ -90,6 +98,9 @@ def compile_support(enabled: bool = True) -> None:
     at once and while the patch is in force (``patch()``, which the import calls, or a ``patched()`` block).
     ``compile_support(False)`` goes back to installing nothing in local mode. On torchmetrics before 1.6 the
     trampoline is installed anyway and this changes nothing. ``enabled`` must be ``True`` or ``False``.
+
+    Once torchmetrics' gather has been refused, ``compile_support()`` raises that refusal while the patch is asked
+    for (the import's, ``patch()``'s or a block's) and changes nothing.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"torchmetrics_gradpatch: compile_support(enabled={enabled!r}): enabled must be True or False.")
@@ -136,23 +147,29 @@ def sync_requested() -> str:
     return _read(SYNC_ENV, "torchmetrics", check_sync, "a sync strategy", strategies, "See docs/fused-sync.md.")
 
 
+@dataclass(frozen=True)
+class ImportChoice:
+    """What the import found in ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` and did with it."""
+
+    patched: bool  #: the import switched the patch on (a refusal of torchmetrics may hold it back since)
+    variable: str | None  #: the variable's value at import, or ``None`` when it was unset or blank
+
+
+_at_import = ImportChoice(patched=False, variable=None)
+
+
+def at_import() -> ImportChoice:
+    """What the import found and did (before :func:`apply_environment` has run: nothing)."""
+    return _at_import
+
+
 def apply_environment() -> None:
     """What the import does: read the variables (any may raise), set the default mode and sync, and patch unless
-    ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to."""
+    ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to; record that for :func:`at_import`."""
+    global _at_import
     mode, sync, autopatch = mode_requested(), sync_requested(), autopatch_requested()
+    raw = os.environ.get(AUTOPATCH_ENV, "")
     _engine.set_defaults(mode=mode, sync=sync)
+    _at_import = ImportChoice(patched=autopatch, variable=raw if raw.strip() else None)
     if autopatch:
         _engine.set_manual(True, by="import")
-
-
-def reset_for_tests() -> str | None:
-    """Put the patch back as a fresh import leaves it, read from the environment now; say what the test left.
-
-    For a test harness that reuses a process between tests: closes every open block, switches compile support
-    off, sets the default mode, the default sync and the import's patch from the environment. Returns ``None``, or
-    why this process should not be reused (a block was left open).
-    """
-    left = _engine.close_all_blocks()
-    _engine.set_defaults(mode=mode_requested(), sync=sync_requested(), compile_support=False)
-    _engine.set_manual(autopatch_requested(), by="import")
-    return "the test left a torchmetrics_gradpatch.patched() block open" if left else None

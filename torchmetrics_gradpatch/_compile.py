@@ -17,7 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -99,9 +98,3 @@ def watch_dynamo() -> None:
     if not _watching:
         _watching.append(True)
         wrapt.register_post_import_hook(_wrap, "torch._dynamo")
-    elif _eager is _call:
-        # The hook can miss the import: something removed wrapt's finder from sys.meta_path (a harness restoring
-        # it between tests does). Every later call then makes the wrapper if dynamo is loaded by now.
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is not None and hasattr(dynamo, "disable"):
-            _wrap(dynamo)

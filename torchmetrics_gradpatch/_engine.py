@@ -10,6 +10,10 @@ Invariants:
 
 * all state changes happen under one lock; :func:`dispatch`, the hot path, reads without it what the last change
   decided (``_State.gather``), so a gather never sees half a change;
+* a refusal is atomic: torchmetrics' gather is recognised (:func:`~torchmetrics_gradpatch._target.recognise`)
+  before its code or ``Metric._sync_dist`` is changed; once it is refused, :attr:`_State.refusal` says why, what
+  needs the gather is held back (asked for, not in force, nothing installed) and every change that would put it
+  in force raises the same error and is undone;
 * ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch._syncs`: the effective sync strategy, behind one
   graph break under ``torch.compile``) exactly while the patch is in force and the effective strategy is not
   torchmetrics' own or the trampoline is wanted, and torchmetrics' own function object comes back otherwise;
@@ -45,12 +49,12 @@ from typing import Any, NamedTuple
 import wrapt
 
 from torchmetrics_gradpatch import _compile, _modes, _syncs
+from torchmetrics_gradpatch._errors import UnsupportedVersionError
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, held_functions, own_function, recognise
 
 __all__ = [
     "DISPATCH_NAME",
     "Observation",
-    "close_all_blocks",
     "configure",
     "dispatch",
     "effective_mode",
@@ -79,7 +83,7 @@ class _State:
     """Everything the engine knows; mutated only under ``lock``. One per process."""
 
     manual: bool = False  # the patch()/unpatch() switch is on
-    manual_from: str = "patch()"  # who last switched it on: "patch()" or "import"
+    manual_from: str = ""  # who last switched it on: "patch()", "import", or "" (never)
     records: dict[int, Record] = field(default_factory=dict)  # open patched() blocks, oldest first
     next_token: int = 0
     native: bool = False  # the installed torchmetrics keeps the graph itself
@@ -97,9 +101,12 @@ class _State:
     default_sync: str = "torchmetrics"  # TORCHMETRICS_GRADPATCH_SYNC, set at import
     manual_sync: str = "torchmetrics"  # the sync patch() was given
     sync_replaced: bool = False  # the engine has asked _syncs to replace Metric._sync_dist
+    # why torchmetrics' gather was refused (the UnsupportedVersionError's message), once it has been; never cleared
+    refusal: str | None = None
     settled: bool = True  # the derived fields, __code__ and Metric._sync_dist match the records and switches
     # Derived from the above by _refresh(), under the lock:
-    in_force: bool = False  # manual or any record
+    in_force: bool = False  # manual or any record, and not held back
+    held_back: bool = False  # manual or any record, but what they ask for needs the refused gather
     blocks: int = 0  # len(records)
     block_modes: list[tuple[int, str]] = field(default_factory=list)  # open blocks with a mode, oldest first
     mode: str = "local"  # the effective mode
@@ -149,9 +156,18 @@ def dispatch(result: Any, group: Any = None) -> list[Any]:
 
 
 def _adopt(module: types.ModuleType) -> None:
-    """Recognise torchmetrics' gather in ``module`` and bring it in line with the current state."""
+    """Recognise torchmetrics' gather in ``module`` and bring it in line with the current state.
+
+    A refusal is recorded (``_state.refusal``) before it is raised, and nothing has been changed by then.
+    """
     with _lock:
-        function = recognise(module, _state.torchmetrics_version, native=_state.native)
+        if _state.refusal is not None:
+            raise UnsupportedVersionError(_state.refusal)
+        try:
+            function = recognise(module, _state.torchmetrics_version, native=_state.native)
+        except UnsupportedVersionError as error:
+            _state.refusal = str(error)
+            raise
         if _state.function is function:
             return
         original = function.__code__
@@ -169,12 +185,21 @@ def _on_import(module: types.ModuleType) -> None:
 
     On native torchmetrics the gather is only looked at while the trampoline is wanted: in local mode nothing is
     patched there, so an unrecognised (future) gather must not make ``import torchmetrics`` fail.
+
+    A refusal is raised from torchmetrics' import, after the state is settled with the refusal: what was asked for
+    is held back, so ``Metric._sync_dist`` is not replaced when ``torchmetrics.metric`` is imported (now or by a
+    later ``import torchmetrics``) and nothing of torchmetrics is changed.
     """
     with _lock:
         _state.hook_registered = False
         if _state.native and not _wanted():
             return  # the next change that wants the trampoline adopts the module (see _sync)
-        _adopt(module)
+        try:
+            _adopt(module)
+        except UnsupportedVersionError:
+            _state.settled = False
+            _settle()
+            raise
 
 
 def _wanted() -> bool:
@@ -204,8 +229,12 @@ def _refresh() -> None:
     )
     _state.mode = _chosen(_state.block_modes, _state.manual_mode, _state.default_mode)
     _state.sync = _chosen(_state.block_syncs, _state.manual_sync, _state.default_sync)
-    # "in force" is computed here only; everything else reads this field
-    _state.in_force = _state.manual or bool(records)
+    # "in force" is computed here only; everything else reads this field. A refused gather holds back all that
+    # needs it: before 1.6 the patch itself, on native torchmetrics the global mode and compile support.
+    asked = _state.manual or bool(records)
+    needs_gather = not _state.native or _state.mode == "global" or _state.compile_native
+    _state.held_back = asked and needs_gather and _state.refusal is not None
+    _state.in_force = asked and not _state.held_back
     _state.gather = _modes.gather_for(_state.mode) if _state.in_force and _state.function is not None else None
     if _state.gather is not None:
         _state.is_compiling = _compile.check()
@@ -317,13 +346,20 @@ def _settle() -> None:
     _state.settled = True
 
 
-def _change(undo: Callable[[], object]) -> None:
+def _change(undo: Callable[[], object], *, asks: bool = False) -> None:
     """Settle after a change (``_state.settled`` cleared by the caller); on failure ``undo`` it and re-raise.
+
+    ``asks``: the change asks for the patch (``patch()``, a block, compile support); if what it leaves asked for
+    needs a gather that was refused, it raises that refusal before anything is swapped.
 
     An error of ours (an ``Exception``: refused before anything was swapped) leaves the undone state settled; an
     asynchronous exception may have cut the swap short, so the next reading of the state settles it again.
     """
     try:
+        if asks:
+            _refresh()
+            if _state.held_back:
+                raise UnsupportedVersionError(_state.refusal)
         _settle()
     except BaseException as error:
         undo()
@@ -364,7 +400,7 @@ def set_manual(on: bool, mode: str | None = None, *, by: str = "patch()", sync: 
             _state.manual_mode = _state.default_mode if mode is None else mode
             _state.manual_sync = _state.default_sync if sync is None else sync
             _state.manual_from = by
-        _change(undo)
+        _change(undo, asks=on)
 
 
 def set_defaults(*, mode: str | None = None, sync: str | None = None, compile_support: bool | None = None) -> None:
@@ -383,7 +419,7 @@ def set_defaults(*, mode: str | None = None, sync: str | None = None, compile_su
         _state.default_mode = previous[0] if mode is None else mode
         _state.default_sync = previous[1] if sync is None else sync
         _state.compile_native = previous[2] if compile_support is None else compile_support
-        _change(undo)
+        _change(undo, asks=bool(compile_support))
 
 
 def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None, sync: str | None = None) -> int:
@@ -400,7 +436,7 @@ def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None, 
         _state.next_token = token + 1
         _state.settled = False
         _state.records[token] = (mode, alive, sync)  # the block is open from this one store on
-        _change(lambda: _state.records.pop(token, None))
+        _change(lambda: _state.records.pop(token, None), asks=True)
         return token
 
 
@@ -416,17 +452,6 @@ def exit_block(token: int | None = None) -> None:
             _state.settled = False
             del _state.records[token]  # the block is closed from this one deletion on
             _settle()
-
-
-def close_all_blocks() -> int:
-    """Close every open block (a test harness between tests); return how many were open."""
-    with _lock:
-        _sweep()
-        count = len(_state.records)
-        _state.settled = False
-        _state.records.clear()
-        _settle()
-        return count
 
 
 def _sweep() -> None:

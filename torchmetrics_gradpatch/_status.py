@@ -4,11 +4,18 @@ Role: turn one reading of the engine (:func:`torchmetrics_gradpatch._engine.obse
 :class:`Status`, its JSON and its text; the command line prints the same object. Every field comes from that one
 reading (plus the installed versions and the environment), so a status never contradicts itself:
 
-* ``in_force == (state != "off")`` and ``bool(applied_to) == (state == "patched")``;
+* ``state in ("patched", "native", "pending")`` only while ``in_force``, and ``bool(applied_to) == (state ==
+  "patched")``;
+* ``state == "refused"`` exactly when the patch is asked for (``switched_on_by`` or ``open_blocks``) and
+  ``refused`` holds back what it asks for: nothing is applied then;
 * ``state == "patched"`` only when our trampoline *is* torchmetrics' code now **and** the patch is in force (a
   trampoline another tool put back after ``unpatch()`` runs the original, and is not reported as patched);
 * ``sync_applied_to`` lists every other place this package has replaced now, so ``applied_to`` and it together
-  are everything a default install puts in place.
+  are everything a default install puts in place, each saying why it is replaced;
+* each line of the text is true of this process: the import line names ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` only
+  when the import found it set.
+
+The JSON fields are listed for users in docs/api.md.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._api import AUTOPATCH_ENV, MODE_ENV, SYNC_ENV, autopatch_requested
+from torchmetrics_gradpatch._api import AUTOPATCH_ENV, MODE_ENV, SYNC_ENV, at_import
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, describe
 from torchmetrics_gradpatch._version import installed_version
 
@@ -37,14 +44,17 @@ class Status:
     * ``"native"``: the patch is in force on a torchmetrics that keeps the graph itself (1.6.0 and newer) in local
       mode: nothing needs applying, torchmetrics' own gather runs and keeps the graph;
     * ``"pending"``: the patch is in force and lands the moment torchmetrics is imported;
-    * ``"off"``: the patch is not in force (``unpatch()``, or ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` and no
-      ``patch()`` since): torchmetrics' own gather runs.
+    * ``"refused"``: the patch is asked for, but torchmetrics' gather was refused (``refused`` says why), so
+      nothing is applied: torchmetrics' own gather and ``Metric._sync_dist`` run;
+    * ``"off"``: the patch is not asked for (``unpatch()``, or ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` and no
+      ``patch()`` since), or another tool's code has replaced this package's: torchmetrics' own gather (or that
+      tool's) runs.
     """
 
     torch_version: str
     torchmetrics_version: str
-    state: str  #: "patched", "native", "pending" or "off" (see above)
-    in_force: bool  #: the patch switch is on or a patched() block is open (state is not "off")
+    state: str  #: "patched", "native", "pending", "refused" or "off" (see above)
+    in_force: bool  #: the patch switch is on or a patched() block is open, and not refused
     switched_on_by: str  #: who turned the patch switch on: "import", "patch()", or "" while it is off
     open_blocks: int  #: patched() blocks open now
     graph_preserving: bool  #: a gather called now keeps the local rank's graph
@@ -69,7 +79,15 @@ class Status:
     #: what another tool put in the module attribute ``torchmetrics.utilities.distributed.gather_all_tensors``
     #: (torchmetrics calls its own function, which is the one patched), or None when it holds torchmetrics' own
     attribute_replaced_by: str | None
-    autopatch: bool  #: what TORCHMETRICS_GRADPATCH_AUTOPATCH asked of the import
+    autopatch: bool  #: the import switched the patch on (TORCHMETRICS_GRADPATCH_AUTOPATCH unset, or true)
+    #: the value of TORCHMETRICS_GRADPATCH_AUTOPATCH the import read, or None when it was unset or blank
+    autopatch_variable: str | None
+    #: while the switch is off: who had switched it on before unpatch() switched it off ("import" or "patch()"),
+    #: or "" when it has never been on
+    switched_off_from: str
+    #: why torchmetrics' gather was refused (the UnsupportedVersionError message patch() and patched() raise), or
+    #: None; set once, never cleared
+    refused: str | None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -82,16 +100,32 @@ class Status:
         """The status as indented JSON."""
         return json.dumps(self.as_dict(), indent=2, sort_keys=True)
 
-    def _in_force_text(self) -> str:
-        if not self.in_force:
-            if self.autopatch:
-                return "no: unpatch() has switched off the patch the import put in force"
-            return f"no: {AUTOPATCH_ENV}=0 kept the import from patching, and patch() has not been called"
+    def _asked_by(self) -> list[str]:
         reasons = []
         if self.switched_on_by:
             reasons.append("the import patched" if self.switched_on_by == "import" else "patch() is on")
         if self.open_blocks:
             reasons.append(f"{self.open_blocks} patched() block{'s are' if self.open_blocks > 1 else ' is'} open")
+        return reasons
+
+    def _in_force_text(self) -> str:
+        if self.state == "refused":
+            asked = ["the import" if self.switched_on_by == "import" else "patch()"] if self.switched_on_by else []
+            if self.open_blocks:
+                asked.append(f"{self.open_blocks} open patched() block{'s' if self.open_blocks > 1 else ''}")
+            by = " and ".join(asked)
+            return f"no: asked for by {by}, but torchmetrics was refused (see refused): nothing is applied"
+        if not self.in_force:
+            if self.switched_off_from:
+                by = "the import" if self.switched_off_from == "import" else "patch()"
+                text = f"no: unpatch() has switched off the patch {by} switched on"
+            elif self.autopatch_variable is not None and not self.autopatch:
+                text = f"no: {AUTOPATCH_ENV}={self.autopatch_variable} kept the import from patching"
+                text += ", and patch() has not switched it on since"
+            else:
+                text = "no: nothing has switched the patch on"
+            return text + ("; torchmetrics was refused (see refused)" if self.refused is not None else "")
+        reasons = self._asked_by()
         if self.state == "native":
             return (
                 "nothing is needed in local mode (torchmetrics >= 1.6 keeps the graph itself); switched on: "
@@ -131,6 +165,11 @@ class Status:
         own = "torchmetrics: its own collectives per state"
         return own + (f"; patch() without a sync uses {default}" if default != "torchmetrics" else "")
 
+    def _import_text(self) -> str:
+        done = "switched the patch on" if self.autopatch else "left the patch off"
+        why = "the default" if self.autopatch_variable is None else f"{AUTOPATCH_ENV}={self.autopatch_variable}"
+        return f"{done} ({why})"
+
     def __str__(self) -> str:
         lines = [
             f"torch:            {self.torch_version}",
@@ -140,9 +179,10 @@ class Status:
             f"graph preserved:  {'yes' if self.graph_preserving else 'NO'}",
             f"gradient mode:    {self._mode_text()}",
             f"sync:             {self._sync_text()}",
-            f"at import:        {'patched' if self.autopatch else 'not patched'} ({AUTOPATCH_ENV}"
-            f"{'' if self.autopatch else '=0'})",
+            f"at import:        {self._import_text()}",
         ]
+        if self.refused is not None:
+            lines.append(f"refused:          {self.refused}")
         lines += [f"applied to:       {where}" for where in (*self.applied_to, *self.sync_applied_to)]
         if self.attribute_replaced_by is not None:
             lines.append(
@@ -155,6 +195,18 @@ class Status:
                 for path, ok in self.references.items()
             ]
         return "\n".join(lines)
+
+
+def _sync_dist_text(sync: str) -> str:
+    """``Metric._sync_dist`` as ``applied to`` lists it: which sync it runs and why it is replaced."""
+    if sync == "torchmetrics":
+        why = (
+            "torchmetrics' own method, replaced along with the gather so that under torch.compile the whole sync "
+            "runs eagerly behind one graph break"
+        )
+    else:
+        why = "replaced because that sync strategy is chosen; one graph break under torch.compile"
+    return f"torchmetrics.Metric._sync_dist (runs the {sync!r} sync: {why})"
 
 
 def _chosen_by(in_force: bool, blocks_chose: bool, block: str, switched_on_by: str) -> str:
@@ -176,6 +228,8 @@ def status() -> Status:
         where = "native"
     elif in_force and not seen.imported:
         where = "pending"
+    elif state.held_back:
+        where = "refused"
     else:  # not in force, or in force with torchmetrics imported and our gather not running: adoption failed
         where = "off"
     applied: tuple[str, ...] = ()
@@ -183,11 +237,9 @@ def status() -> Status:
         applied = (f"{_GATHER}.__code__ (function object at {id(function):#x}; every reference to it sees the patch)",)
     sync_applied: tuple[str, ...] = ()
     if seen.sync_dist is not None:
-        sync_applied = (
-            f"torchmetrics.Metric._sync_dist (runs the {seen.sync_dist!r} sync; one graph break under torch.compile)",
-            *seen.sites,
-        )
+        sync_applied = (_sync_dist_text(seen.sync_dist), *seen.sites)
     switched_on_by = state.manual_from if state.manual else ""
+    choice = at_import()
     attribute = seen.held.get(_GATHER, function)
     return Status(
         torch_version=installed_version("torch") or "not installed",
@@ -210,5 +262,8 @@ def status() -> Status:
         sync_applied_to=sync_applied,
         references={path: obj is function for path, obj in seen.held.items()} if function is not None else {},
         attribute_replaced_by=None if function is None or attribute is function else describe(attribute),
-        autopatch=autopatch_requested(),
+        autopatch=choice.patched,
+        autopatch_variable=choice.variable,
+        switched_off_from="" if state.manual else state.manual_from,
+        refused=state.refusal,
     )
