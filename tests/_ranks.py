@@ -37,9 +37,7 @@ from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
-from tests._procs import alive
-
-__all__ = ["RankError", "run_ranks"]
+__all__ = ["RankError", "alive", "run_ranks"]
 
 HOST = "127.0.0.1"
 #: Seconds the other ranks get to finish once one has failed, before the pool is ended.
@@ -235,6 +233,14 @@ def _reset_patch_state() -> str | None:
     from tests._patch_state import reset_patch_state
 
     return reset_patch_state()
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (read from ``/proc``: a killed orphan can stay a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _read(path: Path) -> str:

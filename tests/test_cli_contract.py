@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests._procs import alive
 from tests._rank_tools import dynamo_refusal
+from tests._ranks import alive
 from tests._subprocess import cli, console_script, fake_torchmetrics, python_path, show, suite_path
 
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from tests._procs import alive
-from tests._ranks import RankError, run_ranks
+from tests._ranks import RankError, alive, run_ranks
 
 pytestmark = pytest.mark.once
 
