@@ -45,6 +45,7 @@ GRACE = 5.0
 #: Seconds a new pool gets on top of the call's timeout to start its processes and import torch.
 STARTUP = 120.0
 _POOLS: dict[int, _RankPool] = {}
+_STORE: Any = None  # in a rank: its client of the pool's store
 
 
 class RankError(AssertionError):
@@ -60,6 +61,7 @@ class _RankPool:
 
         self.n = n
         self.started = False
+        self.calls = 0  # this pool's calls so far: each one's ranks meet under its own store key
         self.dir = tempfile.mkdtemp(prefix=f"tmgp-ranks{n}-")
         # hosted here on a port the kernel picks and kept bound: no free-port race
         self.store = dist.TCPStore(HOST, 0, n, True, wait_for_workers=False)
@@ -106,15 +108,17 @@ def run_ranks(
     """
     import pytest
 
+    __tracebackhide__ = True  # a failure shows the ranks' story, not this loop
     fresh = fresh or backend != "gloo"
     ranks = (
         _RankPool(world_size)
         if fresh
         else _POOLS.get(world_size) or _POOLS.setdefault(world_size, _RankPool(world_size))
     )
+    ranks.calls += 1
     seen: set[int] = set()
     calls = [
-        ranks.pool.apply_async(_in_rank, (fn, index, world_size, ranks.store.port, backend, args, kwargs))
+        ranks.pool.apply_async(_in_rank, (fn, ranks.calls, index, world_size, ranks.store.port, backend, args, kwargs))
         for index in range(world_size)
     ]
     # the clock starts once every rank has reached the call (a new pool first spawns and imports torch)
@@ -189,6 +193,7 @@ def _start_rank(directory: str) -> None:
 
 def _in_rank(
     fn: Callable[..., Any],
+    call: int,
     index: int,
     world_size: int,
     port: int,
@@ -204,10 +209,11 @@ def _in_rank(
     import pytest
     import torch.distributed as dist
 
+    global _STORE
     marker = Path(os.environ["TMGP_RANKS_DIR"], f"{os.getpid()}.rank")
     if not dist.is_initialized():
         marker.write_text(f"{index}\n")  # the rank it is joining as, should the join hang
-        store = dist.TCPStore(HOST, port, world_size, False, timeout=datetime.timedelta(seconds=60))
+        _STORE = store = dist.TCPStore(HOST, port, world_size, False, timeout=datetime.timedelta(seconds=60))
         if backend == "nccl":
             import torch
 
@@ -218,6 +224,12 @@ def _in_rank(
     rank = dist.get_rank()
     marker.write_text(f"{rank}\n")
     try:
+        # No body starts before every process holds an item: else a quick one could take a second item and run
+        # its rank twice while another rank's process sits idle (a pool hands items to whoever is free). Through
+        # the store, not gloo, whose barrier re-raises an earlier test's failed work on torch 2.0.
+        if _STORE.add(f"tmgp-call{call}", 1) == world_size:
+            _STORE.set(f"tmgp-go{call}", "1")
+        _STORE.wait([f"tmgp-go{call}"])
         outcome: tuple[int, str, Any] = (rank, "ok", fn(rank, world_size, *args, **kwargs))
     except pytest.skip.Exception as skip:
         outcome = (rank, "skip", str(skip))

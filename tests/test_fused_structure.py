@@ -264,8 +264,9 @@ def _another_class_names_each_rank(rank: int, world_size: int) -> None:
         _fused.fused_sync(metric)
     text = str(caught.value)
     assert every_rank(text) == [text] * world_size  # one rank's log suffices
-    assert "rank 0: MeanMetric (mean_value: sum, weight: sum)" in text, text
-    assert "rank 1: SumMetric (sum_value: sum)" in text, text
+    for r, held in enumerate((MeanMetric(), SumMetric())):  # state names differ by line (0.11: "value")
+        states = ", ".join(f"{name}: sum" for name in held._defaults)
+        assert f"rank {r}: {type(held).__name__} ({states})" in text, text
 
 
 def test_another_class_names_each_rank_in_one_text() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import signal
+import threading
 import time
 
 import pytest
@@ -32,6 +34,25 @@ def test_each_rank_runs_as_the_rank_it_joined_as(world_size: int) -> None:
     assert [r for r, _, _ in first] == [g for _, g, _ in first] == list(range(world_size))
     assert {pid for _, _, pid in first} == {pid for _, _, pid in again}
     assert len({pid for _, _, pid in first}) == world_size and os.getpid() not in {pid for _, _, pid in first}
+
+
+def _quick_one(rank: int, world_size: int) -> int:
+    if rank != 1:
+        time.sleep(0.5)  # rank 1's process is free again long before these finish
+    return rank
+
+
+def test_every_rank_runs_once_even_when_a_process_is_slow_to_take_its_item() -> None:
+    """A pool hands an item to whichever process is free: rank 1's quick process must not take a second one while
+    rank 0's is still waking up (stopped here for a second)."""
+    slow = run_ranks(_pid, 3)[0]
+    os.kill(slow, signal.SIGSTOP)
+    waking = threading.Timer(1.0, os.kill, (slow, signal.SIGCONT))
+    waking.start()
+    try:
+        assert run_ranks(_quick_one, 3, timeout=30) == [0, 1, 2]
+    finally:
+        waking.join()
 
 
 def _fail_on_one(rank: int, world_size: int) -> None:

@@ -52,6 +52,7 @@ def _rank(rank: int, world_size: int, port: int, workdir: str, run_args: tuple[A
     dist.barrier()  # gloo may return from init on one rank while a peer still connects
     store.add("joined", 1)
     store.set(f"result{rank}", pickle.dumps(checks.rank_main(*run_args)))  # type: ignore[arg-type]
+    store.add(f"done{rank}", 1)  # a counter the parent can read on every torch (TCPStore.check is 2.1 and newer)
     # Wait to be killed: leaving would only tear gloo down, which can hang (torch 2.0 to 2.4) or abort noisily (2.13
     # to 2.15). A parent killed outright ends the wait with torch's PR_SET_PDEATHSIG (SIGINT).
     while True:
@@ -69,14 +70,18 @@ def _run(args: argparse.Namespace, deadline: float, with_compile_support: bool =
             f"{str(error).splitlines()[0]}\nFree some local ports and run it again.",
         ) from None
     keys = [f"result{rank}" for rank in range(args.world_size)]
+
+    def pending() -> list[int]:
+        return [rank for rank in range(args.world_size) if not int(store.add(f"done{rank}", 0))]
+
     run_args = (args.mode, args.sync, args.compile, with_compile_support)
     with tempfile.TemporaryDirectory(prefix="tmgp-check-") as workdir:
         rank_args = (args.world_size, store.port, workdir, run_args)
         context = start_processes(_rank, rank_args, args.world_size, join=False)  # type: ignore[no-untyped-call]
         try:
-            while not store.check(keys):
+            while pending():
                 if time.monotonic() >= deadline:
-                    raise _timed_out(args, context, store, workdir)
+                    raise _timed_out(args, context, store, workdir, pending())
                 try:
                     finished = context.join(timeout=0.1)  # torch ends the other ranks when one fails
                 except ProcessRaisedException as error:  # its traceback follows torch's heading
@@ -85,9 +90,8 @@ def _run(args: argparse.Namespace, deadline: float, with_compile_support: bool =
                 except ProcessExitedException as error:  # how it ended, and faulthandler's dump of a fatal signal
                     details = f"{error}\n{_read(_stacks(workdir, error.error_index))}".strip()
                     raise _rank_failed(error.error_index, "died", details, args, store) from None
-                if finished and not store.check(keys):  # every rank exited 0, one before leaving its result
-                    rank = next(rank for rank, key in enumerate(keys) if not store.check([key]))
-                    raise _rank_failed(rank, "died", "it exited without its result", args, store)
+                if finished and pending():  # every rank exited 0, one before leaving its result
+                    raise _rank_failed(pending()[0], "died", "it exited without its result", args, store)
             return [pickle.loads(store.get(key)) for key in keys]
         finally:
             for proc in context.processes:  # SIGKILL, which nothing a rank runs can delay; one reaped is not signalled
@@ -104,9 +108,8 @@ def _read(path: str) -> str:
     return ""
 
 
-def _timed_out(args: argparse.Namespace, context: Any, store: Any, workdir: str) -> _RunError:
-    """Ask each rank still running for its Python stacks; the report names each one and shows them."""
-    pending = [rank for rank in range(args.world_size) if not store.check([f"result{rank}"])]
+def _timed_out(args: argparse.Namespace, context: Any, store: Any, workdir: str, pending: list[int]) -> _RunError:
+    """Ask each rank still running (``pending``) for its Python stacks; the report names each one and shows them."""
     for rank in pending:  # one without its stacks file has no handler yet: SIGUSR1 would kill it
         if context.processes[rank].is_alive() and os.path.exists(_stacks(workdir, rank)):
             os.kill(context.processes[rank].pid, signal.SIGUSR1)
