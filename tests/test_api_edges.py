@@ -17,6 +17,8 @@ from tests._subprocess import ROOT
 from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch.cli import build_parser
 
+pytestmark = pytest.mark.python
+
 NATIVE = tg.status().native
 MODE = "global" if NATIVE else "local"  # the mode that installs the trampoline on this torchmetrics
 

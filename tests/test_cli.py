@@ -23,6 +23,8 @@ from packaging.version import Version
 
 from tests._subprocess import cli, console_script, fake_torchmetrics, show
 
+pytestmark = pytest.mark.python
+
 TORCH = Version(importlib.metadata.version("torch"))
 TORCHMETRICS = Version(importlib.metadata.version("torchmetrics"))
 BELOW_MINIMUM = Version(TORCH.base_version) < Version("2.0")

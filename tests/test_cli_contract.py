@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests._rank_tools import dynamo_refusal
 from tests._ranks import alive
 from tests._subprocess import cli, console_script, fake_torchmetrics, python_path, show, suite_path
 
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
+
+pytestmark = pytest.mark.once
 TORCH = importlib.metadata.version("torch")
 
 
@@ -303,25 +304,3 @@ def test_torchmetrics_below_0_11_is_cannot_run_here(tmp_path: Path) -> None:
     for command in (["check"], ["status"]):
         proc = cli(*command, pythonpath=[fake])
         assert_one_message(proc, 3, "cannot run with torch", "torchmetrics 0.10.3", "torchmetrics >= 0.11")
-
-
-# --- check --compile on native torchmetrics: compile_support() is never switched on silently ------------------------
-
-
-@pytest.mark.skipif(
-    not NATIVE,
-    reason="torchmetrics < 1.6: the trampoline is installed in local mode anyway, so check --compile has nothing to "
-    "say about compile_support() (tests/test_compile.py's check runs assert that it says nothing)",
-)
-def test_check_compile_says_whether_a_compiled_metric_loss_needs_compile_support() -> None:
-    refusal = dynamo_refusal()
-    if refusal:
-        pytest.skip(refusal)
-    proc = cli("check", "--compile", timeout=900)
-    assert proc.returncode == 0, show(proc)
-    assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, show(proc)
-    assert "all 4 checks passed" in proc.stdout, show(proc)
-    # torchmetrics >= 1.6: its own gather is traced, and gloo refuses the sum state's 0-d tensors (docs/design.md)
-    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("Metric loss, sum state"))
-    assert row.rstrip().endswith("with compile_support() only"), show(proc)
-    assert "needs compile_support()" in proc.stdout and "allgather" in proc.stdout, show(proc)

@@ -32,7 +32,7 @@ from torchmetrics import MeanSquaredError, Metric
 import torchmetrics_gradpatch
 from tests._rank_tools import dynamo_refusal
 from tests._ranks import run_ranks
-from tests._subprocess import python_path
+from tests._subprocess import cli, python_path, show
 from tests._workloads import CatSquaredError
 from torchmetrics_gradpatch import gather_all_tensors, patched
 
@@ -293,3 +293,25 @@ def test_check_compile_runs_the_checks_compiled(backends: list[str], mode: str) 
     assert proc.stdout.count(" pass ") == 4 and "all 4 checks passed" in proc.stdout, shown
     if not torchmetrics_gradpatch.status().native:  # the trampoline is in force anyway: nothing to say of it
         assert "compile_support" not in proc.stdout, shown
+
+
+# --- check --compile on native torchmetrics: compile_support() is never switched on silently ------------------------
+
+
+@pytest.mark.skipif(
+    not torchmetrics_gradpatch.status().native,
+    reason="torchmetrics < 1.6: the trampoline is installed in local mode anyway, so check --compile has nothing to "
+    "say about compile_support() (tests/test_compile.py's check runs assert that it says nothing)",
+)
+def test_check_compile_says_whether_a_compiled_metric_loss_needs_compile_support() -> None:
+    refusal = dynamo_refusal()
+    if refusal:
+        pytest.skip(refusal)
+    proc = cli("check", "--compile", timeout=900)
+    assert proc.returncode == 0, show(proc)
+    assert "compiled      torch.compile(step, backend='eager')" in proc.stdout, show(proc)
+    assert "all 4 checks passed" in proc.stdout, show(proc)
+    # torchmetrics >= 1.6: its own gather is traced, and gloo refuses the sum state's 0-d tensors (docs/design.md)
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("Metric loss, sum state"))
+    assert row.rstrip().endswith("with compile_support() only"), show(proc)
+    assert "needs compile_support()" in proc.stdout and "allgather" in proc.stdout, show(proc)

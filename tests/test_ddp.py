@@ -26,6 +26,8 @@ from tests._ranks import run_ranks
 from tests._workloads import CatSquaredError, SumSquaredError
 from torchmetrics_gradpatch import _engine
 
+pytestmark = pytest.mark.python
+
 # Per-rank batch sizes for list ("cat") states; rank 1 of 3 differs from the others, rank sizes are uneven.
 CAT_ROWS = (3, 5, 4)
 SUM_ROWS = (4, 4, 4)

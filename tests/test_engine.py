@@ -29,6 +29,8 @@ import torchmetrics_gradpatch as tg
 from tests._ranks import run_ranks
 from torchmetrics_gradpatch import _engine
 
+pytestmark = pytest.mark.python
+
 FUNCTION = tm_dist.gather_all_tensors
 # On native torchmetrics (>= 1.6) local mode installs nothing by design; the global mode installs the same
 # trampoline, so the engine's mechanics are tested through it there.

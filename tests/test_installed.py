@@ -11,6 +11,8 @@ import pytest
 
 from tests._ranks import run_ranks
 
+pytestmark = pytest.mark.python
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Outside tox the package may well be an editable install of this checkout (the quick path); inside, tox installs

@@ -16,6 +16,8 @@ import textwrap
 import pytest
 from packaging.version import Version
 
+pytestmark = pytest.mark.python
+
 TORCH = Version(importlib.metadata.version("torch"))
 BELOW_MINIMUM = Version(TORCH.base_version) < Version("2.0")
 

@@ -29,6 +29,8 @@ from tests._subprocess import ok, run_python
 from torchmetrics_gradpatch import _api, _engine, _syncs
 from torchmetrics_gradpatch.cli import build_parser
 
+pytestmark = pytest.mark.python
+
 ORIGINAL_SYNC_DIST = _syncs.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 F64 = torch.float64
 

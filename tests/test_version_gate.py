@@ -14,6 +14,8 @@ import pytest
 from tests._subprocess import WORLD_OF_ONE, fake_torchmetrics, ok, run_python
 from torchmetrics_gradpatch import UnsupportedVersionError, _version
 
+pytestmark = pytest.mark.python
+
 
 def test_error_type_is_an_import_error_but_not_module_not_found() -> None:
     assert issubclass(UnsupportedVersionError, ImportError)
