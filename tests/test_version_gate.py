@@ -369,6 +369,25 @@ def test_torchmetrics_0_11_and_newer_pass_including_prereleases(version: str) ->
     assert str(_version.check("torchmetrics", version)) == version
 
 
+# The package imported twice in a process that must refuse it: each import raises the same UnsupportedVersionError,
+# leaves nothing in sys.modules, and ``after_each()`` (defined by the caller's snippet) checks what must be untouched.
+REFUSED_TWICE = """
+messages = []
+for attempt in (1, 2):
+    try:
+        import torchmetrics_gradpatch
+    except ImportError as err:
+        assert type(err).__name__ == "UnsupportedVersionError", repr(err)
+        messages.append(str(err))
+    else:
+        raise SystemExit("the import was accepted")
+    assert not [n for n in sys.modules if n.split(".")[0] == "torchmetrics_gradpatch"], "left in sys.modules"
+    after_each()
+assert messages[0] == messages[1], messages
+print(messages[0])
+"""
+
+
 def test_import_refuses_torchmetrics_0_10_and_touches_nothing(tmp_path: Path) -> None:
     """A stand-in torchmetrics 0.10.3 whose gather has 0.10's very signature: refused for its version alone."""
     root = fake_torchmetrics(tmp_path / "old", "0.10.3", signature="result, group=None")
@@ -379,20 +398,10 @@ import torchmetrics, torchmetrics.utilities.distributed as tm_dist
 assert torchmetrics.__version__ == "0.10.3"
 function = tm_dist.gather_all_tensors
 code = function.__code__
-messages = []
-for attempt in (1, 2):
-    try:
-        import torchmetrics_gradpatch
-    except ImportError as err:
-        assert type(err).__name__ == "UnsupportedVersionError", repr(err)
-        messages.append(str(err))
-    else:
-        raise SystemExit("torchmetrics 0.10.3 was accepted")
-    assert not [n for n in sys.modules if n.split(".")[0] == "torchmetrics_gradpatch"], "left in sys.modules"
-assert tm_dist.gather_all_tensors is function and function.__code__ is code
-assert messages[0] == messages[1], messages
-print(messages[0])
-""",
+def after_each():
+    assert tm_dist.gather_all_tensors is function and function.__code__ is code
+"""
+        + REFUSED_TWICE,
         env={"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))},
     )
     assert "torchmetrics 0.10.3 is installed" in out and ">= 0.11" in out, out
@@ -546,21 +555,11 @@ import torchmetrics
 before = held()
 own(before)
 meta_path = list(sys.meta_path)
-messages = []
-for attempt in (1, 2):
-    try:
-        import torchmetrics_gradpatch
-    except ImportError as err:
-        assert type(err).__name__ == "UnsupportedVersionError", repr(err)
-        messages.append(str(err))
-    else:
-        raise SystemExit("the import was accepted")
-    assert not [n for n in sys.modules if n.split(".")[0] == "torchmetrics_gradpatch"], "left in sys.modules"
+def after_each():
     same(before)
     assert sys.meta_path == meta_path, (sys.meta_path, meta_path)
-assert messages[0] == messages[1], messages
-print(messages[0])
-""",
+"""
+        + REFUSED_TWICE,
         env={**changed_torchmetrics, **INSTALLING},
         timeout=180,
     )
