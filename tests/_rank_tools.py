@@ -1,7 +1,7 @@
-"""What several test modules share: a collective recorder, a Metric's synced-state loss, every rank's value,
-the warnings of an uneven gather by every path, and the error a call raises with the patch off and on.
+"""What several test modules share: a collective recorder and counter, a Metric's synced-state loss, every rank's
+value, the warnings of an uneven gather by every path, and the error a call raises with the patch off and on.
 
-The metrics live in ``tests/_workloads.py`` (the benchmarks use them too); they are re-exported here.
+The two small MSE metrics of ``tests/_workloads.py`` are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,22 +19,6 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat
 
 from tests._workloads import CatSquaredError, SumSquaredError
-
-__all__ = [
-    "COLLECTIVES",
-    "EMPTY_CAT_PLACEHOLDER",
-    "CatSquaredError",
-    "SumSquaredError",
-    "destroy_subgroup",
-    "dynamo_refusal",
-    "error_of",
-    "errors_off_and_on",
-    "every_rank",
-    "installing_modes",
-    "record_collectives",
-    "synced_state_loss",
-    "uneven_gather_warnings",
-]
 
 #: Whether torchmetrics' own sync puts ``tensor([])`` in for an empty ``cat`` list: from 1.4 on, on torch >= 2.1
 #: only (``_TORCH_GREATER_EQUAL_2_1`` in ``Metric._sync_dist``). Without it, a rank whose ``cat`` state is empty
@@ -155,6 +139,12 @@ def errors_off_and_on(call: Callable[[], object]) -> list[tuple[type[BaseExcepti
     finally:
         tmgp.patch(before.manual_mode) if before.manual else tmgp.unpatch()
     return found
+
+
+def calls(group: Any = None) -> int:
+    """The number of collectives ``group`` (default: the world) has issued so far, whatever API issued them."""
+    group = dist.distributed_c10d._get_default_group() if group is None else group
+    return int(group._get_sequence_number_for_group())
 
 
 def every_rank(value: object) -> list[object]:

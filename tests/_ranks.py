@@ -59,7 +59,6 @@ class _RankPool:
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        self.n = n
         self.started = False
         self.calls = 0  # this pool's calls so far: each one's ranks meet under its own store key
         self.dir = tempfile.mkdtemp(prefix=f"tmgp-ranks{n}-")

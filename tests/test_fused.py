@@ -26,7 +26,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from tests._patch_state import reset_patch_state
-from tests._rank_tools import destroy_subgroup
+from tests._rank_tools import calls, destroy_subgroup
 from tests._ranks import run_ranks
 from tests._tensors import gloo_dtypes
 from torchmetrics_gradpatch import _gather, _syncs
@@ -40,12 +40,6 @@ ORIGINAL_SYNC_DIST = _syncs.original_sync_dist()  # torchmetrics' own, also whil
 def fused_installed() -> bool:
     """Whether ``Metric._sync_dist`` is the package's replacement running the fused sync."""
     return _syncs.installed() == "fused"
-
-
-def calls(group: Any = None) -> int:
-    """The number of collectives ``group`` (default: the world) has issued so far."""
-    group = dist.distributed_c10d._get_default_group() if group is None else group
-    return int(group._get_sequence_number_for_group())
 
 
 class Probe(Metric):

@@ -21,9 +21,9 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 import torchmetrics_gradpatch as tg
 from benchmarks.workloads import classification_collection, scale_batches, scale_collection
-from tests._rank_tools import destroy_subgroup, dynamo_refusal
+from tests._rank_tools import calls, destroy_subgroup, dynamo_refusal, every_rank
 from tests._ranks import run_ranks
-from tests.test_fused import Probe, calls, device_path, recording, same, values, worlds
+from tests.test_fused import Probe, device_path, recording, same, values, worlds
 from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch.fused import collection
 
@@ -227,12 +227,6 @@ def _members_that_opt_out_sync_as_today(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", worlds(2, 3))
 def test_members_that_opt_out_sync_as_today(world_size: int) -> None:
     run_ranks(_members_that_opt_out_sync_as_today, world_size, timeout=120)
-
-
-def every_rank(value: object) -> list[object]:
-    gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def outcome_of(action: Callable[[], object]) -> tuple[str, float]:

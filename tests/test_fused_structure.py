@@ -21,22 +21,16 @@ import torch.distributed as dist
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from tests._rank_tools import EMPTY_CAT_PLACEHOLDER
+from tests._rank_tools import EMPTY_CAT_PLACEHOLDER, calls, every_rank
 from tests._ranks import run_ranks
 from tests._tensors import gloo_dtypes
-from tests.test_fused import ORIGINAL_SYNC_DIST, Probe, calls, same, states, values, worlds
+from tests.test_fused import ORIGINAL_SYNC_DIST, Probe, same, states, values, worlds
 from torchmetrics_gradpatch import fused as _fused
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch.fused import reduced
 
 ERROR_BOUND_S = 5.0
 TIMEOUT = 60
-
-
-def every_rank(value: object) -> list[object]:
-    gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def lists_of_lengths(rank: int, lengths: list[int], shape_of: Any, dtype: torch.dtype) -> list[torch.Tensor]:

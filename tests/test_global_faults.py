@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_gradpatch as tg
-from tests._rank_tools import destroy_subgroup
+from tests._rank_tools import destroy_subgroup, every_rank
 from tests._ranks import run_ranks
 from tests._tensors import same_bits, unpatched_gather
 
@@ -28,13 +28,6 @@ from tests._tensors import same_bits, unpatched_gather
 TIMEOUT = 60
 WORLDS = (2, 3)
 MODES = ("local", "global")
-
-
-def every_rank(value: object) -> list[Any]:
-    """Every rank's ``value``, in rank order (a collective: every rank calls it)."""
-    every: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return every
 
 
 def error_of_gather(x: torch.Tensor, mode: str = "global") -> RuntimeError:

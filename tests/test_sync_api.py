@@ -24,6 +24,7 @@ from torchmetrics import MeanSquaredError, Metric
 
 import torchmetrics_gradpatch as tg
 from tests._patch_state import reset_patch_state
+from tests._rank_tools import calls
 from tests._ranks import run_ranks
 from tests._subprocess import ok, run_python
 from torchmetrics_gradpatch import _api, _engine, _syncs
@@ -33,11 +34,6 @@ pytestmark = pytest.mark.python
 
 ORIGINAL_SYNC_DIST = _syncs.original_sync_dist()  # torchmetrics' own, also while the patch has replaced it
 F64 = torch.float64
-
-
-def calls() -> int:
-    """The number of collectives the world group has issued so far."""
-    return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
