@@ -64,7 +64,7 @@ class _RankPool:
         self.dir = tempfile.mkdtemp(prefix=f"tmgp-ranks{n}-")
         # hosted here on a port the kernel picks and kept bound: no free-port race
         self.store = dist.TCPStore(HOST, 0, n, True, wait_for_workers=False)
-        self.pool: Pool = mp.get_context("spawn").Pool(n, initializer=_start_rank, initargs=(self.dir,))
+        self.pool: Pool = mp.get_context("spawn").Pool(n, initializer=_start_rank, initargs=(self.dir, n))
 
     def end(self) -> None:
         self.pool.terminate()  # SIGTERM: a rank dies without running gloo's teardown
@@ -181,12 +181,18 @@ atexit.register(close_all)
 # --- rank side -------------------------------------------------------------------------------------------------------
 
 
-def _start_rank(directory: str) -> None:
+def _start_rank(directory: str, n: int) -> None:
     """Pool initializer: die with the parent, and dump this process's stacks to a file on SIGUSR1."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     stack = open(Path(directory, f"{os.getpid()}.stack"), "w")  # noqa: SIM115 - held for the process's life
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
+    # A pool replaces a dead worker from its handler thread, and PR_SET_PDEATHSIG fires when that thread exits in
+    # terminate(): a replacement killed while it waits for work holds the task queue's lock, and terminate() then
+    # waits on that lock forever. A dead rank ends its pool anyway, so a replacement never takes work.
+    if not any(_claim(Path(directory, f"slot{index}")) for index in range(n)):
+        while True:
+            signal.pause()
     os.environ["TMGP_RANKS_DIR"] = directory
 
 
@@ -252,6 +258,14 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _claim(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _read(path: Path) -> str:
