@@ -31,7 +31,7 @@ from tests._subprocess import cli, console_script, fake_torchmetrics, python_pat
 
 NATIVE = Version("1.6.0") <= Version(importlib.metadata.version("torchmetrics"))
 
-pytestmark = pytest.mark.once
+pytestmark = pytest.mark.system
 TORCH = importlib.metadata.version("torch")
 
 
