@@ -1,7 +1,6 @@
 """What several test modules share: a collective recorder and counter, a Metric's synced-state loss, every rank's
-value, the warnings of an uneven gather by every path, and the error a call raises with the patch off and on.
-
-The two small MSE metrics of ``tests/_workloads.py`` are re-exported here.
+value, the warnings of an uneven gather by every path, and the error a call raises with the patch off and on
+(and, re-exported, the two small MSE metrics of ``tests/_workloads.py``).
 """
 
 from __future__ import annotations

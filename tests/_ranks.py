@@ -216,6 +216,8 @@ def _in_rank(
     import pytest
     import torch.distributed as dist
 
+    from tests._patch_state import reset_patch_state
+
     global _STORE
     marker = Path(os.environ["TMGP_RANKS_DIR"], f"{os.getpid()}.rank")
     if not dist.is_initialized():
@@ -242,16 +244,8 @@ def _in_rank(
         outcome = (rank, "skip", str(skip))
     except BaseException:
         outcome = (rank, "error", traceback.format_exc())
-    left = _reset_patch_state()
+    left = reset_patch_state()  # as a fresh import leaves it, for the next test; what the test left open, or None
     return (rank, "error", f"{left}\n") if left and outcome[1] == "ok" else outcome
-
-
-def _reset_patch_state() -> str | None:
-    """Put the patch back as a fresh import leaves it, so the next test on this warm rank starts alike; what the
-    test left that it should not have (a ``patched()`` block open), or None."""
-    from tests._patch_state import reset_patch_state
-
-    return reset_patch_state()
 
 
 def alive(pid: int) -> bool:
@@ -263,11 +257,9 @@ def alive(pid: int) -> bool:
 
 
 def _claim(path: Path) -> bool:
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
-    except FileExistsError:
-        return False
-    return True
+    with contextlib.suppress(FileExistsError):
+        return os.close(os.open(path, os.O_CREAT | os.O_EXCL)) is None
+    return False
 
 
 def _read(path: Path) -> str:

@@ -84,11 +84,10 @@ def _exit_on_one(rank: int, world_size: int) -> None:
 
     if rank == 1:
         os._exit(7)
-    # the pool replaces rank 1's process (a third stack file): ending the pool must not wait on the replacement
-    stacks = Path(os.environ["TMGP_RANKS_DIR"]).glob
-    while len(list(stacks("*.stack"))) < 3:
+    # the pool has replaced rank 1's process (a third stack file), and ending the pool must not wait on the
+    while len(list(Path(os.environ["TMGP_RANKS_DIR"]).glob("*.stack"))) < 3:  # replacement, idle by then
         time.sleep(0.1)
-    time.sleep(1)
+    time.sleep(0.5)
     dist.all_reduce(torch.ones(1))
 
 
