@@ -84,8 +84,8 @@ def _exit_on_one(rank: int, world_size: int) -> None:
 
     if rank == 1:
         os._exit(7)
-    # the pool has replaced rank 1's process (a third stack file), and ending the pool must not wait on the
-    while len(list(Path(os.environ["TMGP_RANKS_DIR"]).glob("*.stack"))) < 3:  # replacement, idle by then
+    # wait until the pool has replaced rank 1's process (its stack file is the third) and the replacement is idle:
+    while len(list(Path(os.environ["TMGP_RANKS_DIR"]).glob("*.stack"))) < 3:  # ending the pool must not wait on it
         time.sleep(0.1)
     time.sleep(0.5)
     dist.all_reduce(torch.ones(1))
