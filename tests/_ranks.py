@@ -196,6 +196,8 @@ def _start_rank(directory: str, n: int) -> None:
         while True:
             signal.pause()
     os.environ["TMGP_RANKS_DIR"] = directory
+    # pool processes are daemons, which may not have children: inductor's compile workers (torch 2.3) stay home
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def _in_rank(

@@ -1,8 +1,7 @@
 """Shared pytest configuration: fixtures several modules use, and the ``slow`` option.
 
-Nothing here imports torch or the package at module level: the torch1.13 environment loads this file too, and
-there ``import torchmetrics_gradpatch`` refuses by design. Tests that need ranks call ``tests._ranks.run_ranks``;
-no process group ever lives in a pytest process.
+Nothing here imports torch or the package at module level: the torch1.13 environment loads this file too, where
+``import torchmetrics_gradpatch`` refuses by design. No process group lives in a pytest process (``tests._ranks``).
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ def restore_patch_state() -> Iterator[None]:
 
 @pytest.fixture
 def pretend_native() -> Callable[[], AbstractContextManager[bool]]:
-    """``with pretend_native() as really_native:`` makes the engine treat torchmetrics as native (>= 1.6, whose
-    gather keeps the graph) inside the block, and restores the real flag, re-syncing, when it ends, even on
-    torchmetrics 1.9 (forcing the flag to False there would leak a wrongly installed trampoline)."""
+    """``with pretend_native() as really_native:``: the engine treats torchmetrics as native (>= 1.6) inside the
+    block; the real flag comes back, re-synced, at its end (forcing False on 1.9 would leak a trampoline)."""
     from torchmetrics_gradpatch import _engine
 
     @contextmanager
