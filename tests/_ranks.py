@@ -196,7 +196,7 @@ def _start_rank(directory: str, n: int) -> None:
         while True:
             signal.pause()
     os.environ["TMGP_RANKS_DIR"] = directory
-    # pool processes are daemons, which may not have children: inductor compiles in-process (torch 2.3 forks)
+    # pool processes are daemons, which may not have children: inductor compiles in-process (2.3 starts workers)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
