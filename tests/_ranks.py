@@ -142,8 +142,8 @@ def run_ranks(
                 outcomes[rank] = ("error", f"its process {pid} died without an answer (killed, or it exited)\n")
         if any(kind == "error" for kind, _ in outcomes.values()):
             deadline = min(deadline, time.monotonic() + GRACE)  # the others may wait for it forever
-        waiting = [call for index, call in enumerate(calls) if index not in seen]
-        if len(outcomes) < world_size:  # wake as soon as an answer comes
+        if len(outcomes) < world_size:  # wake as soon as the next answer comes, not after a fixed sleep
+            waiting = [call for index, call in enumerate(calls) if index not in seen]
             waiting[0].wait(0.05) if waiting else time.sleep(0.05)
     pending = sorted(set(range(world_size)) - set(outcomes))
     stacks = ranks.stacks(set(pending)) if pending else {}
