@@ -109,8 +109,9 @@ def run(env: Env, cache: Path, journal: Path, timeout: float) -> str:
 
 
 def table(cells: dict[Env, str]) -> str:
-    """A markdown table, one row per torch version and Python, one column per torchmetrics version."""
-    grid = {env: cell for env, cell in cells.items() if env.torch}
+    """A markdown table, one row per torch version and Python, one column per torchmetrics version; the other
+    environments (lint, type, compile-full-torch2.15) listed after it."""
+    grid = {env: cell for env, cell in cells.items() if re.fullmatch(r"(py[\d.]+-)?torch[\d.]+-tm[\d.]+", env.name)}
     columns = sorted({env.torchmetrics for env in grid}, key=Version)
     rows = sorted({(env.torch, env.python) for env in grid}, key=lambda row: (Version(row[0]), Version(row[1])))
     header = ["| torch | Python | " + " | ".join(f"torchmetrics {tm}" for tm in columns) + " |"]
@@ -118,7 +119,7 @@ def table(cells: dict[Env, str]) -> str:
     for torch, python in rows:
         by_tm = {env.torchmetrics: cell for env, cell in grid.items() if (env.torch, env.python) == (torch, python)}
         lines.append(f"| {torch} | {python} | " + " | ".join(by_tm.get(tm, "") for tm in columns) + " |")
-    others = [f"`{env.name}` {cell}" for env, cell in cells.items() if not env.torch]
+    others = [f"`{env.name}` {cell}" for env, cell in cells.items() if env not in grid]
     if others:
         lines += ["", "Other environments: " + ", ".join(others) + "."]
     return "\n".join(lines).strip()

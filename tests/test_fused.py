@@ -647,13 +647,13 @@ def device_path(chunk: int) -> Iterator[None]:
             os.environ[_gather.CHUNK_ENV] = previous
 
 
-def cpu_held(rank: int) -> Probe:
-    """A Metric on the CPU: ``cat`` and ``None`` lists of uneven sizes, a big integer sum, a small float sum."""
-    metric = Probe({"c": ([], "cat"), "n": ([], None), "big": (torch.zeros(20_000, dtype=torch.int64), "sum")})
+def cpu_held(rank: int, big: int = 20_000) -> Probe:
+    """A Metric on the CPU: ``cat`` and ``None`` lists of uneven sizes, a ``big`` integer sum, a small float sum."""
+    metric = Probe({"c": ([], "cat"), "n": ([], None), "big": (torch.zeros(big, dtype=torch.int64), "sum")})
     metric.add_state("f", torch.zeros(3), dist_reduce_fx="sum")
     metric.c = [values(rank, k, (3 + rank, 5), torch.float32) for k in range(2)]
     metric.n = [values(rank, 9, (7 + rank,), torch.int64)]
-    metric.big = values(rank, 4, (20_000,), torch.int64)
+    metric.big = values(rank, 4, (big,), torch.int64)
     metric.f = values(rank, 5, (3,), torch.float32)
     return metric
 
@@ -671,12 +671,13 @@ def test_which_device_each_exchange_uses() -> None:
 
 
 def _cpu_states_cross_in_chunks(rank: int, world_size: int, chunk: int) -> None:
-    expected, fused = cpu_held(rank), cpu_held(rank)
+    big = 8_192  # reduced.REDUCE_MIN_BYTES: 1,024 reductions at 64-byte chunks (20,000: 14 s on torch 2.0's gloo)
+    expected, fused = cpu_held(rank, big), cpu_held(rank, big)
     torchmetrics_sync(expected)
     # every rank's streamed bytes: its concatenated cat list, its None list, its float sum, each 16-byte aligned
     streams = [sum(-(-n // 16) * 16 for n in (2 * (3 + r) * 5 * 4, (7 + r) * 8, 3 * 4)) for r in range(world_size)]
     stream_chunks = -(-max(streams) // chunk)
-    reduce_chunks = -(-20_000 * 8 // chunk)
+    reduce_chunks = -(-big * 8 // chunk)
     with device_path(chunk), recording("all_gather") as gathers, recording("all_reduce") as reductions:
         before = calls()
         _fused.fused_sync(fused)
