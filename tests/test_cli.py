@@ -243,17 +243,26 @@ def result_of(stdout: str, title: str) -> str:
 
 
 @needs_supported_torch
-@pytest.mark.parametrize(("mode", "sync"), [(None, None), ("global", "fused")])
+@pytest.mark.parametrize(("mode", "sync"), [(None, None), ("global", "fused")], ids=["console-script", "m-global"])
 def test_check_passes_on_this_install(mode: str | None, sync: str | None) -> None:
-    proc = cli("check", *(["--mode", mode] if mode else []), *(["--sync", sync] if sync else []))
+    """The defaults through the installed ``torchmetrics-gradpatch`` console script on 3 ranks; global mode and the
+    fused sync through ``python -m torchmetrics_gradpatch check`` on 2."""
+    ranks = 2 if mode else 3
+    if mode:
+        proc = cli("check", "--mode", mode, *(["--sync", sync] if sync else []))
+    elif script := shutil.which("torchmetrics-gradpatch", path=str(Path(sys.executable).parent)):
+        proc = cli("check", "--world-size", "3", "--timeout", "120", command=[script])
+    else:
+        pytest.skip("the package is not installed in this interpreter's environment (tox installs it)")
     assert proc.returncode == 0, show(proc)
+    assert f"{ranks} ranks" in proc.stdout, show(proc)
     assert f"torch         {TORCH}" in proc.stdout and f"torchmetrics  {TORCHMETRICS}" in proc.stdout, show(proc)
     assert ("native" if NATIVE and not mode else "patched") in proc.stdout, show(proc)
     assert f"gradient mode {mode or 'local'} (" in proc.stdout, show(proc)
     assert f"sync          {sync or 'torchmetrics'} (" in proc.stdout, show(proc)
     assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
     assert "all 4 checks passed" in proc.stdout, show(proc)
-    assert "starting 2 gloo ranks" in proc.stderr and "ranks finished in" in proc.stderr, show(proc)  # progress
+    assert f"starting {ranks} gloo ranks" in proc.stderr and "ranks finished in" in proc.stderr, show(proc)
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, show(proc)
 
 
@@ -330,13 +339,3 @@ def test_checks_compare_against_a_reference_that_catches_a_wrong_gradient() -> N
             assert not _checks.matches(r1, r0), name  # the ranks' gradients differ: a swap would be caught
 
 
-@needs_supported_torch
-def test_installed_console_script_checks_three_ranks() -> None:
-    """The README's ``torchmetrics-gradpatch check --world-size 3 --timeout 120`` (the package must be installed)."""
-    script = shutil.which("torchmetrics-gradpatch", path=str(Path(sys.executable).parent))
-    if script is None:
-        pytest.skip("the package is not installed in this interpreter's environment (tox installs it)")
-    proc = cli("check", "--world-size", "3", "--timeout", "120", command=[script])
-    assert proc.returncode == 0, show(proc)
-    assert "3 ranks" in proc.stdout and "starting 3 gloo ranks" in proc.stderr, show(proc)
-    assert [result_of(proc.stdout, title) for title in CHECK_TITLES] == ["pass"] * 4, show(proc)
