@@ -337,5 +337,3 @@ def test_checks_compare_against_a_reference_that_catches_a_wrong_gradient() -> N
         assert not _checks.matches([g * 0.5 for g in r0], r0), name
         if name.startswith("metric"):
             assert not _checks.matches(r1, r0), name  # the ranks' gradients differ: a swap would be caught
-
-
