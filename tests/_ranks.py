@@ -196,8 +196,9 @@ def _start_rank(directory: str, n: int) -> None:
         while True:
             signal.pause()
     os.environ["TMGP_RANKS_DIR"] = directory
-    # pool processes are daemons, which may not have children: inductor compiles in-process (2.3 starts workers)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # pool processes are daemons, which may not have children: inductor compiles in-process (2.3 starts workers
+    # on import, so this must be set before, not patched in a test)
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 
 def _in_rank(

@@ -14,7 +14,6 @@ where no C++ compiler is found, the inductor cases skip saying so.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -138,19 +137,6 @@ def make_step(case: str, mode: str) -> Callable[[torch.Tensor, torch.Tensor, tor
     return metric_step
 
 
-def in_process_compile(backend: str | None) -> contextlib.AbstractContextManager[Any]:
-    """For inductor: its C++ compiled in this rank, not by the pool of compile subprocesses it starts otherwise.
-
-    That pool (each worker imports torch) costs seconds per rank on a shared 2-core machine, and it would outlive
-    the test in the warm rank. Inductor still generates, compiles and runs the same code.
-    """
-    if backend != "inductor":
-        return contextlib.nullcontext()
-    import torch._inductor.config
-
-    return torch._inductor.config.patch(compile_threads=1)  # type: ignore[no-any-return]
-
-
 def run_steps(case: str, mode: str, backend: str | None, graphs: list[int]) -> dict[str, Any]:
     """``STEPS`` steps of one case, eager (``backend=None``) or compiled: each step's loss and weight gradient."""
     rank = dist.get_rank()
@@ -171,7 +157,7 @@ def run_steps(case: str, mode: str, backend: str | None, graphs: list[int]) -> d
     out: dict[str, Any] = {"losses": [], "grads": [], "error": None}
     start = time.perf_counter()
     try:
-        with in_process_compile(backend), patched(mode=mode):
+        with patched(mode=mode):
             for step in range(STEPS):
                 w = weight().requires_grad_(True)
                 x, y = inputs(case, rank, step)
