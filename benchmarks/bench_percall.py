@@ -4,8 +4,8 @@
     python benchmarks/bench_percall.py --rounds 81 --skip-two-ranks
     python benchmarks/bench_percall.py --quick           # a smoke test of the script (figures mean nothing)
 
-The targets (patched - unpatched <= 2 µs, trampoline + dispatch <= 1 µs per call, on one rank) are judged in the
-printed report.
+The targets (patched - unpatched <= 2 µs, trampoline + dispatch <= 1 µs, and patched - unpatched <= 0.5 µs with
+the collectives stubbed, per call, on one rank) are judged in the printed report.
 
 **One rank** (a spawned world-size-1 gloo group): the collectives are as cheap as they get,
 so what the package adds in Python is not buried under another rank's scheduling. Each round times one block of
@@ -17,12 +17,14 @@ round (no series always runs first or after the same neighbour). Series, for a f
 * ``direct``: the package's local gather, :func:`torchmetrics_gradpatch._gather.gather_local`, called directly;
 * ``noop_through`` / ``noop_direct``: a gather that only returns ``[result]`` put behind the trampoline, and the
   same no-op called directly: their difference is the trampoline and dispatch alone, without a collective's noise;
+* ``stubbed_unpatched`` / ``stubbed_patched``: ``unpatched`` and ``patched`` with ``dist.barrier`` and
+  ``dist.all_gather`` stubbed alike: everything the patch adds in Python, the gather's own work included;
 * ``local_fwd`` / ``global_fwd``: torchmetrics' function, patched, in local and in global mode, on a tensor that
   requires grad (global mode builds its autograd node): the global mode's forward cost.
 
 Reported per call: the median of each series and, for each difference (patched - unpatched, patched - direct,
-noop_through - noop_direct, global_fwd - local_fwd), the median of the per-round differences with its 95%
-confidence interval (distribution-free, ``benchmarks/_stats.py``).
+noop_through - noop_direct, global_fwd - local_fwd, stubbed_patched - stubbed_unpatched), the median of the
+per-round differences with its 95% confidence interval (distribution-free, ``benchmarks/_stats.py``).
 
 **Two ranks** (spawned, gloo on loopback): in a world of one every rank has the same shape, so the uneven path
 (shapes differ: pad, gather, trim) needs a second rank. The same series (without the no-op pair) for a scalar,
@@ -58,6 +60,7 @@ TWO_RANK_CASES: dict[str, Callable[[int], tuple[int, ...]]] = {
 GATHER_SERIES = ("unpatched", "patched", "direct")
 MODE_SERIES = ("local_fwd", "global_fwd")
 NOOP_SERIES = ("noop_through", "noop_direct")
+STUBBED_SERIES = ("stubbed_unpatched", "stubbed_patched")
 #: (label, minuend, subtrahend), all in µs per call
 DIFFERENCES = (
     ("patched - unpatched", "patched", "unpatched"),
@@ -65,9 +68,11 @@ DIFFERENCES = (
     ("direct - unpatched (the package's gather vs torchmetrics')", "direct", "unpatched"),
     ("trampoline + dispatch (no-op gather behind it)", "noop_through", "noop_direct"),
     ("global mode forward - local mode", "global_fwd", "local_fwd"),
+    ("patched - unpatched, collectives stubbed", "stubbed_patched", "stubbed_unpatched"),
 )
 TARGET_PATCHED_US = 2.0
 TARGET_TRAMPOLINE_US = 1.0
+TARGET_STUBBED_US = 0.5
 
 
 def _order(names: tuple[str, ...], round_: int) -> list[str]:
@@ -75,6 +80,21 @@ def _order(names: tuple[str, ...], round_: int) -> list[str]:
     shift = round_ % len(names)
     rotated = list(names[shift:] + names[:shift])
     return rotated[::-1] if round_ % 2 else rotated
+
+
+@contextmanager
+def _stubbed_collectives() -> Iterator[None]:
+    """``dist.barrier`` and ``dist.all_gather`` as no-ops, for both arms alike: what is left is the Python each
+    gather runs around its collectives, without a collective's noise (the results are not used)."""
+    import torch.distributed as dist
+
+    saved = dist.barrier, dist.all_gather
+    dist.barrier = lambda *args, **kwargs: None
+    dist.all_gather = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        dist.barrier, dist.all_gather = saved
 
 
 @contextmanager
@@ -174,6 +194,10 @@ def _one_rank_main(rounds: int, calls: int) -> dict[str, Any]:
             noops = {k: series[k] for k in NOOP_SERIES}
             noop_wall, _ = _measure(noops, rounds, calls * 10, sync=lambda: None)
         wall.update(noop_wall)
+        stubbed = {f"stubbed_{k}": series[k] for k in ("unpatched", "patched")}
+        with _stubbed_collectives():
+            stubbed_wall, _ = _measure(stubbed, rounds, calls * 10, sync=lambda: None)
+        wall.update(stubbed_wall)
         out[case] = _summarise(wall)
         out[case]["calls_per_block"] = {"gathers": calls, "noop": calls * 10}
     tmgp.patch()
@@ -292,15 +316,17 @@ def markdown(results: dict[str, Any]) -> str:
             f"One rank (world-size-1 gloo group, {results['rounds']} rounds of {first['calls_per_block']['gathers']} "
             f"calls per series; the no-op pair {first['calls_per_block']['noop']} calls):",
             list(one),
-            [*GATHER_SERIES, *MODE_SERIES, *NOOP_SERIES, *(label for label, _, _ in DIFFERENCES)],
+            [*GATHER_SERIES, *MODE_SERIES, *NOOP_SERIES, *STUBBED_SERIES, *(label for label, _, _ in DIFFERENCES)],
             one_cell,
         )
         for case, entry in one.items():
             patched = entry["difference_us"]["patched - unpatched"]
             trampoline = entry["difference_us"]["trampoline + dispatch (no-op gather behind it)"]
+            stubbed = entry["difference_us"]["patched - unpatched, collectives stubbed"]
             lines.append(
                 f"- {case}: patched - unpatched {_interval(patched)} µs: {_verdict(patched, TARGET_PATCHED_US)}; "
-                f"trampoline + dispatch {_interval(trampoline, 3)} µs: {_verdict(trampoline, TARGET_TRAMPOLINE_US)}"
+                f"trampoline + dispatch {_interval(trampoline, 3)} µs: {_verdict(trampoline, TARGET_TRAMPOLINE_US)}; "
+                f"with the collectives stubbed {_interval(stubbed, 3)} µs: {_verdict(stubbed, TARGET_STUBBED_US)}"
             )
         lines.append("")
     two = results.get("two_ranks")

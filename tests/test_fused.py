@@ -607,6 +607,40 @@ def test_float_max_with_nan_or_negative_zero_is_gathered(world_size: int, odd: s
     run_ranks(_order_sensitive_floats_are_gathered, world_size, odd, timeout=60)
 
 
+def _subnormals_under_flush_to_zero(rank: int, world_size: int) -> None:
+    dtypes = [d for d in (torch.float32, torch.bfloat16) if str(d).removeprefix("torch.") in gloo_dtypes()]
+    spec = [(reduction, dtype, BIG) for dtype in dtypes for reduction in ("max", "min")]
+
+    def subnormals() -> Probe:
+        metric = Probe({f"s{i}": (torch.zeros(shape, dtype=dtype), r) for i, (r, dtype, shape) in enumerate(spec)})
+        for i, (reduction, dtype, shape) in enumerate(spec):
+            # +0.0 on rank 0, a positive subnormal on the others: torch compares them as equal under flush-to-zero,
+            # so which one the stacked max/min returns depends on the order it meets them
+            tiny = torch.finfo(dtype).tiny / 4
+            setattr(metric, f"s{i}", torch.full(shape, 0.0 if rank == 0 else tiny, dtype=dtype))
+        return metric
+
+    expected, fused = subnormals(), subnormals()  # made before the mode changes, so the subnormals are there
+    assert all(bool((state != 0).all()) for state in states(fused).values()) or rank == 0
+    if not torch.set_flush_denormal(True):
+        return  # no flush-to-zero on this processor: nothing order-dependent to check
+    try:
+        torchmetrics_sync(expected)
+        before = calls()
+        _fused.fused_sync(fused)
+        count = calls() - before
+    finally:
+        torch.set_flush_denormal(False)
+    assert count == 2, count  # gathered: no rank with a subnormal proposes to reduce
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), name
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_subnormals_under_flush_to_zero_are_gathered(world_size: int) -> None:
+    run_ranks(_subnormals_under_flush_to_zero, world_size, timeout=60)
+
+
 def _a_state_with_a_graph_is_gathered(rank: int, world_size: int, mode: str) -> None:
     leaf = big_values(rank, 0, BIG, torch.float64).requires_grad_()
     metric = Probe({"x": (torch.zeros(BIG, dtype=torch.float64), "max")})
@@ -721,25 +755,24 @@ def test_patched_gather_crosses_in_chunks(world_size: int, shape: tuple[int, ...
     run_ranks(_patched_gather_crosses_in_chunks, world_size, shape, timeout=60)
 
 
-def _a_bad_chunk_size_raises_on_every_rank(rank: int, world_size: int) -> None:
-    previous = os.environ.get(_gather.CHUNK_ENV)
-    os.environ[_gather.CHUNK_ENV] = "lots" if rank == 1 else "1000"
-    try:
+def _a_bad_chunk_size_raises_on_every_rank(rank: int, world_size: int, bad: str) -> None:
+    texts: list[object] = [None] * world_size
+    with device_path(1000):  # the patched gather reads the chunk size only on the device path
+        os.environ[_gather.CHUNK_ENV] = bad if rank == 1 else "1000"
         with pytest.raises(FusedSyncError) as caught:
             _fused.fused_sync(cpu_held(rank))
-    finally:
-        if previous is None:
-            del os.environ[_gather.CHUNK_ENV]
-        else:
-            os.environ[_gather.CHUNK_ENV] = previous
-    texts: list[object] = [None] * world_size
-    dist.all_gather_object(texts, str(caught.value))
-    assert texts == [texts[0]] * world_size and "rank(s) [1]" in str(caught.value), texts
+        dist.all_gather_object(texts, str(caught.value))
+        assert texts == [texts[0]] * world_size and "rank(s) [1]" in str(caught.value), texts
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\]") as gathered:
+            _gather.gather_local(values(rank, 1, (3 + rank,), torch.float32))
+        dist.all_gather_object(texts, str(gathered.value))
+        assert texts == [texts[0]] * world_size, texts
     follow_up = Probe({"x": ([], "cat")})
     follow_up.x = [torch.ones(1)]
     _fused.fused_sync(follow_up)  # the group is in step
     assert same(follow_up.x, torch.ones(world_size))
 
 
-def test_a_bad_chunk_size_raises_on_every_rank() -> None:
-    run_ranks(_a_bad_chunk_size_raises_on_every_rank, 2, timeout=60)
+@pytest.mark.parametrize("bad", ["lots", "0", "99999999999999999999"])
+def test_a_bad_chunk_size_raises_on_every_rank(bad: str) -> None:
+    run_ranks(_a_bad_chunk_size_raises_on_every_rank, 2, bad, timeout=60)

@@ -9,6 +9,7 @@ references are computed on each rank. Collectives are counted with the process g
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -145,12 +146,12 @@ def test_a_shared_state_crosses_the_wire_once() -> None:
     run_ranks(_a_shared_state_crosses_the_wire_once, 2, timeout=60)
 
 
-def _cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others(rank: int, world_size: int) -> None:
+def _cached_results_cost_no_collective_and_a_rank_with_a_cache_joins_the_others(rank: int, world_size: int) -> None:
     expected, fused = filled(classification, rank), filled(classification, rank)
     first, _ = compute_counted(fused, "fused")
     assert same_dicts(first, compute_counted(expected, "torchmetrics")[0])
     again, count = compute_counted(fused, "fused")
-    assert count == 1  # every member cached on every rank: the header only
+    assert count == 0  # every member cached on every rank: nothing needs a peer, as in torchmetrics' own compute()
     # what torchmetrics' own second compute() returns: on 1.2 and 1.3 a compute group's members get the group's
     # first member's cached result, so it is not always the first compute()'s
     assert same_dicts(again, compute_counted(expected, "torchmetrics")[0])
@@ -164,8 +165,8 @@ def _cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others
     assert same_dicts(result, compute_counted(expected, "torchmetrics")[0])
 
 
-def test_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others() -> None:
-    run_ranks(_cached_results_cost_one_collective_and_a_rank_with_a_cache_joins_the_others, 2, timeout=60)
+def test_cached_results_cost_no_collective_and_a_rank_with_a_cache_joins_the_others() -> None:
+    run_ranks(_cached_results_cost_no_collective_and_a_rank_with_a_cache_joins_the_others, 2, timeout=60)
 
 
 class Sum(Metric):
@@ -227,6 +228,102 @@ def _members_that_opt_out_sync_as_today(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", worlds(2, 3))
 def test_members_that_opt_out_sync_as_today(world_size: int) -> None:
     run_ranks(_members_that_opt_out_sync_as_today, world_size, timeout=120)
+
+
+def _a_rank_with_nothing_to_sync_computes_alone(rank: int, world_size: int) -> None:
+    def quiet() -> MetricCollection:  # the usual way to log on rank 0 only
+        return MetricCollection({"a": Sum(sync_on_compute=False), "b": Sum(sync_on_compute=False)})
+
+    subgroup = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 alone sync over it
+
+    def pair() -> MetricCollection:
+        return MetricCollection({"a": Sum(process_group=subgroup), "b": Sum(process_group=subgroup)})
+
+    made = {name: (make(), make()) for name, make in (("quiet", quiet), ("pair", pair))}
+    for expected, fused in made.values():
+        for metrics in (expected, fused):
+            metrics.update(values(rank, 3, (2 + rank,), torch.float64))
+    if rank == 0:
+        expected, fused = made["quiet"]
+        result, count = compute_counted(fused, "fused")
+        assert count == 0 and same_dicts(result, compute_counted(expected, "torchmetrics")[0]), count
+    if rank in (0, 1):
+        expected, fused = made["pair"]
+        before_group = calls(subgroup)
+        result, count = compute_counted(fused, "fused")
+        assert count == 0 and calls(subgroup) - before_group == 4, (count, calls(subgroup) - before_group)
+        assert same_dicts(result, compute_counted(expected, "torchmetrics")[0])
+    destroy_subgroup(subgroup)
+
+
+def test_a_rank_with_nothing_to_sync_computes_alone_and_returns() -> None:
+    run_ranks(_a_rank_with_nothing_to_sync_computes_alone, 3, timeout=60)
+
+
+def _a_state_one_rank_cannot_prepare(rank: int, world_size: int) -> None:
+    metrics = MetricCollection({"a": Sum(), "b": Sum()}, compute_groups=False)
+    metrics.update(values(rank, 3, (2,), torch.float64))
+    # rank 1's "b" holds cat pieces that do not concatenate: torchmetrics' own sync raises there alone
+    metrics["b"].seen = [
+        values(rank, 4, (2, 3), torch.float64),
+        values(rank, 5, (2, 4 if rank == 1 else 3), torch.float64),
+    ]
+    before = local_states(metrics)
+    with tg.patched(sync="fused"):
+        outcome, took = outcome_of(metrics.compute)
+    assert every_rank(outcome) == [outcome] * world_size and took < 5
+    assert "of a MetricCollection: rank(s) [1] could not prepare" in outcome, outcome
+    assert same_dicts(local_states(metrics), before)
+
+
+def test_a_state_one_rank_cannot_prepare_raises_on_every_rank() -> None:
+    run_ranks(_a_state_one_rank_cannot_prepare, 2, timeout=60)
+
+
+class Shared(Metric):
+    """One tensor state ``s`` reduced by ``reduction``: members of a compute group that reduce it apart."""
+
+    full_state_update = False
+
+    def __init__(self, reduction: str, dtype: torch.dtype, size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("s", torch.zeros(size, dtype=dtype), dist_reduce_fx=reduction)
+
+    def update(self, x: torch.Tensor) -> None:
+        self.s = self.s + x.to(self.s.dtype)
+
+    def compute(self) -> torch.Tensor:
+        return self.s.clone()
+
+
+def _mixed_reductions_in_compute_groups(rank: int, world_size: int) -> None:
+    rng = random.Random(7)
+    for seed in range(12):
+        dtype = rng.choice([torch.int64, torch.int32, torch.float32])
+        size = rng.choice([16, 20_000])  # 20,000: large enough to be all-reduced (int64, and float max/min)
+        usable = ["sum", "max", "min", "mean"] if dtype.is_floating_point else ["sum", "max", "min"]
+        reductions = [rng.choice(usable) for _ in range(rng.randint(2, 5))]
+        keys = [f"m{i}" for i in range(len(reductions))]
+        cut = rng.randint(1, len(keys))  # two groups, each mixing reductions at random
+        groups = [g for g in (keys[:cut], keys[cut:]) if g]
+
+        expected, fused = (
+            MetricCollection(
+                {key: Shared(r, dtype, size) for key, r in zip(keys, reductions, strict=True)}, compute_groups=groups
+            )
+            for _ in range(2)
+        )
+        for k in range(2):
+            batch = values(rank, 100 * seed + k, (size,), torch.float64) * 1000
+            for metrics in (expected, fused):
+                metrics.update(batch)
+        reference = compute_counted(expected, "torchmetrics")[0]
+        assert same_dicts(compute_counted(fused, "fused")[0], reference), (seed, dtype, size, reductions, groups)
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_compute_groups_that_mix_reductions_give_each_member_its_own(world_size: int) -> None:
+    run_ranks(_mixed_reductions_in_compute_groups, world_size, timeout=120)
 
 
 def outcome_of(action: Callable[[], object]) -> tuple[str, float]:

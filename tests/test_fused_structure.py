@@ -177,6 +177,30 @@ def test_the_same_error_on_every_rank_within_seconds(world_size: int, case: str)
     run_ranks(_the_same_error_on_every_rank_within_seconds, world_size, case, timeout=TIMEOUT)
 
 
+def _a_state_one_rank_cannot_prepare(rank: int, world_size: int) -> None:
+    # rank 1's cat list does not concatenate: torchmetrics' own sync raises there alone and leaves the others waiting
+    widths = [3, 4 if rank == 1 else 3]
+    metric = one_list_state("cat", rank, [values(rank, k, (2, width), torch.float32) for k, width in enumerate(widths)])
+    before = states(metric)
+    started = time.monotonic()
+    with pytest.raises(FusedSyncError) as caught:
+        _fused.fused_sync(metric)
+    elapsed, outcome = time.monotonic() - started, str(caught.value)
+    assert every_rank(outcome) == [outcome] * world_size  # the same message on every rank
+    assert "rank(s) [1] could not prepare" in outcome and "RuntimeError" in outcome, outcome
+    assert isinstance(caught.value.__cause__, RuntimeError) == (rank == 1)  # the failing rank's own error, chained
+    assert elapsed < ERROR_BOUND_S
+    assert all(same(getattr(metric, k), v) for k, v in before.items())  # unchanged
+    follow_up = one_list_state("cat", rank, [torch.ones(1)])
+    _fused.fused_sync(follow_up)  # the group is in step: the next sync works
+    assert same(follow_up.x, torch.ones(world_size))
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_a_state_one_rank_cannot_prepare_raises_on_every_rank(world_size: int) -> None:
+    run_ranks(_a_state_one_rank_cannot_prepare, world_size, timeout=TIMEOUT)
+
+
 def _global_mode_grad_mode_mismatch_raises_on_every_rank(rank: int, world_size: int) -> None:
     metric = Probe({"x": (torch.zeros(()), "sum")})
     metric.x = torch.ones((), requires_grad=True) * 2

@@ -21,9 +21,12 @@ A member opts out, and syncs in its own ``compute()`` as it does today, when it 
 (``sync_on_compute=False``), syncs with a ``dist_sync_fn`` of its own or over a process group of its own,
 overrides ``_sync_dist``, is not distributed (its ``distributed_available_fn``) or is synced already; every rank
 sends why, and ranks that disagree raise the same error. A member whose result is cached is synced only when some
-rank has to (that rank's cache is then dropped, so every rank computes from the same states). The exchange runs
-whenever the replacement is in force and the default group is initialised, even with nothing to sync (one
-collective then), so no rank can wait alone. Under ``torch.compile`` the whole of it runs behind one graph break.
+rank has to (that rank's cache is then dropped, so every rank computes from the same states). A rank with no member
+to sync (none joins, or every one that joins holds a cached result) runs no exchange and issues no collective, as
+torchmetrics' own ``compute()`` issues none there: ``compute()`` on one rank alone, to log there, returns. A state
+that one rank cannot prepare (a ``cat`` list whose tensors do not concatenate, say) is flagged in its header, and
+every rank raises the same error after that collective. Under ``torch.compile`` the whole of it runs behind one
+graph break.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ _HOW = {
     SYNCED: "is synced already",
     NOT_A_METRIC: "is not a torchmetrics Metric",
 }
-_NEEDS = 4  # header flag: this rank has a member to sync (beside the wire's grad-mode and requires-grad flags)
 _MEMBER_WORDS = 3  # per member in the table: fingerprint, how, needs; then its slot references
 
 
@@ -78,6 +80,16 @@ def _how(metric: Any) -> int:
     if type(metric)._sync_dist is not Metric.__dict__["_sync_dist"]:
         return OWN_SYNC_DIST  # it may post-process (CompositionalMetric syncs nothing, its operands sync)
     return JOINS
+
+
+def _reduction_key(reduction: Any) -> Any:
+    """``reduction`` as a slot's key: the object itself where it is hashable (torchmetrics' own functions), else its
+    identity (the member keeps it alive for the whole exchange)."""
+    try:
+        hash(reduction)
+    except TypeError:
+        return ("id", id(reduction))
+    return reduction
 
 
 def _member_name(key: str, metric: Any) -> str:
@@ -155,11 +167,50 @@ def _rows(table: list[int]) -> list[tuple[int, int, int, list[int]]]:
     return rows
 
 
+def _prepare(
+    members: list[tuple[str, Any]], hows: list[int], stream_cpu: bool
+) -> tuple[list[Any], list[list[Any]], Any, int]:
+    """Step 1 for every joining member: the slots this rank sends, each member's states (views of its slots), the
+    outgoing description (with the member table in front) and the fingerprint every rank must share."""
+    from torchmetrics_gradpatch.fused import sync as fs
+
+    slots: list[fs.Local] = []
+    states: list[list[fs.Local]] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    table = [len(members)]
+    placement: list[int] = []  # every member's slot references: what a proposal to reduce must agree on too
+    for (key, metric), how in zip(members, hows, strict=True):
+        refs: list[int] = []
+        mine: list[fs.Local] = []
+        if how == JOINS:
+            rule = fs.placeholder_rule(metric)
+            for attr, reduction in metric._reductions.items():
+                value = getattr(metric, attr)
+                # what step 1 makes of a state, and what a reduced slot is reduced with, depend on these alone: one
+                # slot for a compute group's shared state, one per reduction where grouped members reduce it apart
+                # (the placeholder, made from the Metric's dtype and device, exists from torchmetrics 1.4 on only)
+                slot_key = (id(value), _reduction_key(reduction), (metric.dtype, str(metric.device)) if rule else None)
+                index = seen.get(slot_key)
+                if index is None:
+                    index = seen[slot_key] = len(slots)
+                    slots.append(fs.prepare_state(metric, attr, reduction, rule, stream_cpu))
+                slot = slots[index]
+                mine.append(fs.Local(attr, reduction, slot.is_cat, slot.value, slot.tensors, slot.described))
+                refs.append(index)
+        needs = how == JOINS and metric._computed is None  # a cached result is returned without a sync
+        table += [_fingerprint(key, metric), how, int(needs), len(refs), *refs]
+        placement += [len(refs), *refs]
+        states.append(mine)
+    agreed = zlib.crc32(str([(row[0], row[1]) for row in _rows(table)]).encode())  # what every rank must share
+    return slots, states, fs.outgoing(slots, table, placement), agreed
+
+
 def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
     """The one exchange over the default group: set the synced states of every member that joins and needs it.
 
-    A collective: every rank of the default group calls it with its collection's members. Returns the members now
-    synced (each through its own ``sync()``: ``_is_synced`` set, its local states in its cache).
+    A collective among the ranks that have a member to sync: a rank where no member joins, or every joining member
+    holds a cached result, returns at once and issues none, as torchmetrics' own ``compute()`` would. Returns the
+    members now synced (each through its own ``sync()``: ``_is_synced`` set, its local states in its cache).
     """
     import torch
     import torch.distributed as dist
@@ -169,47 +220,23 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
     from torchmetrics_gradpatch.fused import transit
     from torchmetrics_gradpatch.fused import wire as fp
 
+    hows = [_how(metric) for _, metric in members]
+    if not any(how == JOINS and metric._computed is None for how, (_, metric) in zip(hows, members, strict=True)):
+        return []  # nothing here needs a peer (a rank logging alone, say): no collective, so no rank waits alone
     group = dist.group.WORLD
     world_size, rank = size_and_rank(group)
-    hows = [_how(metric) for _, metric in members]
     joining = [metric for how, (_, metric) in zip(hows, members, strict=True) if how == JOINS]
-    device, staging, stream_cpu = transit.devices((joining or [members[0][1]])[0].device, group)
-    slots: list[fs.Local] = []
-    states: list[list[fs.Local]] = []
-    seen: dict[tuple[Any, ...], int] = {}
-    table = [len(members)]
-    placement: list[int] = []  # every member's slot references: what a proposal to reduce must agree on too
-    any_needs = False
-    for (key, metric), how in zip(members, hows, strict=True):
-        refs: list[int] = []
-        mine: list[fs.Local] = []
-        if how == JOINS:
-            rule = fs.placeholder_rule(metric)
-            for attr, reduction in metric._reductions.items():
-                value = getattr(metric, attr)
-                # what step 1 makes of a state depends on these alone: one slot for a compute group's shared state
-                # (the placeholder, made from the Metric's dtype and device, exists from torchmetrics 1.4 on only)
-                slot_key = (id(value), fs.is_cat(reduction), (metric.dtype, str(metric.device)) if rule else None)
-                index = seen.get(slot_key)
-                if index is None:
-                    index = seen[slot_key] = len(slots)
-                    slots.append(fs.prepare_state(metric, attr, reduction, rule, stream_cpu))
-                slot = slots[index]
-                mine.append(fs.Local(attr, reduction, slot.is_cat, slot.value, slot.tensors, slot.described))
-                refs.append(index)
-        needs = how == JOINS and metric._computed is None  # a cached result is returned without a sync
-        any_needs = any_needs or needs
-        table += [_fingerprint(key, metric), how, int(needs), len(refs), *refs]
-        placement += [len(refs), *refs]
-        states.append(mine)
-    out = fs.outgoing(slots, table, placement)
-    flags = fs.flags_of(slots) | (_NEEDS if any_needs else 0)
-    agreed = zlib.crc32(str([(row[0], row[1]) for row in _rows(table)]).encode())  # what every rank must share
+    device, staging, stream_cpu = transit.devices(joining[0].device, group)
+    failure: Exception | None = None
+    try:
+        slots, states, out, agreed = _prepare(members, hows, stream_cpu)
+    except Exception as prepared:  # this rank's states cannot be sent: its header says so, and every rank raises
+        slots, states, out, agreed, failure = [], [], fs.outgoing([]), 0, prepared
     name = "a MetricCollection"
+    flags = fs.flags_of(slots) | (fp.FLAG_FAILED if failure is not None else 0)
     with torch.no_grad():
         rows = fs.headers(out, flags, agreed, group, world_size, device)
-        if len({row[fp.FINGERPRINT] for row in rows}) == 1 and not any(row[fp.FLAGS] & _NEEDS for row in rows):
-            return []  # every rank agrees and none has anything to sync: no payload
+        fs.raise_failures(name, rows, failure, group, world_size, device)
         got = fs.payloads(out, slots, rows, rank, group, world_size, device)
         error = _table_error(members, got.tables, lambda text: fs.gather_texts(text, group, world_size, device))
         if error is not None:

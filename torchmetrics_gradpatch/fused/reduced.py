@@ -3,16 +3,18 @@
 torchmetrics gathers every state and reduces the stack, so what each rank receives grows with the world. For some
 states the stack is not needed: an integer ``sum`` (torchmetrics' ``dim_zero_sum`` gives ``int64`` for every
 integer and ``bool`` state, wrapping included) and an integer ``max`` or ``min`` come out bit for bit the same in
-any order, and so do a floating-point ``max`` or ``min`` over values without NaN and without negative zero (where
-``torch.max`` over the stack and a reduction in another order can differ). A ring all-reduce moves about twice
-the state per rank, whatever the world size.
+any order, and so do a floating-point ``max`` or ``min`` over values without NaN, negative zero or subnormals
+(where ``torch.max`` over the stack and a reduction in another order can differ; subnormals under flush-to-zero).
+A ring all-reduce moves about twice the state per rank, whatever the world size.
 
 Which states (:func:`propose`): a tensor state of at least :data:`REDUCE_MIN_BYTES` that does not require grad,
 whose reduction is torchmetrics' own ``dim_zero_sum`` over ``bool``/``uint8``/``int8``/``int16``/``int32``/
 ``int64``, or ``dim_zero_max``/``dim_zero_min`` over those or ``float16``/``bfloat16``/``float32``/``float64``
-(floating point: only where this rank's tensor holds no NaN and no ``-0.0``), and whose reduction gives, on this
-torch, the dtype the all-reduce yields. Everything else (floating-point sums and means, lists, custom reductions,
-small states, anything with a graph) is gathered as before.
+(floating point: only where this rank's tensor holds no NaN, no ``-0.0`` and no subnormal), and whose reduction
+gives, on this torch, the dtype the all-reduce yields. Everything else (floating-point sums and means, lists,
+custom reductions, small states, anything with a graph) is gathered as before. A slot is reduced with the one
+reduction of every state that refers to it: the collection sync gives compute-group members that reduce a shared
+state differently a slot each.
 
 Agreement: each rank proposes from its own states; the header carries a digest of the proposal (slot, operation,
 dtypes, shape, where it is held; the collection's member table too). Every rank follows it only when every rank
@@ -20,10 +22,10 @@ sent the same non-zero digest (:func:`agreed`); else every state is gathered, an
 as before whether the ranks can be synced. So no state of one rank can make the ranks issue different collectives.
 
 The collectives (:func:`run`): one ``all_reduce`` per operation and transport dtype used, at most four: ``int64``
-SUM; ``int64`` MAX (integer max, and integer min as the max of the bitwise complement); ``float32`` MAX (``float16``,
-``bfloat16`` and ``float32`` widened exactly; min as the max of the negation, which is exact without NaN and
-``-0.0``); ``float64`` MAX. A state held on the CPU under a group that takes device tensors only crosses on the
-device in chunks (:func:`torchmetrics_gradpatch._gather.all_reduce_chunked`).
+SUM; ``int64`` MAX (integer max, and integer min as the max of the bitwise complement); ``float32`` MAX
+(``float16``, ``bfloat16`` and ``float32`` widened exactly; min as the max of the negation, which is exact without
+NaN, ``-0.0`` and subnormals); ``float64`` MAX. A state held on the CPU under a group that takes device tensors
+only crosses on the device in chunks (:func:`torchmetrics_gradpatch._gather.all_reduce_chunked`).
 """
 
 from __future__ import annotations
@@ -96,11 +98,28 @@ def _transport(op: str, dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+#: Per floating-point dtype: the integer dtype of its width and the mask of its exponent bits.
+_EXPONENTS = {
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float32: (torch.int32, 0x7F80_0000),
+    torch.float64: (torch.int64, 0x7FF0_0000_0000_0000),
+}
+
+
 def _order_free(tensor: torch.Tensor) -> bool:
-    """Whether a floating-point max/min over ``tensor``'s values gives the same bits in any order here."""
+    """Whether a floating-point max/min over ``tensor``'s values gives the same bits in any order, in any
+    floating-point mode: no NaN, no ``-0.0`` and no subnormal value.
+
+    A subnormal is refused because under ``torch.set_flush_denormal(True)`` torch compares it as zero, so which of
+    it and ``+0.0`` a maximum returns depends on the order it meets them. The test reads the bits (an exponent of
+    all zeros, and not ``+0.0``), which the floating-point mode cannot change.
+    """
     if not tensor.is_floating_point():
         return True
-    return not bool(torch.isnan(tensor).any()) and not bool(((tensor == 0) & torch.signbit(tensor)).any())
+    as_int, exponent = _EXPONENTS[tensor.dtype]
+    bits = tensor.view(as_int)
+    return not bool(torch.isnan(tensor).any()) and not bool((((bits & exponent) == 0) & (bits != 0)).any())
 
 
 def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Plan:

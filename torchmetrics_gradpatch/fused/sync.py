@@ -23,7 +23,10 @@ what one process holding all the data would get or raises the same :class:`Fused
 * a tensor state whose dtype or shape differs between ranks (torchmetrics cannot stack it), a ``cat`` state whose
   contributions differ in dtype, number of dimensions or trailing sizes, a Metric of another class or other
   states, a state that is neither a tensor nor a list of tensors: :class:`FusedSyncError` on every rank, before
-  any state is changed.
+  any state is changed;
+* a state that step 1 fails on one rank (a ``cat`` list whose tensors do not concatenate, where torchmetrics'
+  sync raises on that rank and leaves the others waiting): that rank's header says so, and every rank raises the
+  same :class:`FusedSyncError`, naming each failing rank's error, after that first collective.
 
 Beyond the two collectives: states whose reduction is exact in any order (an integer ``sum``, a ``max`` or
 ``min``) and large enough are all-reduced instead of gathered when every rank proposed the same
@@ -79,6 +82,7 @@ __all__ = [
     "payloads",
     "placeholder_rule",
     "prepare_state",
+    "raise_failures",
     "reduce",
     "reduction_name",
     "structure_error",
@@ -226,6 +230,24 @@ def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size:
     if refusal is not None:
         raise FusedSyncError(refusal)
     return rows
+
+
+def raise_failures(
+    name: str, rows: list[list[int]], failure: Exception | None, group: Any, world_size: int, device: Any
+) -> None:
+    """After the headers: where some rank flagged that it could not prepare its states (``failure``, on this rank),
+    raise one :class:`FusedSyncError` on every rank, naming each failing rank's error (from ``failure`` here)."""
+    failed = [r for r, row in enumerate(rows) if row[fp.FLAGS] & fp.FLAG_FAILED]
+    if not failed:
+        return
+    own = "" if failure is None else f"{type(failure).__name__}: {failure}"
+    texts = gather_texts(own, group, world_size, device)
+    held = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+    raise FusedSyncError(
+        f"torchmetrics_gradpatch: fused sync of {name}: rank(s) {failed} could not prepare their states for the "
+        f"sync ({held}). Every rank raised this error after the same exchange, before changing any state; none is "
+        "left waiting. torchmetrics' own sync raises the same on those ranks alone; fix what they hold."
+    ) from failure
 
 
 def gather_texts(text: str, group: Any, world_size: int, device: Any) -> list[str]:
@@ -398,11 +420,16 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     world_size, rank = size_and_rank(resolved)
     name = type(metric).__name__
     device, staging, stream_cpu = transit.devices(metric.device, resolved)
-    states = _prepare(metric, stream_cpu)
-    out = outgoing(states)
-    flags = flags_of(states)  # grad mode as the caller has it, before the exchange's no_grad
+    failure: Exception | None = None
+    try:
+        states = _prepare(metric, stream_cpu)
+        out = outgoing(states)
+    except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
+        states, out, failure = [], outgoing([]), error
+    flags = flags_of(states) | (fp.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
     with torch.no_grad():
         rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)
+        raise_failures(name, rows, failure, resolved, world_size, device)
         if len({row[fp.FINGERPRINT] for row in rows}) > 1:
             held = gather_texts(describe(metric), resolved, world_size, device)
             raise structure_error(

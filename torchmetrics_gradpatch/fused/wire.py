@@ -3,9 +3,9 @@
 What one rank sends
 -------------------
 * A **header** of :data:`HEADER_WORDS` int64 words, the same size on every rank: a format tag, the length of the
-  rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad), a
-  fingerprint of the Metric (class and state names, each state's reduction), the length of its payload when the
-  states it proposes to reduce are left out, a digest of that proposal (``0``: none; see
+  rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad, the rank
+  could not prepare its states), a fingerprint of the Metric (class and state names, each state's reduction), the
+  length of its payload when the states it proposes to reduce are left out, a digest of that proposal (``0``: none; see
   :mod:`torchmetrics_gradpatch.fused.reduced`) and its chunk size for CPU-held states.
 * A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
   :data:`ALIGN` so that it can be viewed back as its dtype in place. Left out: the states every rank agreed to
@@ -40,6 +40,7 @@ from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
 
 __all__ = [
     "ALIGN",
+    "FLAG_FAILED",
     "HEADER_WORDS",
     "KIND_LIST",
     "KIND_OTHER",
@@ -63,6 +64,7 @@ HEADER_WORDS = 8
 SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PLAN, CHUNK = 2, 3, 4, 5, 6, 7  # a header row's words
 FLAG_GRAD_MODE = 1
 FLAG_REQUIRES_GRAD = 2
+FLAG_FAILED = 8  # this rank could not prepare its states: every rank raises after the header
 
 KIND_TENSOR = 0
 KIND_LIST = 1
