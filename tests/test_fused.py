@@ -613,7 +613,7 @@ def _subnormals_under_flush_to_zero(rank: int, world_size: int) -> None:
 
     def subnormals() -> Probe:
         metric = Probe({f"s{i}": (torch.zeros(shape, dtype=dtype), r) for i, (r, dtype, shape) in enumerate(spec)})
-        for i, (reduction, dtype, shape) in enumerate(spec):
+        for i, (_, dtype, shape) in enumerate(spec):
             # +0.0 on rank 0, a positive subnormal on the others: torch compares them as equal under flush-to-zero,
             # so which one the stacked max/min returns depends on the order it meets them
             tiny = torch.finfo(dtype).tiny / 4
