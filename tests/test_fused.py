@@ -773,6 +773,7 @@ def _a_bad_chunk_size_raises_on_every_rank(rank: int, world_size: int, bad: str)
     assert same(follow_up.x, torch.ones(world_size))
 
 
+@pytest.mark.parametrize("world_size", worlds(2, 3))
 @pytest.mark.parametrize("bad", ["lots", "0", "99999999999999999999"])
-def test_a_bad_chunk_size_raises_on_every_rank(bad: str) -> None:
-    run_ranks(_a_bad_chunk_size_raises_on_every_rank, 2, bad, timeout=60)
+def test_a_bad_chunk_size_raises_on_every_rank(world_size: int, bad: str) -> None:
+    run_ranks(_a_bad_chunk_size_raises_on_every_rank, world_size, bad, timeout=60)
