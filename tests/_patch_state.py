@@ -1,4 +1,5 @@
-"""Put the patch back as a fresh import leaves it, between tests that share a process.
+"""Put the patch back as a fresh import leaves it, between tests that share a process (and the fused sync's
+per-group inline capacities with it).
 
 Suite-side on purpose: the package carries no code that only a test harness needs, so this reaches into its
 private modules (the engine's lock, records and settle step), which a test may do.
@@ -26,4 +27,9 @@ def reset_patch_state() -> str | None:
     with _engine._lock:
         state.manual_from = ""  # as a fresh import: nothing has switched the patch on yet
     _api.apply_environment()
+    import sys
+
+    wire = sys.modules.get("torchmetrics_gradpatch.fused.wire")
+    if wire is not None:  # every group's inline capacity as new: each test's first exchange of a group costs two
+        wire.forget()
     return "the test left a torchmetrics_gradpatch.patched() block open" if left else None

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -188,7 +188,8 @@ def flags_of(slots: list[Local]) -> int:
 @dataclass
 class Outgoing:
     """What this rank sends: its description, its payload's layout (every state; and with the states it proposes
-    to reduce left out) and its proposal."""
+    to reduce left out), its proposal, the tensors it sends and, once :func:`headers` ran, what collective 1
+    brought."""
 
     words: list[int]
     offsets: list[list[int]]
@@ -196,6 +197,8 @@ class Outgoing:
     offsets_reduced: list[list[int]]
     size_reduced: int
     plan: _reduced.Plan
+    sent: list[list[torch.Tensor]] = field(default_factory=list)
+    first: fp.First | None = None
 
 
 def outgoing(slots: list[Local], table: list[int] | None = None, placement: list[int] | None = None) -> Outgoing:
@@ -208,24 +211,32 @@ def outgoing(slots: list[Local], table: list[int] | None = None, placement: list
     plan = _reduced.propose(slots, placement or ())
     offsets, size = fp.layout(described, start)
     offsets_reduced, size_reduced = fp.layout(described, start, plan.slots) if plan.slots else (offsets, size)
-    return Outgoing(words, offsets, size, offsets_reduced, size_reduced, plan)
+    sent = [[fp.sendable(t) for t in s.tensors] for s in slots]
+    return Outgoing(words, offsets, size, offsets_reduced, size_reduced, plan, sent)
 
 
 def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size: int, device: Any) -> list[list[int]]:
     """Collective 1: every rank's header (format, description length, payload sizes, flags, fingerprint, proposal
-    digest, chunk size).
+    digest, chunk size, inline capacity) and, where it fits the group's inline capacity, its payload with the
+    states it proposes to reduce left out (kept in ``out.first`` for :func:`payloads`); the group's capacity record
+    is updated from the rows on every rank (:func:`torchmetrics_gradpatch.fused.wire.agree`).
 
     Raises on every rank alike when the ranks run different formats (nothing more can be read then) or some rank's
     chunk size setting is not valid.
     """
+    group = dist.group.WORLD if group is None else group
     header = [len(out.words), out.size, flags, fingerprint, out.size_reduced, out.plan.digest, chunk_bytes()]
-    rows = fp.gather_headers(header, group, world_size, device)
+    out.first = fp.gather_first(
+        header, out.words, out.sent, out.offsets_reduced, out.size_reduced, group, world_size, device
+    )
+    rows = out.first.rows
     if len({row[0] for row in rows}) > 1:
         raise FusedSyncError(
             "torchmetrics_gradpatch: fused sync: the ranks run different versions of the fused sync's format ("
             + "; ".join(f"rank {r}: {row[0]:#x}" for r, row in enumerate(rows))
             + "); install the same torchmetrics_gradpatch on every rank."
         )
+    fp.agree(group, rows)  # every rank, from the same rows, before anything else can raise
     refusal = chunk_refusal([row[fp.CHUNK] for row in rows])
     if refusal is not None:
         raise FusedSyncError(refusal)
@@ -307,32 +318,44 @@ def payloads(
     world_size: int,
     device: Any,
 ) -> Exchanged:
-    """Collective 2: every rank's description and data, padded to the largest payload; read back per rank.
+    """Every rank's description and data: from collective 1 where every rank inlined its payload in the layout the
+    exchange uses, else collective 2 (every payload padded to the largest); read back per rank.
 
     The states every rank proposed alike to reduce are left out (:func:`torchmetrics_gradpatch.fused.reduced.agreed`).
+    ``slots`` are the states ``out`` describes (its tensors were taken by :func:`outgoing`).
     """
     words = out.words
     skip = out.plan.slots if _reduced.agreed(rows, out.plan) else ()
     offsets = out.offsets_reduced if skip else out.offsets
-    sent = [[fp.sendable(t) for t in s.tensors] for s in slots]
-    payload = fp.pack(words, sent, offsets, max(row[fp.SIZE_REDUCED if skip else fp.SIZE] for row in rows), device)
-    buffers = fp.gather_payloads(payload, group, world_size)
-    del payload
+    first = out.first
+    out.first = None  # the receive buffers live on in the views below only
+    # an inline payload leaves out what its rank proposed to reduce: usable where that proposal was agreed, or empty
+    if first is not None and all(
+        row[fp.FLAGS] & fp.FLAG_INLINE and (skip or row[fp.SIZE_REDUCED] == row[fp.SIZE]) for row in rows
+    ):
+        buffers = first.regions
+    else:
+        size = max(row[fp.SIZE_REDUCED if skip else fp.SIZE] for row in rows)
+        payload = fp.pack(words, out.sent or [[fp.sendable(t) for t in s.tensors] for s in slots], offsets, size, device)
+        buffers = fp.gather_payloads(payload, group, world_size)
+        del payload
+    described = first.words if first is not None else [None] * world_size
     tables: list[list[int]] = []
     every: list[list[fp.State]] = []
     layouts: list[list[list[int]]] = []
     previous: list[int] = []
     for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
-        theirs = words if r == rank else fp.words_of(buffer, row[1])
+        known = described[r]
+        theirs = words if r == rank else known if known is not None else fp.words_of(buffer, row[1])
         if every and theirs == previous:  # ranks holding alike describe alike: decode once
             tables.append(tables[-1])
             every.append(every[-1])
             layouts.append(layouts[-1])
         else:
-            table, described = fp.decode(theirs)
+            table, states = fp.decode(theirs)
             tables.append(table)
-            every.append(described)
-            layouts.append(offsets if r == rank else fp.layout(described, 8 * len(theirs), skip)[0])
+            every.append(states)
+            layouts.append(offsets if r == rank else fp.layout(states, 8 * len(theirs), skip)[0])
         previous = theirs
     gathered = [fp.unpack(buffer, descs, lay, skip) for buffer, descs, lay in zip(buffers, every, layouts, strict=True)]
     return Exchanged(tables, every, gathered, skip)

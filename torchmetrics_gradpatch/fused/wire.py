@@ -1,22 +1,43 @@
-"""The fused sync's wire format: a description of a Metric's states, one byte buffer for their data, two collectives.
+"""The fused sync's wire format: a description of a Metric's states, one byte buffer for their data, and one
+collective for both in a steady exchange (two after a change).
 
 What one rank sends
 -------------------
 * A **header** of :data:`HEADER_WORDS` int64 words, the same size on every rank: a format tag, the length of the
   rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad, the rank
-  could not prepare its states), a fingerprint of the Metric (class and state names, each state's reduction), the
-  length of its payload when the states it proposes to reduce are left out, a digest of that proposal (``0``: none; see
-  :mod:`torchmetrics_gradpatch.fused.reduced`) and its chunk size for CPU-held states.
+  could not prepare its states, its payload is inline), a fingerprint of the Metric (class and state names, each
+  state's reduction), the length of its payload when the states it proposes to reduce are left out, a digest of
+  that proposal (``0``: none; see :mod:`torchmetrics_gradpatch.fused.reduced`), its chunk size for CPU-held states,
+  and the inline capacity it used.
 * A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
   :data:`ALIGN` so that it can be viewed back as its dtype in place. Left out: the states every rank agreed to
   reduce (:func:`layout`'s ``skip``), and *streamed* pieces: tensors held on the CPU while the exchange runs on a
   device, which cross afterwards in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
 
-``all_gather`` needs the same size on every rank, and a description's size depends on what the rank holds (list
-lengths, numbers of dimensions). So the fixed-size header goes first (collective 1) and tells every rank every
-payload's size; each rank then pads its payload to the largest and one ``all_gather`` moves every description and
-every byte of data at once (collective 2). A sync therefore costs two collectives whatever the states, and every
-rank decides what to do next from the same gathered headers and descriptions.
+One collective, or two
+----------------------
+``all_gather`` needs the same size on every rank, and a payload's size depends on what the rank holds (list lengths,
+batch sizes). Collective 1 (:func:`gather_first`) sends the header followed by :attr:`Capacity.data` bytes, the
+group's **inline capacity**: a rank whose payload (with the states it proposes to reduce left out) fits puts it
+there and sets :data:`FLAG_INLINE`. Every rank reads every header and the first :attr:`Capacity.words` words after
+it (every rank's description) in one device-to-host read. When every rank inlined a payload in the layout the
+exchange uses, the exchange is complete; else collective 2 (:func:`gather_payloads`) moves every payload padded
+to the largest, as it always did, and every rank knows which from the same gathered flags. A steady exchange (the
+same layout as the group's recent ones) thus costs one collective; the first of a group, one whose payload grew
+past the capacity, or one with a payload over :data:`INLINE_MAX`, costs two.
+
+The capacity is agreed, never guessed: it is a function of a per-group record (:func:`capacity`) that
+:func:`agree` updates, on every rank, from the gathered headers of every fused exchange of that group, right
+after collective 1 and before anything can raise: the largest inline payload and description of the last
+:data:`WINDOW` exchanges, rounded up to a power of two (at least :data:`INLINE_MIN` bytes), ignoring exchanges
+whose largest payload exceeds :data:`INLINE_MAX`. Why the record is the same on every rank of a group: the group's
+collectives run in one order on all its ranks, every fused exchange on it is a collective of all of them, and each
+updates the record from the same gathered rows at the same point of that order; nothing else touches it. Which
+Metric object synced, whether a rank made its metric anew, reset it, holds other members, or skipped an exchange
+that therefore did not happen on that group (an exchange on a subgroup updates the subgroup's record only; a rank
+with nothing to sync issues no collective on any group), does not enter it. The record is keyed by the group
+object (weakly: a group destroyed and made anew starts afresh on every rank). The cost: every rank sends
+``capacity`` bytes more in collective 1 and receives ``world_size`` times that, at most :data:`INLINE_MAX` each.
 
 The description: ``[n, *table]`` (``n`` words a caller puts in front: the collection sync's member table; none
 for one Metric), the number of states, then per state ``[kind, placeholder, n_pieces]`` and per piece ``[dtype
@@ -28,8 +49,10 @@ refused on every rank.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,15 +64,23 @@ from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
 __all__ = [
     "ALIGN",
     "FLAG_FAILED",
+    "FLAG_INLINE",
     "HEADER_WORDS",
+    "INLINE_MAX",
+    "INLINE_MIN",
     "KIND_LIST",
     "KIND_OTHER",
     "KIND_TENSOR",
     "Piece",
+    "WINDOW",
+    "Capacity",
+    "First",
     "State",
+    "agree",
+    "capacity",
     "decode",
     "encode",
-    "gather_headers",
+    "gather_first",
     "gather_payloads",
     "layout",
     "pack",
@@ -59,12 +90,21 @@ __all__ = [
     "words_of",
 ]
 
-FORMAT = 0x7467_6673_0003  # "tgfs", format 3: a rank running another format is told so, not misread
-HEADER_WORDS = 8
-SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PLAN, CHUNK = 2, 3, 4, 5, 6, 7  # a header row's words
+FORMAT = 0x7467_6673_0004  # "tgfs", format 4: a rank running another format is told so, not misread
+HEADER_WORDS = 10  # 80 bytes: a multiple of ALIGN, so an inline payload's pieces can be viewed in place
+SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PLAN, CHUNK, CAPACITY = 2, 3, 4, 5, 6, 7, 8  # a header row's words
 FLAG_GRAD_MODE = 1
 FLAG_REQUIRES_GRAD = 2
 FLAG_FAILED = 8  # this rank could not prepare its states: every rank raises after the header
+FLAG_INLINE = 16  # this rank's payload (its proposal's layout) is in collective 1
+
+#: The largest inline capacity: a payload over it always takes the second collective.
+INLINE_MAX = 64 * 1024
+#: The smallest non-zero inline capacity (a few states' description and data).
+INLINE_MIN = 256
+#: How many of a group's recent exchanges the capacity follows.
+WINDOW = 8
+_HEAD_BYTES = 8 * HEADER_WORDS
 
 KIND_TENSOR = 0
 KIND_LIST = 1
@@ -185,7 +225,9 @@ def pack(
     """
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     head = torch.tensor(list(words), dtype=torch.int64).view(torch.uint8)
-    buffer[: head.numel()].copy_(head)
+    if buffer.device.type == "cuda":  # pinned, so the copy neither waits for the device nor counts as a sync
+        head = head.pin_memory()
+    buffer[: head.numel()].copy_(head, non_blocking=True)
     end = head.numel()
     for state_tensors, state_offsets in zip(tensors, offsets, strict=True):
         for tensor, offset in zip(state_tensors, state_offsets, strict=True):
@@ -225,12 +267,106 @@ def unpack(
 _ABSENT = torch.empty(0)
 
 
-def gather_headers(header: Sequence[int], group: Any, world_size: int, device: torch.device) -> list[list[int]]:
-    """Collective 1: every rank's header, in group-rank order."""
-    mine = torch.tensor([FORMAT, *header], dtype=torch.int64, device=device)
+@dataclass(frozen=True)
+class Capacity:
+    """A group's inline capacity: payload bytes a rank may put in collective 1 (``0``: none), and description words
+    every rank reads back from it (at most ``data // 8``)."""
+
+    data: int = 0
+    words: int = 0
+
+
+# per group: the needs (largest inline payload, largest description) of its last WINDOW exchanges; None where an
+# exchange's largest payload was over INLINE_MAX
+_Needs = deque[tuple[int, int] | None]
+_RECORDS: weakref.WeakKeyDictionary[Any, _Needs] = weakref.WeakKeyDictionary()
+_STRONG: dict[Any, _Needs] = {}  # groups that take no weak reference (kept alive, as the group itself is)
+
+
+def _needs(group: Any) -> _Needs:
+    key = dist.group.WORLD if group is None else group
+    try:
+        found = _RECORDS.get(key)
+        if found is None:
+            found = _RECORDS[key] = deque(maxlen=WINDOW)
+    except TypeError:
+        found = _STRONG.setdefault(key, deque(maxlen=WINDOW))
+    return found
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def capacity(group: Any) -> Capacity:
+    """``group``'s inline capacity for its next exchange: the same on every rank of it (see the module docstring)."""
+    needs = [need for need in _needs(group) if need is not None]
+    if not needs:
+        return Capacity()
+    data = min(max(_power_of_two(max(n for n, _ in needs)), INLINE_MIN), INLINE_MAX)
+    return Capacity(data, min(_power_of_two(max(w for _, w in needs)), data // 8))
+
+
+def agree(group: Any, rows: Sequence[Sequence[int]]) -> None:
+    """Record one exchange of ``group`` from its gathered header ``rows``: run on every rank after collective 1."""
+    size = max(row[SIZE_REDUCED] for row in rows)
+    _needs(group).append((size, max(row[1] for row in rows)) if size <= INLINE_MAX else None)
+
+
+def forget() -> None:
+    """Forget every group's record (every rank alike: the next exchange of each group costs two collectives)."""
+    _RECORDS.clear()
+    _STRONG.clear()
+
+
+@dataclass
+class First:
+    """What collective 1 brought: every rank's header row, its description words where it inlined its payload
+    (else ``None``), and its inline region (a view of the receive buffer, the payload's offsets apply to it)."""
+
+    rows: list[list[int]]
+    words: list[list[int] | None]
+    regions: list[torch.Tensor] = field(default_factory=list)
+
+
+def gather_first(
+    header: Sequence[int],
+    words: Sequence[int],
+    tensors: Sequence[Sequence[torch.Tensor]],
+    offsets: Sequence[Sequence[int]],
+    size: int,
+    group: Any,
+    world_size: int,
+    device: torch.device,
+) -> First:
+    """Collective 1: every rank's header and, where it fits the group's capacity, its payload (``words``, then
+    ``tensors`` at ``offsets``, ``size`` bytes in all); one device-to-host read of the headers and descriptions.
+
+    ``header`` is the row without the format tag and the capacity; :data:`FLAG_INLINE` is added to its flags here.
+    """
+    agreed = capacity(group)
+    inline = 0 < size <= agreed.data and len(words) <= agreed.words
+    row = [FORMAT, *header, agreed.data]
+    row[FLAGS] |= FLAG_INLINE if inline else 0
+    row += [0] * (HEADER_WORDS - len(row))
+    total = _HEAD_BYTES + agreed.data
+    if inline:
+        shifted = [[o + _HEAD_BYTES if o >= 0 else -1 for o in state] for state in offsets]
+        mine = pack([*row, *words], tensors, shifted, total, device)
+    else:
+        mine = pack(row, [], [], total, device)
     received = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(received, mine, group)
-    return torch.stack(received).tolist()
+    del mine
+    read = _HEAD_BYTES + 8 * agreed.words
+    # the exchange's one device-to-host read: every header and every inline description at once
+    table = torch.stack([buffer[:read] for buffer in received]).view(torch.int64).tolist()
+    rows = [list(t[:HEADER_WORDS]) for t in table]
+    described = [
+        list(t[HEADER_WORDS : HEADER_WORDS + r[1]]) if r[FLAGS] & FLAG_INLINE else None
+        for t, r in zip(table, rows, strict=True)
+    ]
+    return First(rows, described, [buffer[_HEAD_BYTES:] for buffer in received])
 
 
 def gather_payloads(buffer: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:

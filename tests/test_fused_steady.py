@@ -1,0 +1,150 @@
+"""A steady fused exchange costs one collective, on real gloo ranks; a change costs at most two more, never a wrong
+value or a hang.
+
+Every step builds the same Metric twice from every rank's data, syncs one with torchmetrics' own ``_sync_dist`` and
+the other with the fused sync, and compares every state bit for bit. Collectives are counted with the process
+group's sequence number. Between tests each rank forgets every group's inline capacity (``tests._patch_state``), so
+each test's first exchange of a group costs two collectives: the counts below do not depend on test order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._rank_tools import calls, destroy_subgroup
+from tests._ranks import run_ranks
+from tests.test_fused import Probe, same, states, torchmetrics_sync, values, worlds
+from torchmetrics_gradpatch import fused as _fused
+from torchmetrics_gradpatch.fused import wire
+
+
+def probe(rank: int, rows: int, dtype: torch.dtype = torch.float32, empty: bool = False) -> Probe:
+    """A Metric with a sum, a max and a ``cat`` list state (``rows`` rows of ``dtype`` here; none when ``empty``)."""
+    metric = Probe({"total": (torch.tensor(0.0), "sum"), "peak": (torch.zeros(3), "max"), "seen": ([], "cat")})
+    metric.total = values(rank, 1, (), torch.float32)
+    metric.peak = values(rank, 2, (3,), torch.float32)
+    # 1-d, as torchmetrics' own sync needs where a rank's list is empty (its placeholder is 1-d)
+    metric.seen = [] if empty else [values(rank, 3, (rows,), dtype), values(rank, 4, (1,), dtype)]
+    return metric
+
+
+def step(rank: int, group: Any = None, **how: Any) -> int:
+    """One fused sync of a fresh metric against torchmetrics' own; the collectives the fused sync issued."""
+    expected, fused = probe(rank, **how), probe(rank, **how)
+    torchmetrics_sync(expected, group)
+    before = calls(group)
+    _fused.fused_sync(fused, group)
+    issued = calls(group) - before
+    for name, value in states(expected).items():
+        assert same(getattr(fused, name), value), (how, name, getattr(fused, name), value)
+    return issued
+
+
+# (what changes, this step's states by rank, collectives: exact, or the most a change may cost)
+SCENARIO: list[tuple[str, Any, int]] = [
+    ("first exchange of the group", lambda r: {"rows": 4 + r}, 2),
+    ("steady", lambda r: {"rows": 4 + r}, 1),
+    ("steady, the metric made anew on every rank", lambda r: {"rows": 4 + r}, 1),
+    ("a rank whose metric was reset (an empty cat list)", lambda r: {"rows": 4 + r, "empty": r == 1}, 1),
+    ("the batch grows past the capacity", lambda r: {"rows": 600 + r}, 2),
+    ("steady again at the new size", lambda r: {"rows": 600 + r}, 1),
+    ("smaller batches fit the capacity", lambda r: {"rows": 2 + r}, 1),
+    ("a dtype change", lambda r: {"rows": 2 + r, "dtype": torch.float64}, 2),
+    ("steady in the new dtype", lambda r: {"rows": 2 + r, "dtype": torch.float64}, 1),
+    ("one rank's payload over the largest capacity", lambda r: {"rows": 20000 if r == 1 else 2 + r}, 2),
+    ("again: always two", lambda r: {"rows": 20000 if r == 1 else 2 + r}, 2),
+    ("back to small: the capacity stayed", lambda r: {"rows": 2 + r}, 1),
+]
+
+
+def _scenario(rank: int, world_size: int) -> list[int]:
+    counts = []
+    for what, how, cost in SCENARIO:
+        issued = step(rank, **how(rank))
+        counts.append(issued)
+        exact = cost == 1 or what.startswith(("first", "the batch grows", "one rank's", "again"))
+        assert issued == cost if exact else 1 <= issued <= cost, (what, issued, cost)
+    return counts
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_steady_exchange_costs_one_collective(world_size: int) -> None:
+    counts = run_ranks(_scenario, world_size, timeout=90)
+    assert all(c == counts[0] for c in counts), counts  # every rank issued the same collectives
+
+
+def _subgroup_and_skips(rank: int, world_size: int) -> None:
+    assert step(rank, rows=4 + rank) == 2 and step(rank, rows=4 + rank) == 1
+    pair = dist.new_group([0, 1])
+    if rank in (0, 1):  # rank 2 skips these exchanges: they are the pair's, and so is their record
+        assert step(rank, pair, rows=1000 + rank) == 2
+        assert step(rank, pair, rows=1000 + rank) == 1
+        assert wire.capacity(pair).data >= 4000
+    assert step(rank, rows=4 + rank) == 1, "the pair's exchanges changed the world's capacity"
+    assert wire.capacity(None).data < 4000
+    if rank in (0, 1):
+        assert step(rank, pair, rows=1000 + rank) == 1
+    destroy_subgroup(pair)
+
+
+def test_a_rank_skipping_a_subgroup_exchange_stays_in_step() -> None:
+    run_ranks(_subgroup_and_skips, 3, timeout=90)
+
+
+def _global_step(rank: int, world_size: int) -> list[tuple[int, int]]:
+    counts = []
+    for _ in range(3):
+        x = values(rank, 5, (4 + rank,), torch.float64).requires_grad_()
+        metric = Probe({"total": (torch.tensor(0.0, dtype=torch.float64), "sum"), "seen": ([], "cat")})
+        metric.total = (x**2).sum()
+        metric.seen = [x]
+        before = calls()
+        _fused.fused_sync(metric, mode="global")
+        forward = calls() - before
+        (metric.total + metric.seen.sum()).backward()
+        counts.append((forward, calls() - before - forward))
+        # every rank's loss is the same sum over every rank's data: rank j's x gets world_size * (2 x + 1)
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, world_size * (2 * x.detach() + 1), rtol=1e-14, atol=0)
+    return counts
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_global_mode_steady_step_costs_two_collectives(world_size: int) -> None:
+    for counts in run_ranks(_global_step, world_size, timeout=90):
+        assert counts == [(2, 1), (1, 1), (1, 1)], counts
+
+
+def _forward(rank: int, world_size: int) -> list[int]:
+    import torchmetrics_gradpatch as tg
+    from torchmetrics.regression import MeanSquaredError
+
+    counts = []
+    fused, reference = MeanSquaredError(dist_sync_on_step=True), MeanSquaredError(dist_sync_on_step=True)
+    for k in range(4):
+        n = 3 + rank + (40 if k == 2 else 0)  # the batch size changes at the third step and back
+        preds, target = values(rank, 10 + k, (n,), torch.float32), values(rank, 20 + k, (n,), torch.float32)
+        with tg.patched(sync="torchmetrics"):
+            expected = reference(preds, target)
+        with tg.patched(sync="fused"):
+            before = calls()
+            got = fused(preds, target)
+            counts.append(calls() - before)
+        assert same(got, expected), (k, got, expected)
+    with tg.patched(sync="torchmetrics"):
+        expected = reference.compute()
+    with tg.patched(sync="fused"):
+        got = fused.compute()
+    assert same(got, expected), (got, expected)
+    return counts
+
+
+def test_metric_forward_with_sync_on_step_costs_one_collective() -> None:
+    """MeanSquaredError's states are sums: a changed batch size changes no size, so every step after the first
+    costs one collective."""
+    for counts in run_ranks(_forward, 2, timeout=90):
+        assert counts == [2, 1, 1, 1], counts
