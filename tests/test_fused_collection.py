@@ -251,7 +251,8 @@ def _a_rank_with_nothing_to_sync_computes_alone(rank: int, world_size: int) -> N
         expected, fused = made["pair"]
         before_group = calls(subgroup)
         result, count = compute_counted(fused, "fused")
-        assert count == 0 and calls(subgroup) - before_group == 4, (count, calls(subgroup) - before_group)
+        # each member syncs alone over the pair: the first exchange of that group costs two, the steady second one
+        assert count == 0 and calls(subgroup) - before_group == 3, (count, calls(subgroup) - before_group)
         assert same_dicts(result, compute_counted(expected, "torchmetrics")[0])
     destroy_subgroup(subgroup)
 

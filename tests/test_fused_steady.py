@@ -120,8 +120,9 @@ def test_global_mode_steady_step_costs_two_collectives(world_size: int) -> None:
 
 
 def _forward(rank: int, world_size: int) -> list[int]:
-    import torchmetrics_gradpatch as tg
     from torchmetrics.regression import MeanSquaredError
+
+    import torchmetrics_gradpatch as tg
 
     counts = []
     fused, reference = MeanSquaredError(dist_sync_on_step=True), MeanSquaredError(dist_sync_on_step=True)

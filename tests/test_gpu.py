@@ -204,3 +204,43 @@ def _on_nccl(rank: int, world_size: int, case: str) -> None:
 @pytest.mark.parametrize("world_size", NCCL_WORLDS)
 def test_cpu_held_states_cross_nccl_in_chunks(world_size: int, case: str) -> None:
     run_ranks(_on_nccl, world_size, case, timeout=TIMEOUT)
+
+
+# --- the fused sync's steady step on CUDA: one collective, at most one device-to-host read ---------------------------
+
+
+def _steady_fused_sync_on_cuda(rank: int, world_size: int) -> list[tuple[int, int]]:
+    import warnings
+
+    from tests._rank_tools import calls
+    from torchmetrics_gradpatch import fused as _fused
+
+    dev = device()
+    group = dist.group.WORLD
+    found = []
+    for step in range(4):
+        features, target = (t.to(dev) for t in inp.model_inputs(rank, 3 + rank))
+        metric = CatSquaredError().to(dev)  # a cat state of uneven sizes, the metric made anew every step
+        metric.update(features @ inp.weight().to(dev), target)
+        torch.cuda.synchronize()
+        before = calls(group)
+        torch.cuda.set_sync_debug_mode("warn")  # every synchronizing CUDA call warns
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _fused.fused_sync(metric)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        found.append((calls(group) - before, syncs))
+        assert step == 0 or syncs <= 1, (step, syncs, [str(w.message) for w in caught])
+        assert metric.errors.device == dev, metric.errors
+    return found
+
+
+@pytest.mark.parametrize("world_size", [max(DEVICES, 1)])
+def test_steady_fused_sync_reads_the_device_once(world_size: int) -> None:
+    """After the group's first exchange, a fused sync of the same sizes on NCCL costs one collective and at most one
+    device-to-host read (``torch.cuda.set_sync_debug_mode`` warns at each synchronizing call)."""
+    for found in run_ranks(_steady_fused_sync_on_cuda, world_size, backend="nccl", timeout=TIMEOUT):
+        assert [count for count, _ in found[1:]] == [1, 1, 1], found

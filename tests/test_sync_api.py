@@ -167,7 +167,7 @@ def test_the_environment_variable_sets_the_default_sync(restored: None, monkeypa
     status = tg.status()
     assert (status.sync, status.default_sync, status.sync_chosen_by) == ("fused", "fused", "import")
     assert status.sync_applied_to[0].startswith("torchmetrics.Metric._sync_dist (runs the 'fused' sync"), status
-    assert "sync:             fused: two collectives per Metric sync" in str(status), str(status)
+    assert "sync:             fused: one exchange per Metric sync" in str(status), str(status)
     assert status.as_dict()["sync"] == "fused" and status.as_dict()["sync_applied_to"] == list(status.sync_applied_to)
     tg.patch(sync="torchmetrics")
     assert installed_sync() == "torchmetrics" and tg.status().default_sync == "fused"

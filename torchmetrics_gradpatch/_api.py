@@ -54,9 +54,10 @@ def patch(mode: str | None = None, sync: str | None = None) -> None:
     Args:
         mode: ``"local"`` or ``"global"`` (README, "Gradient modes"; case-insensitive); ``None`` means the default
             mode (``TORCHMETRICS_GRADPATCH_MODE``, else ``"local"``). Calling ``patch`` again changes the mode.
-        sync: ``"torchmetrics"`` (its own collectives) or ``"fused"`` (two collectives per Metric sync,
-            docs/fused-sync.md; case-insensitive); ``None`` means the default (``TORCHMETRICS_GRADPATCH_SYNC``,
-            else ``"torchmetrics"``). Every rank must use the same sync, as with the mode.
+        sync: ``"torchmetrics"`` (its own collectives) or ``"fused"`` (one exchange per Metric sync, one collective
+            when steady, docs/fused-sync.md; case-insensitive); ``None`` means the default
+            (``TORCHMETRICS_GRADPATCH_SYNC``, else ``"torchmetrics"``). Every rank must use the same sync, as with
+            the mode.
 
     In local mode on a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed; the
     global mode is installed on every torchmetrics. If torchmetrics is not imported yet, the patch lands the

@@ -161,7 +161,10 @@ class Status:
             chosen = (
                 " (chosen by an open patched(sync=...) block)" if self.sync_chosen_by == "patched(sync=...)" else ""
             )
-            return f"fused: two collectives per Metric sync, one exchange per MetricCollection{chosen}"
+            return (
+                "fused: one exchange per Metric sync and per MetricCollection (one collective when steady, two after "
+                f"a change){chosen}"
+            )
         own = "torchmetrics: its own collectives per state"
         return own + (f"; patch() without a sync uses {default}" if default != "torchmetrics" else "")
 

@@ -183,7 +183,7 @@ def _report(
         mode = "off"
     else:
         mode = "local (each rank backpropagates through its own entry: torchmetrics 1.6 semantics)"
-    sync = {"fused": "fused (two collectives per Metric sync)"}.get(state["sync"], "torchmetrics (its own collectives)")
+    sync = {"fused": "fused (one exchange per Metric sync)"}.get(state["sync"], "torchmetrics (its own collectives)")
     lines = [
         f"{PROG} check, {args.world_size} rank{'s' * (args.world_size > 1)} (gloo, loopback)",
         f"  torch         {state['torch_version']}",

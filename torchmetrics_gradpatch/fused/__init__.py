@@ -1,11 +1,11 @@
-"""The fused sync: a Metric's whole sync in two collectives, registered with the core as the ``"fused"`` strategy.
+"""The fused sync: a Metric's whole sync in one exchange, registered with the core as the ``"fused"`` strategy.
 
 ``patch(sync="fused")``, ``patched(sync="fused")`` or ``TORCHMETRICS_GRADPATCH_SYNC=fused`` make the core's
 ``Metric._sync_dist`` replacement run :func:`fused_sync` whenever torchmetrics would sync with its own gather:
-two collectives per Metric instead of two or three per state, the same values bit for bit, and one
-:class:`~torchmetrics_gradpatch.FusedSyncError` on every rank where ranks hold states of different structure
-(where torchmetrics' own sync can hang). While it is the strategy in force, ``MetricCollection.compute()`` syncs
-every member in one exchange (:mod:`torchmetrics_gradpatch.fused.collection`).
+one collective per Metric when its layout is steady (two after a change) instead of two or three per state, the
+same values bit for bit, and one :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank where ranks hold
+states of different structure (where torchmetrics' own sync can hang). While it is the strategy in force,
+``MetricCollection.compute()`` syncs every member in one exchange (:mod:`torchmetrics_gradpatch.fused.collection`).
 
 Importing this package registers the strategy and imports neither torch nor torchmetrics; the modules that do
 (``sync``, ``wire``, ``grad``, ``collection``) load on the first sync. Every rank of a group must use the same
@@ -22,7 +22,8 @@ __all__ = ["fused_sync"]
 
 
 def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
-    """Sync ``metric``'s states across ``process_group`` in two collectives, as ``Metric._sync_dist`` would.
+    """Sync ``metric``'s states across ``process_group`` in one exchange, as ``Metric._sync_dist`` would: one
+    collective when the group's recent exchanges had the same sizes, two after a change.
 
     Values are torchmetrics' own, state by state; ``mode`` is the gradient mode (``"local"``: each rank's states
     keep their own graphs; ``"global"``: every rank's states get the gradients of every rank's loss, one backward

@@ -7,9 +7,10 @@ effective sync is ``"fused"``, the replacement:
 
 1. takes the members as ``compute()`` does (``items(keep_base=True, copy_state=False)``, which links the states of
    a compute group's members to its first member's);
-2. exchanges, in two collectives over the default group whatever the number of members and states, a member table
-   (each member's fingerprint, whether it joins the exchange or why not, whether it needs a sync) and the states of
-   every member that joins; a state object shared by several members (a compute group) is one slot, sent once;
+2. exchanges over the default group, in one exchange whatever the number of members and states (one collective
+   when steady, two after a change: :mod:`torchmetrics_gradpatch.fused.wire`), a member table (each member's
+   fingerprint, whether it joins the exchange or why not, whether it needs a sync) and the states of every member
+   that joins; a state object shared by several members (a compute group) is one slot, sent once;
 3. from those same facts on every rank: refuses with the same :class:`~torchmetrics_gradpatch.FusedSyncError`
    (naming the member and the state) what cannot be synced, before any state changes; else sets each joining
    member's synced states through the member's own ``sync()`` (so its cache of local states is taken as its

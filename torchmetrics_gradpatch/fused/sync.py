@@ -1,4 +1,5 @@
-"""The fused ``Metric._sync_dist``: torchmetrics' own sync, state by state, over two collectives in all.
+"""The fused ``Metric._sync_dist``: torchmetrics' own sync, state by state, over one exchange: one collective when
+steady, two after a change.
 
 torchmetrics' ``_sync_dist`` (the same from 0.11 to 1.9) does, for a Metric's states in ``_reductions`` order:
 
@@ -11,7 +12,8 @@ torchmetrics' ``_sync_dist`` (the same from 0.11 to 1.9) does, for a Metric's st
 
 This module does steps 1 and 3 with torchmetrics' own objects (``dim_zero_cat``, the placeholder rule, the same
 stacking and reductions), so each state comes out bit for bit as torchmetrics' sync gives it, and replaces step 2
-with :mod:`torchmetrics_gradpatch.fused.wire`'s two collectives. Where torchmetrics' sync hangs or desyncs
+with :mod:`torchmetrics_gradpatch.fused.wire`'s exchange: one collective when the payloads fit the group's agreed
+inline capacity (a steady layout), else two. Where torchmetrics' sync hangs or desyncs
 because ranks hold differently shaped states, every rank here sees every rank's description and either syncs to
 what one process holding all the data would get or raises the same :class:`FusedSyncError`:
 
@@ -28,7 +30,7 @@ what one process holding all the data would get or raises the same :class:`Fused
   sync raises on that rank and leaves the others waiting): that rank's header says so, and every rank raises the
   same :class:`FusedSyncError`, naming each failing rank's error, after that first collective.
 
-Beyond the two collectives: states whose reduction is exact in any order (an integer ``sum``, a ``max`` or
+Beyond that exchange: states whose reduction is exact in any order (an integer ``sum``, a ``max`` or
 ``min``) and large enough are all-reduced instead of gathered when every rank proposed the same
 (:mod:`torchmetrics_gradpatch.fused.reduced`; one more collective per operation and dtype), and states held on the
 CPU while the exchange runs on a device cross in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
@@ -38,12 +40,12 @@ back), so its states keep their graphs; in global mode :mod:`torchmetrics_gradpa
 for the whole sync. A reduced state has no graph (a state with one is gathered).
 
 The steps are functions of their own, shared with the one-exchange sync of a whole ``MetricCollection``
-(:mod:`torchmetrics_gradpatch.fused.collection`): :func:`prepare_state` (step 1), :func:`outgoing`,
-:func:`headers` and :func:`payloads` (the two collectives), :func:`validate`, :func:`complete` (the stream and the
-reductions), :func:`entries` and :func:`reduce` (step 3). They work on *slots* (what one rank sends: a prepared
-state) and on *states* (what a Metric sets), so a slot shared by several states crosses the wire once. Errors
-that the ranks' disagreement causes carry the same text on every rank (:func:`gather_texts` fetches what each
-rank holds where the exchanged facts do not say it).
+(:mod:`torchmetrics_gradpatch.fused.collection`): :func:`prepare_state` (step 1), :func:`outgoing`, :func:`headers`
+and :func:`payloads` (collective 1, and collective 2 where a payload did not fit), :func:`validate`,
+:func:`complete` (the stream and the reductions), :func:`entries` and :func:`reduce` (step 3). They work on *slots*
+(what one rank sends: a prepared state) and on *states* (what a Metric sets), so a slot shared by several states
+crosses the wire once. Errors that the ranks' disagreement causes carry the same text on every rank
+(:func:`gather_texts` fetches what each rank holds where the exchanged facts do not say it).
 """
 
 from __future__ import annotations
@@ -336,7 +338,9 @@ def payloads(
         buffers = first.regions
     else:
         size = max(row[fp.SIZE_REDUCED if skip else fp.SIZE] for row in rows)
-        payload = fp.pack(words, out.sent or [[fp.sendable(t) for t in s.tensors] for s in slots], offsets, size, device)
+        payload = fp.pack(
+            words, out.sent or [[fp.sendable(t) for t in s.tensors] for s in slots], offsets, size, device
+        )
         buffers = fp.gather_payloads(payload, group, world_size)
         del payload
     described = first.words if first is not None else [None] * world_size
@@ -432,8 +436,9 @@ def _cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 
 
 def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
-    """Sync ``metric``'s states over ``process_group`` (else the metric's, else the default group) in two
-    collectives, with torchmetrics' values and ``mode``'s gradients (see the module docstring).
+    """Sync ``metric``'s states over ``process_group`` (else the metric's, else the default group) in one exchange
+    (one collective when steady, two after a change), with torchmetrics' values and ``mode``'s gradients (see the
+    module docstring).
 
     A collective: every rank of the group must call it for the same Metric class, with the same ``mode``.
     """
