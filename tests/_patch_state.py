@@ -27,9 +27,16 @@ def reset_patch_state() -> str | None:
     with _engine._lock:
         state.manual_from = ""  # as a fresh import: nothing has switched the patch on yet
     _api.apply_environment()
+    forget_capacities()
+    return "the test left a torchmetrics_gradpatch.patched() block open" if left else None
+
+
+def forget_capacities() -> None:
+    """Forget the fused sync's inline capacity of every process group, as a fresh import has none: the next fused
+    exchange of each group costs two collectives. Every rank of a group must call it at the same point."""
     import sys
 
     wire = sys.modules.get("torchmetrics_gradpatch.fused.wire")
-    if wire is not None:  # every group's inline capacity as new: each test's first exchange of a group costs two
-        wire.forget()
-    return "the test left a torchmetrics_gradpatch.patched() block open" if left else None
+    if wire is not None:
+        wire._RECORDS.clear()
+        wire._STRONG.clear()

@@ -313,12 +313,6 @@ def agree(group: Any, rows: Sequence[Sequence[int]]) -> None:
     _needs(group).append((size, max(row[1] for row in rows)) if size <= INLINE_MAX else None)
 
 
-def forget() -> None:
-    """Forget every group's record (every rank alike: the next exchange of each group costs two collectives)."""
-    _RECORDS.clear()
-    _STRONG.clear()
-
-
 @dataclass
 class First:
     """What collective 1 brought: every rank's header row, its description words where it inlined its payload
