@@ -119,5 +119,7 @@ def test_lightning_log_dict_of_collection_compute_is_one_exchange(tmp_path: Path
         assert saved["own_calls"] > 3, counts
         member_calls = saved["member_calls"]
         assert sorted(member_calls) == sorted(expected), counts
-        assert all(calls[0] == 2 for calls in member_calls.values()), counts  # two each: the per-member fused sync
+        # one exchange each, the per-member fused sync: two collectives, or one where its payload fits the group's
+        # inline capacity (an exchange of the same group before it)
+        assert all(1 <= calls[0] <= 2 for calls in member_calls.values()), counts
         assert sum(sum(calls) for calls in member_calls.values()) > 3, counts
