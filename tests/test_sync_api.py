@@ -3,10 +3,10 @@
 On two real gloo ranks (``run_ranks``), a ``MeanSquaredError(dist_sync_on_step=True)`` loss under
 ``patched(sync="fused")`` gives, in both gradient modes, torchmetrics' own sync's values and the gradients of the
 same loss computed in one process from every rank's data, in exactly two collectives for the group's first fused
-sync (counted with the process group's sequence number, as tests/test_fused.py does), and a compiled step gives
-the eager one's loss and gradient. In this process: which ``Metric._sync_dist`` is installed in every state of the switches (restoration is
-the identity of torchmetrics' own function object), the environment variable, ``status()`` and the command line's
-spelling rule.
+sync (counted with the process group's sequence number, as tests/test_fused.py does), and a compiled step gives the
+eager one's loss and gradient. In this process: which ``Metric._sync_dist`` is installed in every state of the
+switches (restoration is the identity of torchmetrics' own function object), the environment variable, ``status()``
+and the command line's spelling rule.
 """
 
 from __future__ import annotations
