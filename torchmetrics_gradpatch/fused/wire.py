@@ -103,7 +103,7 @@ INLINE_MAX = 64 * 1024
 #: The smallest non-zero inline capacity (a few states' description and data).
 INLINE_MIN = 256
 #: How many of a group's recent exchanges the capacity follows.
-WINDOW = 8
+WINDOW = 32
 _HEAD_BYTES = 8 * HEADER_WORDS
 
 KIND_TENSOR = 0
