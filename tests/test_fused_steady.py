@@ -149,3 +149,24 @@ def test_metric_forward_with_sync_on_step_costs_one_collective() -> None:
     costs one collective."""
     for counts in run_ranks(_forward, 2, timeout=90):
         assert counts == [2, 1, 1, 1], counts
+
+
+def _after_an_error(rank: int, world_size: int) -> None:
+    import torchmetrics_gradpatch as tg
+    from torchmetrics import MeanMetric, MetricCollection, SumMetric
+
+    from torchmetrics_gradpatch import FusedSyncError
+
+    assert step(rank, rows=4 + rank) == 2 and step(rank, rows=4 + rank) == 1
+    members = {"a": SumMetric(), "b": MeanMetric()} if rank == 1 else {"a": SumMetric()}
+    collection = MetricCollection(members)  # rank 1 holds another member set
+    collection.update(torch.tensor(float(rank)))
+    with tg.patched(sync="fused"), pytest.raises(FusedSyncError, match="collections of different sizes"):
+        collection.compute()
+    assert step(rank, rows=4 + rank) == 1, "the failed exchange left the ranks' capacities apart"
+    assert step(rank, rows=600 + rank) == 2 and step(rank, rows=600 + rank) == 1
+
+
+@pytest.mark.parametrize("world_size", worlds(2, 3))
+def test_an_exchange_that_raises_keeps_the_ranks_in_step(world_size: int) -> None:
+    run_ranks(_after_an_error, world_size, timeout=90)

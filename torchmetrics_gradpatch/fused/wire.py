@@ -90,7 +90,7 @@ __all__ = [
     "words_of",
 ]
 
-FORMAT = 0x7467_6673_0004  # "tgfs", format 4: a rank running another format is told so, not misread
+FORMAT = 0x7467_6673_0004  # "tgfs", format 4: a rank running another format of this header size is told so
 HEADER_WORDS = 10  # 80 bytes: a multiple of ALIGN, so an inline payload's pieces can be viewed in place
 SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PLAN, CHUNK, CAPACITY = 2, 3, 4, 5, 6, 7, 8  # a header row's words
 FLAG_GRAD_MODE = 1
