@@ -152,9 +152,9 @@ def test_metric_forward_with_sync_on_step_costs_one_collective() -> None:
 
 
 def _after_an_error(rank: int, world_size: int) -> None:
-    import torchmetrics_gradpatch as tg
     from torchmetrics import MeanMetric, MetricCollection, SumMetric
 
+    import torchmetrics_gradpatch as tg
     from torchmetrics_gradpatch import FusedSyncError
 
     assert step(rank, rows=4 + rank) == 2 and step(rank, rows=4 + rank) == 1
