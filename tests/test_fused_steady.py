@@ -170,3 +170,33 @@ def _after_an_error(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", worlds(2, 3))
 def test_an_exchange_that_raises_keeps_the_ranks_in_step(world_size: int) -> None:
     run_ranks(_after_an_error, world_size, timeout=90)
+
+
+def test_the_capacity_rule() -> None:
+    """The capacity from a group's record: the largest payload of the last WINDOW exchanges rounded up to a power of
+    two, at least INLINE_MIN, none from exchanges over INLINE_MAX; the description words likewise. A key that takes
+    no weak reference (a tuple here; a process group on some torch versions) is kept in a plain dictionary."""
+    from tests._patch_state import forget_capacities
+
+    def row(size: int, words: int) -> list[int]:
+        header = [0] * wire.HEADER_WORDS
+        header[1], header[wire.SIZE], header[wire.SIZE_REDUCED] = words, size + 4096, size
+        return header
+
+    group = ("a group",)
+    try:
+        assert wire.capacity(group) == wire.Capacity(0, 0)
+        wire.agree(group, [row(100, 6), row(90, 20)])  # the largest of every rank's: 100 bytes, 20 words
+        assert wire.capacity(group) == wire.Capacity(wire.INLINE_MIN, 32)
+        wire.agree(group, [row(1025, 6), row(wire.INLINE_MAX + 1, 6)])  # over the largest capacity: not counted
+        assert wire.capacity(group) == wire.Capacity(wire.INLINE_MIN, 32)
+        wire.agree(group, [row(1025, 6)])
+        assert wire.capacity(group) == wire.Capacity(2048, 32)
+        assert wire.capacity(("another group",)) == wire.Capacity(0, 0)
+        for _ in range(wire.WINDOW - 1):
+            wire.agree(group, [row(16, 2)])
+        assert wire.capacity(group) == wire.Capacity(2048, 8)  # the 1025-byte exchange is the oldest one kept
+        wire.agree(group, [row(16, 2)])
+        assert wire.capacity(group) == wire.Capacity(wire.INLINE_MIN, 2)
+    finally:
+        forget_capacities()
