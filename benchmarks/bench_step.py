@@ -1,6 +1,7 @@
 """A DDP training step whose loss is a MetricCollection: torchmetrics' own sync, per-member fused, one exchange.
 
     python benchmarks/bench_step.py [--world-sizes 2 4 8] [--modes local global] [--rounds 5] [--steps 8]
+                                    [--plot PATH]
     python benchmarks/bench_step.py --quick     # a smoke test of the script (the figures mean nothing)
 
 The loop, on every rank (gloo on loopback, one intra-op thread, ranks started by ``benchmarks/_ranks.py``): a small
@@ -20,7 +21,8 @@ loss; backward, an SGD step. Arms, in rotating order from round to round, each `
 Reported per arm: the collectives per step on the default group (its sequence number: forward + backward), the
 median step time (the slowest rank's), the metrics' time (the step time less the ``no metrics`` arm's, per round)
 and its share of the step, and the median of the per-round ratios of the metrics' time to torchmetrics' arm with
-a distribution-free 95% confidence interval. It imports nothing from ``tests/``.
+a distribution-free 95% confidence interval. ``--plot`` draws the metrics' time against the world size, a panel
+per mode (matplotlib). It imports nothing from ``tests/``.
 """
 
 from __future__ import annotations
@@ -155,12 +157,40 @@ def as_text(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict[str, Any], path: str) -> None:
+    """The metrics' time per step against the world size, one line per arm, one panel per gradient mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({key.split("/")[1] for key in result["runs"]}, key=["local", "global"].index)
+    worlds = sorted({int(key.split("/")[0]) for key in result["runs"]})
+    figure, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 3.6), squeeze=False)
+    for axis, mode in zip(axes[0], modes, strict=True):
+        for arm, style in zip(ARMS[1:], ("o-", "s--", "^-"), strict=True):
+            spent = []
+            for world_size in worlds:
+                row = result["runs"][f"{world_size}/{mode}"]["times"]
+                spent.append(1e3 * statistics.median(t - b for t, b in zip(row[arm], row["no metrics"], strict=True)))
+            axis.plot(worlds, spent, style, label=arm)
+        axis.set(xlabel="ranks", ylabel="metrics' ms per step (median)", title=f"{mode} mode")
+        axis.set_xticks(worlds)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    axes[0][-1].legend()
+    figure.suptitle(f"MetricCollection loss in a DDP step, gloo (torch {result['torch']})", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, metadata={"Date": None})  # no timestamp: the same run draws the same file
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--modes", nargs="+", default=["local", "global"], choices=["local", "global"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--plot", metavar="PATH", help="also draw the figure (needs matplotlib)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -182,6 +212,9 @@ def main() -> None:
     }
     result["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
     print(as_text(result))
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

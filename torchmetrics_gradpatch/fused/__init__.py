@@ -53,7 +53,9 @@ def _uninstall_collection() -> None:
 def _collection_sites() -> tuple[str, ...]:
     from torchmetrics_gradpatch.fused import collection, step
 
-    sites = ("torchmetrics.MetricCollection.compute (one exchange per collection)",) if collection.installed() else ()
+    sites: tuple[str, ...] = (
+        ("torchmetrics.MetricCollection.compute (one exchange per collection)",) if collection.installed() else ()
+    )
     if step.installed():
         sites += ("torchmetrics.MetricCollection.forward (one exchange per collection step)",)
     return sites
