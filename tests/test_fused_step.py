@@ -108,6 +108,10 @@ def mix(seed: int) -> dict[str, dict[str, Any]]:
     return {name: {"dist_sync_on_step": i == 0 or rng.random() < 0.8} for i, name in enumerate(names)}
 
 
+#: seeds whose mixes, together, have every member of the pool join and members of both forward paths opt out
+SEEDS = (0, 1, 3, 5)
+
+
 def build(members: dict[str, dict[str, Any]]) -> MetricCollection:
     return MetricCollection({name: POOL[name][0](**kwargs) for name, kwargs in members.items()}, compute_groups=False)
 
@@ -135,10 +139,12 @@ def states(metrics: MetricCollection) -> dict[str, Any]:
 def alike(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(alike(a[k], b[k]) for k in a)
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(map(alike, a, b))
+    if isinstance(a, torch.Tensor) or (isinstance(a, list) and all(isinstance(x, torch.Tensor) for x in a)):
+        return same(a, b)
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(map(alike, a, b))
-    if isinstance(a, torch.Tensor):
-        return same(a, b)
     return bool(a == b) and type(a) is type(b)
 
 
@@ -335,6 +341,30 @@ def _changes_between_ranks(rank: int, world_size: int) -> None:
     assert alike(states(fused), states(expected))
 
 
+class RowsSquared(Rows):
+    """The same states as :class:`Rows` (a compute group with it), another value."""
+
+    def compute(self) -> torch.Tensor:
+        return super().compute() ** 2 / 7
+
+
+def _compute_group(rank: int, world_size: int) -> None:
+    """Members of a named compute group: each sends its own batch states, the values are torchmetrics'."""
+    results = {}
+    for sync in ("torchmetrics", "fused"):
+        metrics = MetricCollection(
+            {"rows": Rows(dist_sync_on_step=True), "squared": RowsSquared(dist_sync_on_step=True)},
+            compute_groups=[["rows", "squared"]],
+        )
+        with tg.patched(sync=sync), exchanges() as seen:
+            values = [metrics(*batch(rank, 11, k)) for k in range(2)]
+            metrics.update(*batch(rank, 11, 2))  # the first update() links the group's states
+            values.append(metrics(*batch(rank, 11, 3)))
+            results[sync] = (values, states(metrics), metrics.compute(), len(seen))
+    # three steps and the epoch's compute(), one exchange each
+    assert alike(results["fused"][:3], results["torchmetrics"][:3]) and results["fused"][3] == 4
+
+
 def _under_torch_compile(rank: int, world_size: int) -> None:
     refusal = dynamo_refusal()
     if refusal is not None:
@@ -354,8 +384,9 @@ def _under_torch_compile(rank: int, world_size: int) -> None:
 def _step_cases(rank: int, world_size: int) -> None:
     for mode in ("local", "global"):
         _five_member_loss(rank, world_size, mode)
-        for seed in range(4):
+        for seed in SEEDS:
             _random_mixes_bit_identical(rank, world_size, mode, seed)
+    _compute_group(rank, world_size)
     _opt_outs_sync_as_today(rank, world_size)
     _changes_between_ranks(rank, world_size)
     if world_size == 2:
@@ -365,6 +396,12 @@ def _step_cases(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", worlds(2, 3))
 def test_collection_steps_in_one_exchange_bit_identical(world_size: int) -> None:
     run_ranks(_step_cases, world_size, timeout=240)
+
+
+def test_the_seeded_mixes_cover_the_pool() -> None:
+    joined = {name for seed in SEEDS for name, kwargs in mix(seed).items() if kwargs["dist_sync_on_step"]}
+    left_out = {name for seed in SEEDS for name, kwargs in mix(seed).items() if not kwargs["dist_sync_on_step"]}
+    assert joined == set(POOL) and {"mse", "pearson", "rows"} <= left_out  # both forward paths opt out
 
 
 def test_without_a_process_group_forward_is_torchmetrics_own() -> None:
