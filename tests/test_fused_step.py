@@ -389,13 +389,16 @@ def _step_cases(rank: int, world_size: int) -> None:
     _compute_group(rank, world_size)
     _opt_outs_sync_as_today(rank, world_size)
     _changes_between_ranks(rank, world_size)
-    if world_size == 2:
-        _under_torch_compile(rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", worlds(2, 3))
 def test_collection_steps_in_one_exchange_bit_identical(world_size: int) -> None:
     run_ranks(_step_cases, world_size, timeout=240)
+
+
+@pytest.mark.compile
+def test_forward_under_torch_compile_runs_one_exchange_behind_a_graph_break() -> None:
+    run_ranks(_under_torch_compile, 2, timeout=120)
 
 
 def test_the_seeded_mixes_cover_the_pool() -> None:
