@@ -28,15 +28,15 @@ each step, gradients (local and global mode, one backward node for the whole exc
 too when it syncs on step (torchmetrics sends every ``dist_sync_on_step`` member through
 ``_forward_full_state_update``); one that does not sync on step runs its own ``forward``, either path, unchanged.
 
-A member opts out, and runs its own ``forward`` as today (its own fused sync of one Metric), when it does not sync
-on step (``dist_sync_on_step=False``), overrides ``forward`` or ``_forward_full_state_update``, has forward
-pre-hooks, syncs with a ``dist_sync_fn`` or process group of its own, overrides ``_sync_dist``, is not distributed
-(its ``distributed_available_fn``) or is synced already (its ``forward`` raises). The decision travels in the
-exchange's member table: ranks that disagree, or hold other members, raise the same
-:class:`~torchmetrics_gradpatch.FusedSyncError` after the same collectives, and every joining member is put back
-as after its update of this batch (its accumulated states kept, no batch value). A rank where no member joins
-runs no exchange, as torchmetrics' own ``forward`` issues no collective there; ranks of which some have a member
-to sync and others none wait on each other, as they do under torchmetrics' own sync.
+A member opts out, and runs its own ``forward`` as today (where it syncs through torchmetrics' gather, the fused
+sync of one Metric), when it does not sync on step (``dist_sync_on_step=False``), overrides ``forward`` or
+``_forward_full_state_update``, has forward pre-hooks, syncs with a ``dist_sync_fn`` or process group of its own,
+overrides ``_sync_dist``, is not distributed (its ``distributed_available_fn``) or is synced already (its
+``forward`` raises). The decision travels in the exchange's member table: ranks that disagree, or hold other
+members, raise the same :class:`~torchmetrics_gradpatch.FusedSyncError` after the same collectives, and every
+joining member is put back as after its update of this batch (its accumulated states kept, no batch value). A rank
+where no member joins runs no exchange, as torchmetrics' own ``forward`` issues no collective there; ranks of which
+some have a member to sync and others none wait on each other, as they do under torchmetrics' own sync.
 
 Compute groups: ``forward``'s ``reset()`` gives each member states of its own for the batch, so members of a
 compute group send their batch states apart (a group's shared state crosses once in ``compute()`` only). Under
