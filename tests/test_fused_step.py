@@ -82,14 +82,31 @@ class Rows(Metric):
         return self.sse / rows.shape[0] + 0.5 * self.largest + (order * rows**3).sum() / 10
 
 
+class Failing(Metric):
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.total = self.total + preds.sum()
+
+    def compute(self) -> torch.Tensor:
+        raise ValueError("a failing compute")
+
+
 def own_gather(result: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
     return gather_all_tensors(result, group)
 
 
+#: ``compute_with_cache=False`` where torchmetrics has it (1.0 on)
+NO_CACHE = {"compute_with_cache": False} if hasattr(MeanAbsoluteError(), "compute_with_cache") else {}
+
 #: name -> (maker, whether its value is differentiable: it goes into the loss)
 POOL: dict[str, tuple[Callable[..., Metric], bool]] = {
     "mse": (MeanSquaredError, True),
-    "mae": (MeanAbsoluteError, True),
+    "mae": (lambda **kw: MeanAbsoluteError(**NO_CACHE, **kw), True),
     "ev": (ExplainedVariance, True),
     "r2": (R2Score, True),
     "pearson": (PearsonCorrCoef, True),  # full_state_update=True
@@ -331,6 +348,22 @@ def _changes_between_ranks(rank: int, world_size: int) -> None:
                     {n: getattr(metric, n) for n in metric._defaults}, {n: getattr(other, n) for n in other._defaults}
                 ), (case, key)
                 assert not metric._is_synced and metric._update_count == 1
+    # a member whose compute() fails after the exchange: every member as after its update of this batch
+    metrics, plain = (
+        MetricCollection(
+            {"a": Sum(dist_sync_on_step=True), "f": Failing(dist_sync_on_step=True), "b": Rows(dist_sync_on_step=True)},
+            compute_groups=False,
+        )
+        for _ in "ab"
+    )
+    plain.update(*batch(rank, 6, 0))
+    with tg.patched(sync="fused"), pytest.raises(ValueError, match="a failing compute"):
+        metrics(*batch(rank, 6, 0))
+    assert alike(
+        {k: {n: getattr(m, n) for n in m._defaults} for k, m in metrics.items(keep_base=True, copy_state=False)},
+        {k: {n: getattr(m, n) for n in m._defaults} for k, m in plain.items(keep_base=True, copy_state=False)},
+    )
+    assert not any(m._is_synced for m in metrics.values(copy_state=False))
     # every rank changes dtype between steps; sizes change every step: torchmetrics' values
     expected, fused = (MetricCollection({"r": Rows(dist_sync_on_step=True), "m": MeanSquaredError()}) for _ in "ab")
     for metrics, sync in ((expected, "torchmetrics"), (fused, "fused")):

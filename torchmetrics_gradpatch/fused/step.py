@@ -75,6 +75,7 @@ class _Pending:
     compute_on_cpu: bool
     cache: dict[str, Any]
     reduce: Callable[[], None] | None = field(default=None)
+    finished: bool = False
 
     @classmethod
     def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any], copies: bool) -> _Pending:
@@ -108,6 +109,7 @@ class _Pending:
             del metric._sync_dist
         self.restore()
         metric._forward_cache = batch_val
+        self.finished = True
         return batch_val
 
     def restore(self) -> None:
@@ -187,6 +189,11 @@ def _forward(original: Callable[..., Any], collection: Any, *args: Any, **kwargs
                         each.hooks[name] = getattr(each.metric, name)
                         setattr(each.metric, name, type(each.hooks[name])())
         return original(collection, *args, **kwargs)
+    except BaseException:
+        for begun in pending.values():
+            if not begun.finished:
+                begun.restore()  # a member's compute() failed: the others as after their update of this batch
+        raise
     finally:
         for each in stood_in:
             del each.metric.forward
