@@ -37,10 +37,11 @@ from torchmetrics_gradpatch import _engine, gather_all_tensors, patched
 SUBGROUP = [0, 2]
 # all_to_all_single calls issued by one backward of each Metric case (one per state that carries a graph)
 BACKWARD_GATHERS = {"collection": 2, "many_states": 3}
-# Metric syncs of each case (a collection syncs each member) where the fused sync is in force
-# (TORCHMETRICS_GRADPATCH_SYNC=fused): one exchange each (two all_gathers for the group's first, one or two after
-# it), the same in both modes, and one backward all_to_all_single each, whatever its number of states
-FUSED_SYNCS = {"collection": 2}
+# Metric syncs of each case where the fused sync is in force (TORCHMETRICS_GRADPATCH_SYNC=fused; a collection's
+# forward syncs its members in one exchange): one exchange each (two all_gathers for the group's first, one or two
+# after it), the same in both modes, and one backward all_to_all_single each, whatever its number of states and
+# members
+FUSED_SYNCS: dict[str, int] = {}
 
 
 def test_global_collectives_helper() -> None:

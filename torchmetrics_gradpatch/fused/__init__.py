@@ -5,10 +5,11 @@
 one collective per Metric when its layout is steady (two after a change) instead of two or three per state, the
 same values bit for bit, and one :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank where ranks hold
 states of different structure (where torchmetrics' own sync can hang). While it is the strategy in force,
-``MetricCollection.compute()`` syncs every member in one exchange (:mod:`torchmetrics_gradpatch.fused.collection`).
+``MetricCollection.compute()`` syncs every member in one exchange (:mod:`torchmetrics_gradpatch.fused.collection`),
+and so does a collection's ``forward`` for every member that syncs on step (:mod:`torchmetrics_gradpatch.fused.step`).
 
 Importing this package registers the strategy and imports neither torch nor torchmetrics; the modules that do
-(``sync``, ``wire``, ``grad``, ``collection``) load on the first sync. Every rank of a group must use the same
+(``sync``, ``wire``, ``grad``, ``collection``, ``step``) load on the first sync. Every rank of a group must use the same
 strategy (docs/fused-sync.md).
 """
 
@@ -37,21 +38,28 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
 
 
 def _install_collection() -> None:
-    from torchmetrics_gradpatch.fused import collection
+    from torchmetrics_gradpatch.fused import collection, step
 
     collection.install()
+    step.install()
 
 
 def _uninstall_collection() -> None:
-    from torchmetrics_gradpatch.fused import collection
+    from torchmetrics_gradpatch.fused import collection, step
 
+    step.uninstall()
     collection.uninstall()
 
 
 def _collection_sites() -> tuple[str, ...]:
-    from torchmetrics_gradpatch.fused import collection
+    from torchmetrics_gradpatch.fused import collection, step
 
-    return ("torchmetrics.MetricCollection.compute (one exchange per collection)",) if collection.installed() else ()
+    sites: tuple[str, ...] = (
+        ("torchmetrics.MetricCollection.compute (one exchange per collection)",) if collection.installed() else ()
+    )
+    if step.installed():
+        sites += ("torchmetrics.MetricCollection.forward (one exchange per collection step)",)
+    return sites
 
 
 _syncs.register(

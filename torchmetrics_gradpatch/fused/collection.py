@@ -46,6 +46,7 @@ _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it
 
 # Why a member does or does not join the exchange; sent by every rank, so they agree or all raise.
 JOINS, NO_SYNC, OWN_SYNC_FN, OWN_GROUP, OWN_SYNC_DIST, NOT_DISTRIBUTED, SYNCED, NOT_A_METRIC = range(8)
+NO_STEP_SYNC, OWN_FORWARD, PRE_HOOKS = range(8, 11)  # a step's own reasons (forward, fused.step)
 _HOW = {
     JOINS: "joins the collection's exchange",
     NO_SYNC: "does not sync on compute (sync_on_compute=False)",
@@ -55,21 +56,37 @@ _HOW = {
     NOT_DISTRIBUTED: "is not distributed (its distributed_available_fn)",
     SYNCED: "is synced already",
     NOT_A_METRIC: "is not a torchmetrics Metric",
+    NO_STEP_SYNC: "does not sync on step (dist_sync_on_step=False)",
+    OWN_FORWARD: "overrides forward",
+    PRE_HOOKS: "has forward pre-hooks",
 }
 _MEMBER_WORDS = 3  # per member in the table: fingerprint, how, needs; then its slot references
 
 
-def _how(metric: Any) -> int:
-    """Whether ``metric`` joins the exchange, else why not: the same tests its own ``compute()`` makes, in order."""
+def _how(metric: Any, on_step: bool = False) -> int:
+    """Whether ``metric`` joins the exchange, else why not: the same tests its own ``compute()`` makes, in order
+    (``on_step``: its ``forward``'s, where the batch states sync when ``dist_sync_on_step`` is set)."""
     import torch.distributed as dist
     import torchmetrics.utilities.distributed as tm_distributed
     from torchmetrics import Metric
 
     if not isinstance(metric, Metric):
         return NOT_A_METRIC
-    if not metric._to_sync:
+    if on_step:
+        if metric._is_synced:
+            return SYNCED  # its forward() raises "shouldn't be synced", as today
+        if not metric.dist_sync_on_step:
+            return NO_STEP_SYNC
+        cls = type(metric)
+        if cls.forward is not Metric.forward or (
+            cls._forward_full_state_update is not Metric._forward_full_state_update
+        ):
+            return OWN_FORWARD  # the step runs torchmetrics' own forward in two halves (fused.step)
+        if metric._forward_pre_hooks:
+            return PRE_HOOKS  # they run when the member is called, after its batch was updated
+    elif not metric._to_sync:
         return NO_SYNC
-    if metric._is_synced:
+    elif metric._is_synced:
         return SYNCED  # its compute() raises "already synced", as today
     available = metric.distributed_available_fn
     if not (callable(available) and available()):
@@ -206,12 +223,21 @@ def _prepare(
     return slots, states, fs.outgoing(slots, table, placement), agreed
 
 
-def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
+def sync_members(
+    members: list[tuple[str, Any]],
+    mode: str,
+    hows: list[int] | None = None,
+    set_synced: Callable[[Any, Callable[[], None]], None] | None = None,
+) -> list[Any]:
     """The one exchange over the default group: set the synced states of every member that joins and needs it.
 
     A collective among the ranks that have a member to sync: a rank where no member joins, or every joining member
     holds a cached result, returns at once and issues none, as torchmetrics' own ``compute()`` would. Returns the
     members now synced (each through its own ``sync()``: ``_is_synced`` set, its local states in its cache).
+
+    ``hows``: whether each member joins, else why not (default: :func:`_how` for ``compute()``); ``set_synced``:
+    what is done with each synced member and the function that sets its synced states (default: its own
+    ``sync()`` runs it, :func:`_set_synced`).
     """
     import torch
     import torch.distributed as dist
@@ -221,7 +247,8 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
     from torchmetrics_gradpatch.fused import transit
     from torchmetrics_gradpatch.fused import wire as fp
 
-    hows = [_how(metric) for _, metric in members]
+    hows = [_how(metric) for _, metric in members] if hows is None else hows
+    apply = _set_synced if set_synced is None else set_synced
     if not any(how == JOINS and metric._computed is None for how, (_, metric) in zip(hows, members, strict=True)):
         return []  # nothing here needs a peer (a rank logging alone, say): no collective, so no rank waits alone
     group = dist.group.WORLD
@@ -263,7 +290,7 @@ def sync_members(members: list[tuple[str, Any]], mode: str) -> list[Any]:
             metric = members[i][1]
             per_rank = [[synced[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
             values = [(got.reduced or {}).get(ref) for ref in tables[rank][i][3]]
-            _set_synced(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values))
+            apply(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values))
             done.append(metric)
     except BaseException:
         for metric in done:

@@ -1,0 +1,233 @@
+"""One exchange per ``MetricCollection`` step: under the fused sync, ``forward`` syncs its step-syncing members at once.
+
+:func:`install` replaces the class attribute ``torchmetrics.MetricCollection.forward`` (on every torchmetrics line
+from 0.11 to 1.9 it calls each member as ``m(*args, **m._filter_kwargs(**kwargs))`` and builds the result dict);
+:func:`uninstall` puts the very same object back. While the engine's effective sync is ``"fused"`` and a process
+group is up, the replacement runs torchmetrics' own ``Metric._forward_full_state_update`` (the path every member
+with ``dist_sync_on_step=True`` takes) in two halves around one exchange:
+
+1. for each member that joins, in the collection's order: the lines before ``batch_val = self.compute()`` (the
+   update on the accumulated states, the flags, the saved states, ``reset()``, the update on the batch alone);
+2. one exchange of every joining member's batch states (:func:`torchmetrics_gradpatch.fused.collection.sync_members`,
+   the exchange ``compute()`` uses: the member table and every state, over the default group);
+3. torchmetrics' own collection ``forward``, with each joining member's ``forward`` standing in (an instance
+   attribute, for this one call) for the lines from ``compute()`` on: its own ``compute()`` runs, and its own
+   ``sync()`` sets the synced batch states through a ``_sync_dist`` that applies the exchange's result; then the
+   saved states, ``_update_count`` and flags are restored and ``_forward_cache`` set, as torchmetrics does.
+
+A member that does not join runs its own ``forward`` (and its hooks) in step 1, at its place in the collection's
+order, and step 3 collects its result. Every update therefore runs in torchmetrics' order, which keeps gradients
+bit for bit: backward sums the gradients an input gets from several members in the order their graphs were made.
+
+Why two halves and not each member's own ``forward`` with its sync recorded: a member's ``compute()`` goes on
+with its synced states the moment its sync returns, so one exchange for all needs every member's batch states
+before any member computes. The halves are torchmetrics' lines, the same on every line but one (the saved states
+are ``_copy_state_dict()`` from 1.4 on, the state objects themselves before), so forward values, the states after
+each step, gradients (local and global mode, one backward node for the whole exchange) and the epoch-end
+``compute()`` are torchmetrics' own, bit for bit. A member whose ``full_state_update`` is false takes this path
+too when it syncs on step (torchmetrics sends every ``dist_sync_on_step`` member through
+``_forward_full_state_update``); one that does not sync on step runs its own ``forward``, either path, unchanged.
+
+A member opts out, and runs its own ``forward`` as today (where it syncs through torchmetrics' gather, the fused
+sync of one Metric), when it does not sync on step (``dist_sync_on_step=False``), overrides ``forward`` or
+``_forward_full_state_update``, has forward pre-hooks, syncs with a ``dist_sync_fn`` or process group of its own,
+overrides ``_sync_dist``, is not distributed (its ``distributed_available_fn``) or is synced already (its
+``forward`` raises). The decision travels in the exchange's member table: ranks that disagree, or hold other
+members, raise the same :class:`~torchmetrics_gradpatch.FusedSyncError` after the same collectives, and every
+joining member is put back as after its update of this batch (its accumulated states kept, no batch value). A rank
+where no member joins runs no exchange, as torchmetrics' own ``forward`` issues no collective there; ranks of which
+some have a member to sync and others none wait on each other, as they do under torchmetrics' own sync.
+
+Compute groups: ``forward``'s ``reset()`` gives each member states of its own for the batch, so members of a
+compute group send their batch states apart (a group's shared state crosses once in ``compute()`` only). Under
+``torch.compile`` the whole of it runs behind one graph break.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchmetrics_gradpatch import _compile, _engine
+from torchmetrics_gradpatch._site import Site
+
+__all__ = ["install", "installed", "uninstall"]
+
+_MARK = "__torchmetrics_gradpatch_step__"  # set on our replacement, so it is told apart from another tool's
+
+
+def _copies_states() -> bool:
+    """Whether this torchmetrics' forward saves the accumulated states as copies (``_copy_state_dict``, 1.4 on)."""
+    import torchmetrics
+    from packaging.version import Version
+
+    return Version(torchmetrics.__version__).release >= (1, 4)
+
+
+@dataclass
+class _Pending:
+    """A member between the two halves of torchmetrics' ``_forward_full_state_update``: what the first saved."""
+
+    metric: Any
+    update_count: int
+    compute_on_cpu: bool
+    cache: dict[str, Any]
+    reduce: Callable[[], None] | None = field(default=None)
+    finished: bool = False
+
+    @classmethod
+    def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any], copies: bool) -> _Pending:
+        """torchmetrics' lines up to ``batch_val = self.compute()``."""
+        metric.update(*args, **kwargs)  # global accumulation
+        update_count = metric._update_count
+        metric._to_sync = metric.dist_sync_on_step
+        metric._should_unsync = False  # the states are restored below, not by compute()'s unsync
+        compute_on_cpu = metric.compute_on_cpu
+        metric.compute_on_cpu = False
+        cache = metric._copy_state_dict() if copies else {attr: getattr(metric, attr) for attr in metric._defaults}
+        metric._enable_grad = True  # allow grads for batch computation
+        metric.reset()
+        metric.update(*args, **kwargs)
+        return cls(metric, update_count, compute_on_cpu, cache)
+
+    def finish(self, *_: Any, **__: Any) -> Any:
+        """torchmetrics' lines from ``batch_val = self.compute()`` on, the sync being the exchange's result; stands
+        in for the member's ``forward`` (its arguments were used by :meth:`begin`)."""
+        metric = self.metric
+        reduce = self.reduce
+
+        def _sync_dist(dist_sync_fn: Any = None, process_group: Any = None) -> None:
+            if reduce is not None:
+                reduce()
+
+        metric._sync_dist = _sync_dist  # an instance attribute over the class's, for this one compute()
+        try:
+            batch_val = metric.compute()
+        finally:
+            del metric._sync_dist
+        self.restore()
+        metric._forward_cache = batch_val
+        self.finished = True
+        return batch_val
+
+    def restore(self) -> None:
+        """torchmetrics' "restore context" lines: the accumulated states, ``_update_count`` and the flags."""
+        metric = self.metric
+        for attr, val in self.cache.items():
+            setattr(metric, attr, val)
+        metric._update_count = self.update_count
+        metric._is_synced = False
+        metric._should_unsync = True
+        metric._to_sync = metric.sync_on_compute
+        metric._computed = None
+        metric._enable_grad = False
+        metric.compute_on_cpu = self.compute_on_cpu
+        if metric.compute_on_cpu:
+            metric._move_list_states_to_cpu()
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@dataclass
+class _Done:
+    """A member that ran its own ``forward`` (it opts out) in the collection's order: its result, and its hooks, put
+    aside while torchmetrics' collection ``forward`` calls it again to collect that result."""
+
+    metric: Any
+    result: Any
+    hooks: dict[str, Any] = field(default_factory=dict)
+
+    def finish(self, *_: Any, **__: Any) -> Any:
+        return self.result
+
+
+def _forward(original: Callable[..., Any], collection: Any, *args: Any, **kwargs: Any) -> Any:
+    """The collection's ``forward`` with one exchange for every member that joins (see the module docstring)."""
+    import torch.distributed as dist
+
+    from torchmetrics_gradpatch.fused import collection as fc
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return original(collection, *args, **kwargs)
+    members = [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)]
+    hows = [fc._how(metric, on_step=True) for _, metric in members]
+    if fc.JOINS not in hows:
+        return original(collection, *args, **kwargs)
+    copies = _copies_states()
+    pending: dict[int, _Pending] = {}
+    steps: list[_Pending | _Done] = []
+    try:
+        # in the collection's order, as torchmetrics runs them: every graph node is made in the same order, so the
+        # gradients of inputs that several members share are summed in the same order in backward
+        for (_, metric), how in zip(members, hows, strict=True):
+            filtered = metric._filter_kwargs(**kwargs)
+            if how == fc.JOINS:
+                pending[id(metric)] = _Pending.begin(metric, args, filtered, copies)
+                steps.append(pending[id(metric)])
+            else:
+                steps.append(_Done(metric, metric(*args, **filtered)))
+
+        def record(metric: Any, reduce: Callable[[], None]) -> None:
+            pending[id(metric)].reduce = reduce
+
+        fc.sync_members(members, _engine.effective_mode(), hows, record)
+    except BaseException:
+        for begun in pending.values():
+            begun.restore()  # each joining member as after its update of this batch
+        raise
+    stood_in: list[_Pending | _Done] = []
+    try:
+        for each in steps:
+            each.metric.forward = each.finish  # what Module.__call__ runs for this member now
+            stood_in.append(each)
+            if isinstance(each, _Done):  # its hooks ran with its own forward above
+                for name in _HOOKS:
+                    if getattr(each.metric, name, None):
+                        each.hooks[name] = getattr(each.metric, name)
+                        setattr(each.metric, name, type(each.hooks[name])())
+        return original(collection, *args, **kwargs)
+    except BaseException:
+        for begun in pending.values():
+            if not begun.finished:
+                begun.restore()  # a member's compute() failed: the others as after their update of this batch
+        raise
+    finally:
+        for each in stood_in:
+            del each.metric.forward
+            if isinstance(each, _Done):
+                for name, hooks in each.hooks.items():
+                    setattr(each.metric, name, hooks)
+
+
+def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _engine.effective_sync() != "fused":
+            return original(self, *args, **kwargs)
+        if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
+            return _compile.run_eagerly(functools.partial(_forward, original, self, *args, **kwargs))
+        return _forward(original, self, *args, **kwargs)
+
+    return forward
+
+
+_SITE = Site("torchmetrics.collections", "MetricCollection", "forward", _MARK, _replacement)
+
+
+def install() -> None:
+    """Replace ``MetricCollection.forward`` (now, or when ``torchmetrics.collections`` is imported); idempotent."""
+    _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
+    _SITE.install()
+
+
+def uninstall() -> None:
+    """Put torchmetrics' own ``MetricCollection.forward`` back (the same object); idempotent."""
+    _SITE.uninstall()
+
+
+def installed() -> bool:
+    """Whether ``torchmetrics.MetricCollection.forward`` currently is this package's replacement."""
+    return _SITE.installed()
