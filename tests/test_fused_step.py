@@ -38,9 +38,11 @@ from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch.fused import collection as fc
 from torchmetrics_gradpatch.fused import step
 
-#: What one exchange of the fused sync costs (the header and the payload). The step's own assertion is that the
-#: collection runs ONE exchange (counted at ``sync_members``) costing this, whatever the number of members.
-EXCHANGE_COLLECTIVES = 2
+#: What one exchange of the fused sync costs: one collective while the group's agreed capacity holds the payload
+#: (steady), two where it does not (a group's first exchange, a payload that grew). The step's own assertion is that
+#: the collection runs ONE exchange (counted at ``sync_members``) costing this, whatever the number of members.
+EXCHANGE_COLLECTIVES = (1, 2)
+STEADY = 1
 
 
 class Accuracy(BinaryAccuracy):
@@ -224,7 +226,7 @@ def _random_mixes_bit_identical(rank: int, world_size: int, mode: str, seed: int
     assert alike(got[3], expected[3]), members
     # one exchange per step for every step-syncing member; the others sync nothing on step
     assert got[5] == [1] * len(got[5]), got[5]
-    assert got[4] == [EXCHANGE_COLLECTIVES] * len(got[4]), (members, got[4], expected[4])
+    assert all(c in EXCHANGE_COLLECTIVES for c in got[4]), (members, got[4], expected[4])
 
 
 def _five_member_loss(rank: int, world_size: int, mode: str) -> None:
@@ -236,7 +238,9 @@ def _five_member_loss(rank: int, world_size: int, mode: str) -> None:
     got = run_steps(metrics, rank, 7, "fused", mode)
     assert alike(got[0], expected[0]) and alike(got[1], expected[1]) and alike(got[3], expected[3])
     assert all(same(a, b) for a, b in zip(got[2], expected[2], strict=True))
-    assert got[4] == [EXCHANGE_COLLECTIVES] * 3 and min(expected[4]) > 5 * EXCHANGE_COLLECTIVES, (got[4], expected[4])
+    # the states' sizes do not change from step to step: after the group's first exchange, one collective a step
+    assert got[4][0] in EXCHANGE_COLLECTIVES and got[4][1:] == [STEADY] * 2, got[4]
+    assert min(expected[4]) > 10 * max(got[4]), (got[4], expected[4])
     with tg.patched(mode=mode, sync="fused"):
         preds, target = batch(rank, 7, 5)
         leaf = preds.clone().requires_grad_()
@@ -288,8 +292,8 @@ def _opt_outs_sync_as_today(rank: int, world_size: int) -> None:
         before, before_group = calls(), calls(subgroup)
         result = fused(*batch(rank, 3, 1))
         count, group_count = calls() - before, calls(subgroup) - before_group
-    assert seen == [1] and count == EXCHANGE_COLLECTIVES + own_fn_calls, (seen, count, own_fn_calls)
-    assert group_count == EXCHANGE_COLLECTIVES  # its own group's member: the fused sync of one Metric
+    assert seen == [1] and count - own_fn_calls in EXCHANGE_COLLECTIVES, (seen, count, own_fn_calls)
+    assert group_count in EXCHANGE_COLLECTIVES  # its own group's member: the fused sync of one Metric
     assert alike(result, reference) and alike(states(fused), states(expected))
     destroy_subgroup(subgroup)
 
@@ -410,7 +414,7 @@ def _under_torch_compile(rank: int, world_size: int) -> None:
     with tg.patched(sync="fused"), exchanges() as seen:
         before = calls()
         result = compiled(*batch(rank, 4, 0))
-        assert calls() - before == EXCHANGE_COLLECTIVES and seen == [1]
+        assert calls() - before in EXCHANGE_COLLECTIVES and seen == [1]
     assert alike(result, reference)
 
 
