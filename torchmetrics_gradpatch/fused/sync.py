@@ -60,6 +60,7 @@ from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch.fused import grad as _fused_grad
+from torchmetrics_gradpatch.fused import large as _large
 from torchmetrics_gradpatch.fused import reduced as _reduced
 from torchmetrics_gradpatch.fused import transit
 from torchmetrics_gradpatch.fused import wire as fp
@@ -158,7 +159,7 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
         described = fp.State(fp.KIND_LIST, pieces, placeholder)
     else:
         tensors, described = [], fp.State(fp.KIND_OTHER, ())
-    return Local(attr, reduction, cat, value, tensors, described)
+    return Local(attr, reduction, cat, value, tensors, _large.mark(described, cat))
 
 
 def _prepare(metric: Any, stream_cpu: bool) -> list[Local]:
@@ -354,6 +355,7 @@ def complete(
     own = [s.tensors for s in slots]
     transit.receive_stream(got.gathered, own, got.slots, got.skip, rank, group, staging, chunk)
     got.reduced = _reduced.run(out.plan, slots, group, device, staging, chunk) if got.skip else {}
+    got.reduced.update(_large.run(got, slots, rank, group, device))
 
 
 def validate(name: str, states: list[Local], every: list[list[fp.State]]) -> None:
