@@ -1,27 +1,32 @@
-"""Large ``cat`` states: each crosses in one collective of its own, straight into the tensor the sync returns.
+"""Large ``cat`` states: they cross in one collective apart from the payload, straight into the tensors the sync
+returns.
 
 torchmetrics gathers a ``cat`` state into one padded buffer per rank and then concatenates them; the payload does
-the same through its receive buffers. Either way a rank holds the gathered states two or three times at the sync's
-peak. Here a large ``cat`` state costs one buffer of exactly the gathered size, which *is* the synced state:
+the same through its receive buffers (and gloo's ``all_gather`` copies through a flat buffer of the whole output
+besides). Either way a rank holds the gathered states two or three times at the sync's peak. Here the ``cat``
+states cost one buffer of their gathered size, and that buffer *is* the synced states:
 
-* **Which pieces** (:func:`mark`, on the sending rank, from its own state): the one tensor of a ``cat`` list state
-  (after torchmetrics' step 1) of at least :data:`LARGE_MIN_BYTES`, not the empty-list placeholder, of a dtype the
-  format carries, without a graph and not streamed. Its description says so (``separate``), and it is left out of
-  the payload. So every rank knows, from the exchanged descriptions alone, every piece that travels apart.
-* **One collective per slot** with a separate piece on any rank (:func:`run`, after validation, alike on every
-  rank): every rank writes its bytes at its offset into a zeroed buffer of the sum of every rank's bytes and the
-  ranks ``all_reduce`` it as integers (``SUM``: each byte is one rank's, the others add zero, so the bits arrive
-  exactly, whatever the dtype). No padding to the largest rank, no receive buffer per rank: gloo's ``all_gather``
-  copies through a flat buffer of the whole output, its ``all_reduce`` works in place on the one buffer.
-* **Concatenated in place**: where every rank's slot is the same ``cat`` state (same member table), no piece has a
-  graph or is streamed and the contributions agree in dtype and trailing sizes, the buffer holds the rank-ordered
-  concatenation of the holders' tensors (the same holders and placeholder rule as
-  :func:`torchmetrics_gradpatch.fused.sync.reduce`), so it is viewed as torchmetrics' ``dim_zero_cat`` result, bit
-  for bit, and set as the state. Otherwise only the separate pieces travel, each at an aligned offset, and are
-  viewed back as the pieces the payload would have carried (the ordinary step 3 follows).
+* **Which** (:func:`mark`, on the sending rank, from its own states): the one tensor of each ``cat`` list state
+  (after torchmetrics' step 1) that is not the empty-list placeholder, is not empty, has a dtype the format carries,
+  has no graph and is not streamed, when those tensors add up to :data:`LARGE_MIN_BYTES` or more on this rank.
+  Their descriptions say so (``separate``) and the payload leaves them out, so every rank knows from the exchanged
+  descriptions alone every piece that travels apart.
+* **One collective** (:func:`run`, after validation, alike on every rank; none where no rank marked a piece): a
+  zeroed buffer with a region per slot that some rank marked; every rank writes its own bytes there and the ranks
+  ``all_reduce`` it as int64 words. The ranks' bytes never overlap, so the sum carries nothing and every bit
+  arrives as its rank wrote it, whatever the dtype. No padding to the largest rank and no receive buffer per rank:
+  gloo's ``all_reduce`` works in place (its ``all_gather`` copies the whole output through a flat buffer).
+* **Concatenated in place**: where a slot is the same ``cat`` state on every rank (the same member table), no piece
+  of it has a graph or is streamed, and the ranks' tensors agree in dtype and trailing sizes, its region holds
+  every holder's tensor in rank order (the holders and placeholder rule of
+  :func:`torchmetrics_gradpatch.fused.sync.reduce`; a rank's unmarked tensor is written there too), so the region,
+  viewed as the dtype and shape, is torchmetrics' ``dim_zero_cat`` result bit for bit and is set as the state.
+  Otherwise only the marked pieces travel, each in an aligned region, viewed back as the pieces the payload would
+  have carried, and the ordinary step 3 follows.
 
-The cost: a ring ``all_reduce`` moves about twice the bytes of a gather per rank; for large states it is as fast
-as gloo's ``all_gather`` or faster (no copy through a flat buffer).
+So the ``cat`` states' part of a sync's peak is their gathered size plus at most 15 bytes of alignment per slot; the
+synced states share that one buffer's storage. The cost: a ring ``all_reduce`` moves about twice the bytes of a
+gather per rank; for states of megabytes it is as fast as gloo's ``all_gather`` or faster.
 """
 
 from __future__ import annotations
@@ -38,25 +43,30 @@ from torchmetrics_gradpatch.fused import wire as fp
 
 __all__ = ["LARGE_MIN_BYTES", "mark", "on_buffer", "run"]
 
-#: A ``cat`` state's tensor of at least this many bytes on some rank crosses in a collective of its own.
+#: Where this rank's ``cat`` states' tensors add up to at least this many bytes, they cross apart from the payload.
 LARGE_MIN_BYTES = 1 << 20
 
 #: Called with every buffer this module allocates (tests count the bytes a sync allocates beyond its result).
 on_buffer: Callable[[torch.Tensor], None] | None = None
 
-# the integer dtypes every backend sums (gloo has no int16)
-_WIDTHS = ((8, torch.int64), (4, torch.int32), (1, torch.uint8))
 
-
-def mark(described: fp.State, cat: bool) -> fp.State:
-    """``described`` with its piece marked separate where it is a large ``cat`` state's tensor (see the module
-    docstring); else as it is."""
-    if not cat or described.kind != fp.KIND_LIST or described.placeholder or len(described.pieces) != 1:
-        return described
+def _eligible(slot: Any) -> bool:
+    described = slot.described
+    if not slot.is_cat or described.kind != fp.KIND_LIST or described.placeholder or len(described.pieces) != 1:
+        return False
     piece = described.pieces[0]
-    if piece.dtype is None or piece.requires_grad or piece.streamed or piece.nbytes < max(1, LARGE_MIN_BYTES):
-        return described
-    return dataclasses.replace(described, pieces=(dataclasses.replace(piece, separate=True),))
+    return piece.dtype is not None and not piece.requires_grad and not piece.streamed and piece.nbytes > 0
+
+
+def mark(slots: Sequence[Any]) -> None:
+    """Mark the tensors of this rank's ``cat`` states separate, in ``slots`` (the fused sync's prepared states),
+    where together they reach :data:`LARGE_MIN_BYTES` (see the module docstring)."""
+    chosen = [slot for slot in slots if _eligible(slot)]
+    if sum(slot.described.pieces[0].nbytes for slot in chosen) < LARGE_MIN_BYTES:
+        return
+    for slot in chosen:
+        piece = dataclasses.replace(slot.described.pieces[0], separate=True)
+        slot.described = dataclasses.replace(slot.described, pieces=(piece,))
 
 
 def _cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -97,15 +107,16 @@ def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
     return buffer
 
 
-def _exchange(buffer: torch.Tensor, sizes: Sequence[int], group: Any) -> None:
-    """Every rank's bytes into every rank's ``buffer`` (each rank wrote its own, the rest is zero): one
-    ``all_reduce``, as the widest integers that every rank's bytes fill whole."""
-    as_int = next(t for w, t in _WIDTHS if all(n % w == 0 for n in sizes))
-    dist.all_reduce(buffer.view(as_int), dist.ReduceOp.SUM, group)
+def _exchange(buffer: torch.Tensor, group: Any) -> None:
+    """Every rank's bytes into every rank's ``buffer`` (each rank wrote its own, zeros elsewhere): one
+    ``all_reduce`` of the bytes as int64 words. The ranks' bytes never overlap, so no addition carries: each word
+    sums to the bits its writers put in, whatever the dtype and wherever a rank's bytes begin."""
+    dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, group)
 
 
 def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.device) -> dict[int, torch.Tensor]:
-    """After validation, alike on every rank: one collective per slot that has a separate piece on some rank.
+    """After validation, alike on every rank: one collective for every slot that has a separate piece on some rank
+    (none where no rank has one).
 
     ``got`` is the exchange (:class:`torchmetrics_gradpatch.fused.sync.Exchanged`), ``slots`` this rank's prepared
     slots. Returns the slots concatenated in place (slot index -> its synced value); the separate pieces of the
@@ -113,37 +124,39 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
     """
     every: list[list[fp.State]] = got.slots
     same_tables = all(table == got.tables[0] for table in got.tables)
-    values: dict[int, torch.Tensor] = {}
+    wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
+    places: list[tuple[int, int, int, int, fp.Piece]] = []  # rank, slot, position, offset, piece
+    writes: list[tuple[int, torch.Tensor]] = []  # this rank's bytes: offset, tensor
+    end = 0
     for s in range(max((len(states) for states in every), default=0)):
         described = [states[s] if s < len(states) else None for states in every]
         if not any(p.separate for d in described if d is not None for p in d.pieces):
             continue
         own = slots[s] if s < len(slots) else None
         whole = _concatenation(described, own, same_tables)
-        if whole is not None:
+        if whole is not None:  # the slot's region is the concatenation itself
             sizes, dtype, shape = whole
-            buffer = _allocate(sum(sizes), device)
-            at = sum(sizes[:rank])
             if sizes[rank]:
-                buffer[at : at + sizes[rank]].copy_(_bytes.as_bytes(own.tensors[0]))
-            _exchange(buffer, sizes, group)
-            values[s] = buffer.view(dtype).view(shape)
+                writes.append((end + sum(sizes[:rank]), own.tensors[0]))
+            wholes.append((s, end, sum(sizes), dtype, shape))
+            end += _bytes.aligned(sum(sizes))
             continue
-        # only the separate pieces, each at an aligned offset, viewed back where the payload would have put them
-        places: list[tuple[int, int, int, fp.Piece]] = []  # rank, position among its pieces, offset, piece
-        end = 0
-        for r, d in enumerate(described):
+        for r, d in enumerate(described):  # only the separate pieces, each where the payload would have put it
             known = [p for p in (d.pieces if d is not None else ()) if p.dtype is not None]
             for i, piece in enumerate(known):
                 if piece.separate:
-                    places.append((r, i, end, piece))
+                    if r == rank:
+                        writes.append((end, own.tensors[i]))
+                    places.append((r, s, i, end, piece))
                     end += _bytes.aligned(piece.nbytes)
-        buffer = _allocate(end, device)
-        for r, i, at, piece in places:
-            if r == rank:
-                buffer[at : at + piece.nbytes].copy_(_bytes.as_bytes(own.tensors[i]))
-        _exchange(buffer, [end], group)
-        for r, i, at, piece in places:
-            assert piece.dtype is not None  # known pieces only; for mypy
-            got.gathered[r][s][i] = buffer[at : at + piece.nbytes].view(piece.dtype).view(piece.shape)
-    return values
+    if end == 0:
+        return {}
+    buffer = _allocate(end, device)
+    for at, tensor in writes:
+        data = _bytes.as_bytes(tensor)
+        buffer[at : at + data.numel()].copy_(data)
+    _exchange(buffer, group)
+    for r, s, i, at, piece in places:
+        assert piece.dtype is not None  # known pieces only; for mypy
+        got.gathered[r][s][i] = buffer[at : at + piece.nbytes].view(piece.dtype).view(piece.shape)
+    return {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes}

@@ -159,7 +159,7 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
         described = fp.State(fp.KIND_LIST, pieces, placeholder)
     else:
         tensors, described = [], fp.State(fp.KIND_OTHER, ())
-    return Local(attr, reduction, cat, value, tensors, _large.mark(described, cat))
+    return Local(attr, reduction, cat, value, tensors, described)
 
 
 def _prepare(metric: Any, stream_cpu: bool) -> list[Local]:
@@ -203,6 +203,7 @@ def outgoing(slots: list[Local], table: list[int] | None = None, placement: list
     """This rank's description of ``slots`` (``table``: the words in front, the collection's member table), its
     payload layouts and its proposal of states to reduce (``placement``: which slots the members' states are, so
     that ranks whose members map to other slots do not agree on it)."""
+    _large.mark(slots)  # large cat states leave the payload
     described = [s.described for s in slots]
     words = fp.encode(described, table or ())
     start = 8 * len(words)
