@@ -125,9 +125,7 @@ def _large_cat_states(rank: int, world_size: int, case: str, extra: bool) -> Non
 
 @pytest.mark.parametrize("world_size", worlds(2, 3))
 @pytest.mark.parametrize("case", list(CASES))
-def test_large_cat_states_bit_identical_in_one_collective_no_byte_beyond_the_result(
-    world_size: int, case: str
-) -> None:
+def test_large_cat_states_bit_identical_in_one_collective_no_byte_beyond_the_result(world_size: int, case: str) -> None:
     run_ranks(_large_cat_states, world_size, case, case.startswith("one rank"), timeout=120)
 
 
@@ -184,3 +182,27 @@ def _collection_with_large_members(rank: int, world_size: int) -> None:
 
 def test_collection_with_large_members() -> None:
     run_ranks(_collection_with_large_members, 3, timeout=120)
+
+
+def _metric_sync_keeps_no_copy_of_the_states_sent_apart(rank: int, world_size: int) -> None:
+    spec = (
+        CASES["multi-dim int64 rows, several tensors per rank"]
+        + CASES["uneven float32 rows, one rank with an empty list"]
+    )
+    expected, fused = build(rank, spec, extra=True), build(rank, spec, extra=True)
+    local = {name: list(value) if isinstance(value, list) else value for name, value in states(fused).items()}
+    torchmetrics_sync(expected)
+    with threshold(THRESHOLD), tg.patched(sync="fused"):
+        fused.sync()
+        assert fused._is_synced and all(same(getattr(fused, k), v) for k, v in states(expected).items())
+        # the cache holds the local tensors themselves for the states sent apart, copies for the others
+        for name in ("c0", "c1"):
+            cached, held = fused._cache[name], local[name]
+            assert [c.untyped_storage().data_ptr() for c in cached] == [t.untyped_storage().data_ptr() for t in held]
+        assert fused._cache["total"].untyped_storage().data_ptr() != local["total"].untyped_storage().data_ptr()
+        fused.unsync()
+    assert all(same(getattr(fused, k), v) for k, v in local.items())
+
+
+def test_metric_sync_keeps_no_copy_of_the_states_sent_apart() -> None:
+    run_ranks(_metric_sync_keeps_no_copy_of_the_states_sent_apart, 3, timeout=120)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch.fused import wire as fp
 
-__all__ = ["LARGE_MIN_BYTES", "mark", "on_buffer", "run"]
+__all__ = ["LARGE_MIN_BYTES", "mark", "on_buffer", "release_cache", "run"]
 
 #: Where this rank's ``cat`` states' tensors add up to at least this many bytes, they cross apart from the payload.
 LARGE_MIN_BYTES = 1 << 20
@@ -69,6 +69,33 @@ def mark(slots: Sequence[Any]) -> None:
         slot.described = dataclasses.replace(slot.described, pieces=(piece,))
 
 
+def release_cache(metric: Any, slots: Sequence[Any]) -> None:
+    """Let ``metric.sync()``'s cache of the local states hold this rank's own tensors of the states sent apart,
+    instead of the copies it has just made, so those copies are freed before the sync allocates its buffer.
+
+    torchmetrics' ``sync()`` clones every local state into ``_cache`` right before it calls ``_sync_dist`` (which
+    is this sync), and ``unsync()`` sets the states back from it: the clones add this rank's share of the gathered
+    size to the sync's peak. A ``cat`` list's tensors are never changed in place by torchmetrics, so the cache holds
+    the same values through the tensors themselves (detached, as the clones are). Done only where the cache is
+    that fresh one (set while the Metric is not synced, ``unsync()`` and ``reset()`` clear it) and matches the
+    state tensor for tensor.
+    """
+    cache = getattr(metric, "_cache", None)
+    if not isinstance(cache, dict) or getattr(metric, "_is_synced", True):
+        return
+    for slot in slots:
+        if not any(piece.separate for piece in slot.described.pieces):
+            continue
+        current, cached = getattr(metric, slot.attr, None), cache.get(slot.attr)
+        if not (isinstance(current, list) and isinstance(cached, list) and len(current) == len(cached)):
+            continue
+        if all(
+            isinstance(c, torch.Tensor) and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
+            for c, t in zip(cached, current, strict=True)
+        ):
+            cache[slot.attr] = [t.detach() for t in current]
+
+
 def _cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """What ``torch.cat`` needs equal (0-d counts as 1-d; an empty 1-d tensor is skipped by it: ``None``)."""
     if not shape:
@@ -89,7 +116,7 @@ def _concatenation(
     if any(p.requires_grad or p.streamed or p.dtype is None for p in pieces):
         return None
     real = {r: d.pieces[0] for r, d in enumerate(described) if d is not None and d.pieces and not d.placeholder}
-    keys = {_cat_key(p.shape) for p in real.values()} - {None}
+    keys = {key for key in (_cat_key(p.shape) for p in real.values()) if key is not None}
     dtypes = {p.dtype for p in real.values()}
     if len(keys) != 1 or len(dtypes) != 1:
         return None
@@ -137,6 +164,7 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
         if whole is not None:  # the slot's region is the concatenation itself
             sizes, dtype, shape = whole
             if sizes[rank]:
+                assert own is not None  # this rank holds the slot; for mypy
                 writes.append((end + sum(sizes[:rank]), own.tensors[0]))
             wholes.append((s, end, sum(sizes), dtype, shape))
             end += _bytes.aligned(sum(sizes))
@@ -146,6 +174,7 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
             for i, piece in enumerate(known):
                 if piece.separate:
                     if r == rank:
+                        assert own is not None  # this rank holds the slot; for mypy
                         writes.append((end, own.tensors[i]))
                     places.append((r, s, i, end, piece))
                     end += _bytes.aligned(piece.nbytes)

@@ -429,6 +429,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         out = outgoing(states)
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         states, out, failure = [], outgoing([]), error
+    _large.release_cache(metric, states)  # sync()'s copies of the states sent apart are freed before their buffer
     flags = flags_of(states) | (fp.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
     with torch.no_grad():
         rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)

@@ -9,9 +9,9 @@ What one rank sends
   :mod:`torchmetrics_gradpatch.fused.reduced`) and its chunk size for CPU-held states.
 * A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
   :data:`ALIGN` so that it can be viewed back as its dtype in place. Left out: the states every rank agreed to
-  reduce (:func:`layout`'s ``skip``), *separate* pieces (large ``cat`` states, which cross in a collective of
-  their own: :mod:`torchmetrics_gradpatch.fused.large`), and *streamed* pieces: tensors held on the CPU while the exchange runs on a
-  device, which cross afterwards in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
+  reduce (:func:`layout`'s ``skip``), *separate* pieces (large ``cat`` states, which cross in a collective apart:
+  :mod:`torchmetrics_gradpatch.fused.large`), and *streamed* pieces: tensors held on the CPU while the exchange
+  runs on a device, which cross afterwards in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
 
 ``all_gather`` needs the same size on every rank, and a description's size depends on what the rank holds (list
 lengths, numbers of dimensions). So the fixed-size header goes first (collective 1) and tells every rank every
@@ -21,10 +21,10 @@ rank decides what to do next from the same gathered headers and descriptions.
 
 The description: ``[n, *table]`` (``n`` words a caller puts in front: the collection sync's member table; none
 for one Metric), the number of states, then per state ``[kind, placeholder, n_pieces]`` and per piece ``[dtype
-code, flags (requires_grad, streamed, separate), ndim, *shape]``. A tensor state is one piece; a list state is its elements.
-Dtype codes, sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on every rank
-even where a torch lacks some dtype; a dtype a buffer cannot carry is described as :data:`UNKNOWN_DTYPE` and
-refused on every rank.
+code, flags (requires_grad, streamed, separate), ndim, *shape]``. A tensor state is one piece; a list state is its
+elements. Dtype codes, sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on
+every rank even where a torch lacks some dtype; a dtype a buffer cannot carry is described as
+:data:`UNKNOWN_DTYPE` and refused on every rank.
 """
 
 from __future__ import annotations
