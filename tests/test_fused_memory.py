@@ -133,7 +133,8 @@ def _a_graph_keeps_the_state_on_the_pieces_path(rank: int, world_size: int, mode
     def make() -> Probe:
         metric = Probe({"c": ([], "cat")})
         data = values(rank, 1, (40 if rank == 0 else 3, 2), torch.float64)
-        metric.c = [data.requires_grad_(rank == 1)]  # rank 0's piece is large, rank 1's has a graph
+        # rank 0's tensors are large (two, joined in the buffer), rank 1's has a graph
+        metric.c = [data[:15], data[15:]] if rank == 0 else [data.requires_grad_()]
         return metric
 
     expected, baseline, fused = make(), make(), make()

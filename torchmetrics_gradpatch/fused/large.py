@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch.fused import wire as fp
+
+if TYPE_CHECKING:
+    from torchmetrics_gradpatch.fused.sync import Local
 
 __all__ = ["LARGE_MIN_BYTES", "mark", "on_buffer", "release_cache", "run"]
 
@@ -48,6 +51,48 @@ LARGE_MIN_BYTES = 1 << 20
 
 #: Called with every buffer this module allocates (tests count the bytes a sync allocates beyond its result).
 on_buffer: Callable[[torch.Tensor], None] | None = None
+
+
+def defer(attr: str, reduction: Any, value: list[Any], stream_cpu: bool) -> Local | None:
+    """Step 1 for a ``cat`` list of several tensors, deferred: the prepared state described as the one tensor
+    ``dim_zero_cat`` would make, its tensors not joined yet (``value`` keeps them; ``tensors`` holds a stand-in until
+    :func:`mark`); ``None`` where the tensors do not join as plain bytes (other dtypes or devices, a graph, other
+    trailing sizes, an empty 1-d tensor among others) and step 1 runs as torchmetrics does.
+
+    :func:`mark` joins them where the state stays in the payload; sent apart, each tensor is written into the
+    buffer in turn, so the rank never holds its own states joined besides the synced ones.
+    """
+    from torchmetrics_gradpatch.fused.sync import Local
+
+    if not all(isinstance(t, torch.Tensor) for t in value):
+        return None
+    first = value[0]
+    if (
+        not _bytes.plain(first.dtype)
+        or (stream_cpu and first.device.type == "cpu")
+        or any(t.requires_grad or t.dtype != first.dtype or t.device != first.device for t in value)
+    ):
+        return None
+    if all(t.ndim == 0 for t in value):
+        shape: tuple[int, ...] = (len(value),)
+    elif all(t.ndim >= 1 and t.shape[1:] == first.shape[1:] for t in value) and first.shape != (0,):
+        shape = (sum(t.shape[0] for t in value), *first.shape[1:])
+    else:
+        return None
+    described = fp.State(fp.KIND_LIST, (fp.Piece(first.dtype, shape, False),))
+    return Local(attr, reduction, True, value, [_DEFERRED], described)
+
+
+_DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is joined or sent apart
+
+
+def _deferred(slot: Any) -> bool:
+    return bool(slot.tensors) and slot.tensors[0] is _DEFERRED
+
+
+def _own(slot: Any) -> list[torch.Tensor]:
+    """This rank's tensors of a state sent apart, in the order they are written: the deferred list, or the one."""
+    return list(slot.value) if _deferred(slot) else [slot.tensors[0]]
 
 
 def _eligible(slot: Any) -> bool:
@@ -60,10 +105,17 @@ def _eligible(slot: Any) -> bool:
 
 def mark(slots: Sequence[Any]) -> None:
     """Mark the tensors of this rank's ``cat`` states separate, in ``slots`` (the fused sync's prepared states),
-    where together they reach :data:`LARGE_MIN_BYTES` (see the module docstring)."""
+    where together they reach :data:`LARGE_MIN_BYTES` (see the module docstring); join the deferred ones that are
+    not (:func:`defer`)."""
+    from torchmetrics.utilities.data import dim_zero_cat
+
     chosen = [slot for slot in slots if _eligible(slot)]
     if sum(slot.described.pieces[0].nbytes for slot in chosen) < LARGE_MIN_BYTES:
-        return
+        chosen = []
+    sent = {id(slot) for slot in chosen}
+    for slot in slots:  # step 1 completed for the deferred states that stay in the payload (in place: the
+        if _deferred(slot) and id(slot) not in sent:  # collection's member states share the list)
+            slot.tensors[:] = [dim_zero_cat(slot.value).contiguous()]
     for slot in chosen:
         piece = dataclasses.replace(slot.described.pieces[0], separate=True)
         slot.described = dataclasses.replace(slot.described, pieces=(piece,))
@@ -153,7 +205,7 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
     same_tables = all(table == got.tables[0] for table in got.tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
     places: list[tuple[int, int, int, int, fp.Piece]] = []  # rank, slot, position, offset, piece
-    writes: list[tuple[int, torch.Tensor]] = []  # this rank's bytes: offset, tensor
+    writes: list[tuple[int, list[torch.Tensor]]] = []  # this rank's bytes: offset, its tensors one after another
     end = 0
     for s in range(max((len(states) for states in every), default=0)):
         described = [states[s] if s < len(states) else None for states in every]
@@ -165,7 +217,7 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
             sizes, dtype, shape = whole
             if sizes[rank]:
                 assert own is not None  # this rank holds the slot; for mypy
-                writes.append((end + sum(sizes[:rank]), own.tensors[0]))
+                writes.append((end + sum(sizes[:rank]), _own(own)))
             wholes.append((s, end, sum(sizes), dtype, shape))
             end += _bytes.aligned(sum(sizes))
             continue
@@ -175,17 +227,21 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
                 if piece.separate:
                     if r == rank:
                         assert own is not None  # this rank holds the slot; for mypy
-                        writes.append((end, own.tensors[i]))
+                        writes.append((end, _own(own)))
                     places.append((r, s, i, end, piece))
                     end += _bytes.aligned(piece.nbytes)
     if end == 0:
         return {}
     buffer = _allocate(end, device)
-    for at, tensor in writes:
-        data = _bytes.as_bytes(tensor)
-        buffer[at : at + data.numel()].copy_(data)
+    for at, tensors in writes:
+        for tensor in tensors:
+            data = _bytes.as_bytes(tensor)
+            buffer[at : at + data.numel()].copy_(data)
+            at += data.numel()
     _exchange(buffer, group)
     for r, s, i, at, piece in places:
         assert piece.dtype is not None  # known pieces only; for mypy
         got.gathered[r][s][i] = buffer[at : at + piece.nbytes].view(piece.dtype).view(piece.shape)
+        if r == rank and _deferred(slots[s]):  # this rank's entry: its tensors as step 1 would have joined them
+            slots[s].tensors[:] = [got.gathered[r][s][i]]
     return {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes}
