@@ -12,8 +12,9 @@ payload`` (the fused sync with the large-state path off: every state in the one 
 Cases:
 
 * ``BinaryAUROC`` (``thresholds=None``: a float32 ``preds`` and an int64 ``target`` ``cat`` state) holding
-  ``--elements`` samples over all ranks, unevenly (rank ``r`` holds its share times ``0.9`` to ``1.1``), at every
-  world size; and at the second world size with one rank holding half of them.
+  ``--elements`` samples over all ranks, unevenly (rank ``r`` holds its share times ``0.9`` to ``1.1``) in one
+  batch, at every world size; at the second world size with one rank holding half of them; at the first, in 20
+  batches per rank (so each state is a list of 20 tensors, which torchmetrics joins before it gathers).
 * at the first world size, mixes: 200 small ``cat`` states and 100 small sum states in one Metric; a
   ``MetricCollection`` (``BinaryAUROC`` and ``BinaryAveragePrecision`` sharing their states, a ``CatMetric``,
   ``MeanSquaredError``) synced by the collection's one exchange against each member's own sync; a 1,000-class
@@ -50,7 +51,10 @@ def _fill(case: str, rank: int, world_size: int, elements: int) -> list[Any]:
         else:  # 0.9 to 1.1 times an even share
             n = int(elements / world_size * (0.9 + 0.2 * rank / max(1, world_size - 1)))
         metric = BinaryAUROC(thresholds=None, validate_args=False)
-        metric.update(torch.rand(n, generator=generator), torch.randint(0, 2, (n,), generator=generator))
+        batches = 20 if "batches" in case else 1
+        for k in range(batches):
+            m = n // batches + (n % batches if k == 0 else 0)
+            metric.update(torch.rand(m, generator=generator), torch.randint(0, 2, (m,), generator=generator))
         return [metric]
     if case == "200 small cat + 100 sum states":
 
@@ -151,6 +155,7 @@ def run(world_sizes: list[int], elements: int, quick: bool) -> list[dict[str, An
     if len(world_sizes) > 1:
         cases.append((world_sizes[1], "BinaryAUROC, one rank holds half", ARMS))
     w0 = world_sizes[0]
+    cases.append((w0, "BinaryAUROC, uneven, 20 batches per rank", ARMS))
     for case in ("200 small cat + 100 sum states", "MetricCollection (4 members, 2 sharing)", "confusion matrix 1000"):
         cases.append((w0, case, ("torchmetrics", "fused")))
     rows = []

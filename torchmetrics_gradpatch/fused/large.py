@@ -32,7 +32,7 @@ gather per rank; for states of megabytes it is as fast as gloo's ``all_gather`` 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +44,7 @@ from torchmetrics_gradpatch.fused import wire as fp
 if TYPE_CHECKING:
     from torchmetrics_gradpatch.fused.sync import Local
 
-__all__ = ["LARGE_MIN_BYTES", "mark", "on_buffer", "release_cache", "run"]
+__all__ = ["LARGE_MIN_BYTES", "defer", "mark", "on_buffer", "release_cache", "run", "sent_apart"]
 
 #: Where this rank's ``cat`` states' tensors add up to at least this many bytes, they cross apart from the payload.
 LARGE_MIN_BYTES = 1 << 20
@@ -121,31 +121,36 @@ def mark(slots: Sequence[Any]) -> None:
         slot.described = dataclasses.replace(slot.described, pieces=(piece,))
 
 
-def release_cache(metric: Any, slots: Sequence[Any]) -> None:
-    """Let ``metric.sync()``'s cache of the local states hold this rank's own tensors of the states sent apart,
-    instead of the copies it has just made, so those copies are freed before the sync allocates its buffer.
+def release_cache(metric: Any, attrs: Iterable[str]) -> None:
+    """Let ``metric.sync()``'s cache of the local states hold this rank's own tensors of the ``cat`` states
+    ``attrs`` (those sent apart) instead of the copies it has just made, so the copies are freed.
 
     torchmetrics' ``sync()`` clones every local state into ``_cache`` right before it calls ``_sync_dist`` (which
     is this sync), and ``unsync()`` sets the states back from it: the clones add this rank's share of the gathered
     size to the sync's peak. A ``cat`` list's tensors are never changed in place by torchmetrics, so the cache holds
     the same values through the tensors themselves (detached, as the clones are). Done only where the cache is
-    that fresh one (set while the Metric is not synced, ``unsync()`` and ``reset()`` clear it) and matches the
+    that fresh one (set while the Metric is not synced; ``unsync()`` and ``reset()`` clear it) and matches the
     state tensor for tensor.
     """
     cache = getattr(metric, "_cache", None)
     if not isinstance(cache, dict) or getattr(metric, "_is_synced", True):
         return
-    for slot in slots:
-        if not any(piece.separate for piece in slot.described.pieces):
-            continue
-        current, cached = getattr(metric, slot.attr, None), cache.get(slot.attr)
+    for attr in attrs:
+        current, cached = getattr(metric, attr, None), cache.get(attr)
         if not (isinstance(current, list) and isinstance(cached, list) and len(current) == len(cached)):
             continue
         if all(
-            isinstance(c, torch.Tensor) and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
+            isinstance(c, torch.Tensor)
+            and isinstance(t, torch.Tensor)
+            and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
             for c, t in zip(cached, current, strict=True)
         ):
-            cache[slot.attr] = [t.detach() for t in current]
+            cache[attr] = [t.detach() for t in current]
+
+
+def sent_apart(slots: Sequence[Any]) -> list[str]:
+    """The states of ``slots`` this rank sends apart."""
+    return [slot.attr for slot in slots if any(piece.separate for piece in slot.described.pieces)]
 
 
 def _cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -432,7 +432,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         out = outgoing(states)
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         states, out, failure = [], outgoing([]), error
-    _large.release_cache(metric, states)  # sync()'s copies of the states sent apart are freed before their buffer
+    _large.release_cache(metric, _large.sent_apart(states))  # sync()'s copies, freed before the buffer is made
     flags = flags_of(states) | (fp.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
     with torch.no_grad():
         rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)
@@ -505,6 +505,10 @@ def reduce(
     ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
     ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
+    if reduced is not None:  # the cat states joined in place: sync()'s copies of them go (a collection's members)
+        _large.release_cache(
+            metric, [st.attr for st, v in zip(states, reduced, strict=True) if st.is_cat and v is not None]
+        )
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
             setattr(metric, state.attr, reduced[s])
