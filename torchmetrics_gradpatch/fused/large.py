@@ -33,16 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch.fused import wire as fp
-
-if TYPE_CHECKING:
-    from torchmetrics_gradpatch.fused.sync import Local
 
 __all__ = ["LARGE_MIN_BYTES", "defer", "mark", "on_buffer", "release_cache", "run", "sent_apart"]
 
@@ -53,17 +50,15 @@ LARGE_MIN_BYTES = 1 << 20
 on_buffer: Callable[[torch.Tensor], None] | None = None
 
 
-def defer(attr: str, reduction: Any, value: list[Any], stream_cpu: bool) -> Local | None:
-    """Step 1 for a ``cat`` list of several tensors, deferred: the prepared state described as the one tensor
-    ``dim_zero_cat`` would make, its tensors not joined yet (``value`` keeps them; ``tensors`` holds a stand-in until
-    :func:`mark`); ``None`` where the tensors do not join as plain bytes (other dtypes or devices, a graph, other
+def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], fp.State] | None:
+    """Step 1 for a ``cat`` list of several tensors, deferred: the prepared state's tensors (a stand-in until
+    :func:`mark`; the state's value keeps the list) and its description, as the one tensor ``dim_zero_cat`` would
+    make; ``None`` where the tensors do not join as plain bytes (other dtypes or devices, a graph, other
     trailing sizes, an empty 1-d tensor among others) and step 1 runs as torchmetrics does.
 
     :func:`mark` joins them where the state stays in the payload; sent apart, each tensor is written into the
     buffer in turn, so the rank never holds its own states joined besides the synced ones.
     """
-    from torchmetrics_gradpatch.fused.sync import Local
-
     if not all(isinstance(t, torch.Tensor) for t in value):
         return None
     first = value[0]
@@ -80,7 +75,7 @@ def defer(attr: str, reduction: Any, value: list[Any], stream_cpu: bool) -> Loca
     else:
         return None
     described = fp.State(fp.KIND_LIST, (fp.Piece(first.dtype, shape, False),))
-    return Local(attr, reduction, True, value, [_DEFERRED], described)
+    return [_DEFERRED], described
 
 
 _DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is joined or sent apart
@@ -138,6 +133,8 @@ def release_cache(metric: Any, attrs: Iterable[str]) -> None:
     for attr in attrs:
         current, cached = getattr(metric, attr, None), cache.get(attr)
         if not (isinstance(current, list) and isinstance(cached, list) and len(current) == len(cached)):
+            continue
+        if cached is current:  # torchmetrics before 1.0 caches the state itself: there is no copy to free
             continue
         if all(
             isinstance(c, torch.Tensor)

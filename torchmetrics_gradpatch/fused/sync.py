@@ -146,9 +146,9 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     cat = is_cat(reduction)
     placeholder = False
     if cat and isinstance(value, list) and len(value) > 1:
-        deferred = _large.defer(attr, reduction, value, stream_cpu)  # joined later, or written one by one
+        deferred = _large.defer(value, stream_cpu)  # joined later, or written one by one
         if deferred is not None:
-            return deferred
+            return Local(attr, reduction, True, value, *deferred)
         value = [dim_zero_cat(value)]
     if rule and cat and isinstance(value, list) and len(value) == 0:
         value = [torch.tensor([], device=metric.device, dtype=metric.dtype)]
