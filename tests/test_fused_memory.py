@@ -74,26 +74,22 @@ def threshold(nbytes: int) -> Iterator[list[torch.Tensor]]:
         large.LARGE_MIN_BYTES, large.on_buffer = saved
 
 
-def payload_sizes() -> contextlib.AbstractContextManager[list[int]]:
+@contextlib.contextmanager
+def payload_sizes() -> Iterator[list[int]]:
     """Record the size of every payload this rank packs."""
+    sizes: list[int] = []
+    real = fp.pack
 
-    @contextlib.contextmanager
-    def recording() -> Iterator[list[int]]:
-        sizes: list[int] = []
-        real = fp.pack
+    def pack(*args: Any, **kwargs: Any) -> torch.Tensor:
+        buffer = real(*args, **kwargs)
+        sizes.append(buffer.numel())
+        return buffer
 
-        def pack(*args: Any, **kwargs: Any) -> torch.Tensor:
-            buffer = real(*args, **kwargs)
-            sizes.append(buffer.numel())
-            return buffer
-
-        fp.pack = pack
-        try:
-            yield sizes
-        finally:
-            fp.pack = real
-
-    return recording()
+    fp.pack = pack
+    try:
+        yield sizes
+    finally:
+        fp.pack = real
 
 
 def fused_counted(metric: Any, mode: str = "local") -> int:

@@ -30,8 +30,10 @@ what one process holding all the data would get or raises the same :class:`Fused
 
 Beyond the two collectives: states whose reduction is exact in any order (an integer ``sum``, a ``max`` or
 ``min``) and large enough are all-reduced instead of gathered when every rank proposed the same
-(:mod:`torchmetrics_gradpatch.fused.reduced`; one more collective per operation and dtype), and states held on the
-CPU while the exchange runs on a device cross in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
+(:mod:`torchmetrics_gradpatch.fused.reduced`; one more collective per operation and dtype), a rank's large ``cat``
+states cross apart, straight into their synced values (:mod:`torchmetrics_gradpatch.fused.large`; one more
+collective for all of them), and states held on the CPU while the exchange runs on a device cross in chunks
+(:mod:`torchmetrics_gradpatch.fused.transit`).
 
 Gradients: in local mode each rank's own entries are its own tensors (as the graph-preserving gather puts them
 back), so its states keep their graphs; in global mode :mod:`torchmetrics_gradpatch.fused.grad` builds one node
