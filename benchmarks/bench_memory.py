@@ -18,7 +18,8 @@ Cases:
 * at the first world size, mixes: 200 small ``cat`` states and 100 small sum states in one Metric; a
   ``MetricCollection`` (``BinaryAUROC`` and ``BinaryAveragePrecision`` sharing their states, a ``CatMetric``,
   ``MeanSquaredError``) synced by the collection's one exchange against each member's own sync; a 1,000-class
-  ``MulticlassConfusionMatrix`` (a reduced state).
+  ``MulticlassConfusionMatrix`` (a reduced state); a ``MeanMetric`` whose two float32 sum states hold 4M values
+  each (gathered and stacked: a float sum is not reduced).
 
 The gathered size is the bytes of every rank's states together: what each rank must hold after the sync.
 """
@@ -41,7 +42,7 @@ ARMS = ("torchmetrics", "fused, payload", "fused")
 def _fill(case: str, rank: int, world_size: int, elements: int) -> list[Any]:
     """The case's Metric(s) holding rank ``rank``'s data."""
     import torch
-    from torchmetrics import CatMetric, MeanSquaredError, Metric, MetricCollection
+    from torchmetrics import CatMetric, MeanMetric, MeanSquaredError, Metric, MetricCollection
     from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, MulticlassConfusionMatrix
 
     generator = torch.Generator().manual_seed(rank)
@@ -93,6 +94,11 @@ def _fill(case: str, rank: int, world_size: int, elements: int) -> list[Any]:
         mse.update(preds, target.float())
         members = [m for _, m in collection.items(keep_base=True, copy_state=False)]
         return [*members, cat, mse]
+    if case.startswith("MeanMetric"):  # a float sum: gathered and stacked, not reduced
+        mean = MeanMetric()
+        mean.mean_value = torch.randn(4_000_000, generator=generator)
+        mean.weight = torch.rand(4_000_000, generator=generator)
+        return [mean]
     confusion = MulticlassConfusionMatrix(num_classes=1000, validate_args=False)
     confusion.update(torch.randint(0, 1000, (100_000,), generator=generator), torch.randint(0, 1000, (100_000,)))
     return [confusion]
@@ -150,16 +156,20 @@ def _rank_main(case: str, arm: str, elements: int) -> dict[str, Any]:
     return {"peak_mib": (peak - before) / 1024, "seconds": seconds, "gathered": sum(sizes) / 2**20, "synced": synced}
 
 
-def run(world_sizes: list[int], elements: int, quick: bool) -> list[dict[str, Any]]:
+def run(world_sizes: list[int], elements: int, quick: bool, only: str | None = None) -> list[dict[str, Any]]:
     cases: list[tuple[int, str, tuple[str, ...]]] = [(w, "BinaryAUROC, uneven", ARMS) for w in world_sizes]
     if len(world_sizes) > 1:
         cases.append((world_sizes[1], "BinaryAUROC, one rank holds half", ARMS))
     w0 = world_sizes[0]
     cases.append((w0, "BinaryAUROC, uneven, 20 batches per rank", ARMS))
-    for case in ("200 small cat + 100 sum states", "MetricCollection (4 members, 2 sharing)", "confusion matrix 1000"):
+    mixes = ("200 small cat + 100 sum states", "MetricCollection (4 members, 2 sharing)", "confusion matrix 1000",
+             "MeanMetric, two 4M float32 sum states")  # fmt: skip
+    for case in mixes:
         cases.append((w0, case, ("torchmetrics", "fused")))
     rows = []
     for world_size, case, arms in cases:
+        if only is not None and only not in case:
+            continue
         row: dict[str, Any] = {"world_size": world_size, "case": case}
         for arm in arms:
             results = _ranks.spawn_ranks(_rank_main, world_size, (case, arm, elements), timeout=900)
@@ -184,6 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--elements", type=int, default=20_000_000, help="BinaryAUROC samples over all ranks")
+    parser.add_argument("--only", help="run only the cases whose name contains this")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     import torch
@@ -194,7 +205,7 @@ def main() -> None:
         f"{torchmetrics.__version__}, {_ranks.package()}, {os.cpu_count()} cores)"
     )
     print("Peak resident memory one sync adds, on the rank where it is largest; x: over the gathered states.")
-    run([2] if args.quick else args.world_sizes, 200_000 if args.quick else args.elements, args.quick)
+    run([2] if args.quick else args.world_sizes, 200_000 if args.quick else args.elements, args.quick, args.only)
 
 
 if __name__ == "__main__":
