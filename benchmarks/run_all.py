@@ -10,6 +10,7 @@ Each benchmark is also one command of its own (docs/performance.md names them):
     python benchmarks/bench_sync.py         # the fused sync against torchmetrics' own sync
     python benchmarks/bench_collection.py   # the sync inside MetricCollection.compute(): fused and torchmetrics'
     python benchmarks/bench_step.py         # a DDP training step with a MetricCollection loss: the three syncs
+    python benchmarks/bench_memory.py       # the peak memory of one sync against the gathered states' size
     python benchmarks/bench_global.py       # global mode against local mode and torch's differentiable all_gather
     python benchmarks/bench_compile.py      # what torch.compile support costs the eager path
     python benchmarks/bench_soak.py         # RSS and live tensors over many gathers and Metric-loss steps
@@ -28,6 +29,7 @@ BENCHMARKS = (
     "bench_sync",
     "bench_collection",
     "bench_step",
+    "bench_memory",
     "bench_global",
     "bench_compile",
     "bench_soak",
@@ -39,6 +41,7 @@ QUICK = {
     "bench_sync": ["--quick"],
     "bench_collection": ["--quick"],
     "bench_step": ["--quick"],
+    "bench_memory": ["--quick"],
     "bench_global": ["--quick"],
     "bench_compile": ["--rounds", "3", "--calls", "200"],
     "bench_soak": ["--gathers", "60", "--steps", "12"],

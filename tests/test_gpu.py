@@ -133,6 +133,49 @@ def _compiled_metric_loss_on_cuda(rank: int, world_size: int, mode: str) -> None
 
 
 # --- the fused sync and the patched gather: CPU-held states under NCCL (torchmetrics #2477) ---------------------------
+@pytest.mark.parametrize(("backend", "world_size"), WORLDS)
+def test_large_cat_states_add_at_most_their_gathered_size(backend: str, world_size: int) -> None:
+    """``Metric.sync()`` of large ``cat`` states (uneven, one a list of two tensors) under the fused sync: the values
+    of torchmetrics' own sync, and a device peak (``torch.cuda.max_memory_allocated``) of at most 1.25x the
+    gathered states and never more than torchmetrics' own sync's."""
+    run_ranks(_large_cat_states_on_cuda, world_size, backend=backend, timeout=TIMEOUT)
+
+
+def _large_cat_states_on_cuda(rank: int, world_size: int) -> None:
+    from tests.test_fused import Probe, same, values
+
+    dev = device()
+    rows = [1_000_000 + 250_000 * r for r in range(world_size)]
+
+    def make() -> Probe:
+        metric = Probe({"preds": ([], "cat"), "target": ([], "cat")}).to(dev)
+        n = rows[rank]
+        metric.preds = [
+            values(rank, 1, (n // 2,), torch.float32).to(dev),
+            values(rank, 2, (n - n // 2,), torch.float32).to(dev),
+        ]
+        metric.target = [values(rank, 3, (n,), torch.int64).to(dev)]
+        return metric
+
+    gathered = sum(rows) * (4 + 8)
+    peaks, synced = {}, {}
+    for sync in ("torchmetrics", "fused"):
+        metric = make()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with tg.patched(sync=sync):
+            metric.sync()
+        torch.cuda.synchronize()
+        peaks[sync] = torch.cuda.max_memory_allocated() - before
+        synced[sync] = metric
+    assert same(synced["fused"].preds, synced["torchmetrics"].preds)
+    assert same(synced["fused"].target, synced["torchmetrics"].target)
+    assert peaks["fused"] <= 1.25 * gathered and peaks["fused"] <= peaks["torchmetrics"], (peaks, gathered)
+    for metric in synced.values():
+        metric.unsync()
+
+
 # Ranks from tests._ranks.run_ranks (gloo default group); each body makes an NCCL group of every rank, one rank per
 # device (a world of one NCCL rank runs on a single GPU), checks against torchmetrics' own sync over the gloo group,
 # and destroys the NCCL group before it returns.

@@ -32,8 +32,10 @@ what one process holding all the data would get or raises the same :class:`Fused
 
 Beyond that exchange: states whose reduction is exact in any order (an integer ``sum``, a ``max`` or
 ``min``) and large enough are all-reduced instead of gathered when every rank proposed the same
-(:mod:`torchmetrics_gradpatch.fused.reduced`; one more collective per operation and dtype), and states held on the
-CPU while the exchange runs on a device cross in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
+(:mod:`torchmetrics_gradpatch.fused.reduced`; one more collective per operation and dtype), a rank's large ``cat``
+states cross apart, straight into their synced values (:mod:`torchmetrics_gradpatch.fused.large`; one more
+collective for all of them), and states held on the CPU while the exchange runs on a device cross in chunks
+(:mod:`torchmetrics_gradpatch.fused.transit`).
 
 Gradients: in local mode each rank's own entries are its own tensors (as the graph-preserving gather puts them
 back), so its states keep their graphs; in global mode :mod:`torchmetrics_gradpatch.fused.grad` builds one node
@@ -62,6 +64,7 @@ from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch.fused import grad as _fused_grad
+from torchmetrics_gradpatch.fused import large as _large
 from torchmetrics_gradpatch.fused import reduced as _reduced
 from torchmetrics_gradpatch.fused import transit
 from torchmetrics_gradpatch.fused import wire as fp
@@ -147,6 +150,9 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     cat = is_cat(reduction)
     placeholder = False
     if cat and isinstance(value, list) and len(value) > 1:
+        deferred = _large.defer(value, stream_cpu)  # joined later, or written one by one
+        if deferred is not None:
+            return Local(attr, reduction, True, value, *deferred)
         value = [dim_zero_cat(value)]
     if rule and cat and isinstance(value, list) and len(value) == 0:
         value = [torch.tensor([], device=metric.device, dtype=metric.dtype)]
@@ -207,6 +213,7 @@ def outgoing(slots: list[Local], table: list[int] | None = None, placement: list
     """This rank's description of ``slots`` (``table``: the words in front, the collection's member table), its
     payload layouts and its proposal of states to reduce (``placement``: which slots the members' states are, so
     that ranks whose members map to other slots do not agree on it)."""
+    _large.mark(slots)  # large cat states leave the payload
     described = [s.described for s in slots]
     words = fp.encode(described, table or ())
     start = 8 * len(words)
@@ -381,6 +388,7 @@ def complete(
     own = [s.tensors for s in slots]
     transit.receive_stream(got.gathered, own, got.slots, got.skip, rank, group, staging, chunk)
     got.reduced = _reduced.run(out.plan, slots, group, device, staging, chunk) if got.skip else {}
+    got.reduced.update(_large.run(got, slots, rank, group, device))
 
 
 def validate(name: str, states: list[Local], every: list[list[fp.State]]) -> None:
@@ -454,6 +462,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         out = outgoing(states)
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         states, out, failure = [], outgoing([]), error
+    _large.release_cache(metric, _large.sent_apart(states))  # sync()'s copies, freed before the buffer is made
     flags = flags_of(states) | (fp.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
     with torch.no_grad():
         rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)
@@ -526,6 +535,10 @@ def reduce(
     ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
     ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
+    if reduced is not None:  # the cat states joined in place: sync()'s copies of them go (a collection's members)
+        _large.release_cache(
+            metric, [st.attr for st, v in zip(states, reduced, strict=True) if st.is_cat and v is not None]
+        )
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
             setattr(metric, state.attr, reduced[s])

@@ -11,8 +11,9 @@ What one rank sends
   and the inline capacity it used.
 * A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
   :data:`ALIGN` so that it can be viewed back as its dtype in place. Left out: the states every rank agreed to
-  reduce (:func:`layout`'s ``skip``), and *streamed* pieces: tensors held on the CPU while the exchange runs on a
-  device, which cross afterwards in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
+  reduce (:func:`layout`'s ``skip``), *separate* pieces (large ``cat`` states, which cross in a collective apart:
+  :mod:`torchmetrics_gradpatch.fused.large`), and *streamed* pieces: tensors held on the CPU while the exchange
+  runs on a device, which cross afterwards in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
 
 One collective, or two
 ----------------------
@@ -41,10 +42,10 @@ object (weakly: a group destroyed and made anew starts afresh on every rank). Th
 
 The description: ``[n, *table]`` (``n`` words a caller puts in front: the collection sync's member table; none
 for one Metric), the number of states, then per state ``[kind, placeholder, n_pieces]`` and per piece ``[dtype
-code, flags (requires_grad, streamed), ndim, *shape]``. A tensor state is one piece; a list state is its elements.
-Dtype codes, sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on every rank
-even where a torch lacks some dtype; a dtype a buffer cannot carry is described as :data:`UNKNOWN_DTYPE` and
-refused on every rank.
+code, flags (requires_grad, streamed, separate), ndim, *shape]``. A tensor state is one piece; a list state is its
+elements. Dtype codes, sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on
+every rank even where a torch lacks some dtype; a dtype a buffer cannot carry is described as
+:data:`UNKNOWN_DTYPE` and refused on every rank.
 """
 
 from __future__ import annotations
@@ -116,12 +117,14 @@ UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
 @dataclass(frozen=True)
 class Piece:
     """One tensor as the description gives it: dtype (``None``: unknown to the format), shape, requires_grad, and
-    whether it is streamed (held on the CPU while the exchange runs on a device)."""
+    whether it is streamed (held on the CPU while the exchange runs on a device) or separate (sent apart from the
+    payload, :mod:`torchmetrics_gradpatch.fused.large`)."""
 
     dtype: torch.dtype | None
     shape: tuple[int, ...]
     requires_grad: bool
     streamed: bool = False
+    separate: bool = False  # left out of the payload: it crosses in a collective of its own (fused.large)
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +162,8 @@ def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
         words += [state.kind, int(state.placeholder), len(state.pieces)]
         for piece in state.pieces:
             code = UNKNOWN_DTYPE if piece.dtype is None else _bytes.code(piece.dtype)
-            words += [code, int(piece.requires_grad) | 2 * int(piece.streamed), len(piece.shape), *piece.shape]
+            flags = int(piece.requires_grad) | 2 * int(piece.streamed) | 4 * int(piece.separate)
+            words += [code, flags, len(piece.shape), *piece.shape]
     if len(words) % 2:
         words.append(0)
     return words
@@ -182,7 +186,7 @@ def decode(words: Sequence[int]) -> tuple[list[int], list[State]]:
             at += 3 + ndim
             dtype = _bytes.dtype_of(code)
             plain = dtype if dtype is not None and _bytes.plain(dtype) else None
-            pieces.append(Piece(plain, shape, bool(flags & 1), bool(flags & 2)))
+            pieces.append(Piece(plain, shape, bool(flags & 1), bool(flags & 2), bool(flags & 4)))
         states.append(State(kind, tuple(pieces), bool(placeholder)))
     return table, states
 
@@ -193,11 +197,12 @@ def layout(
     """Each piece's byte offset in the payload (pieces from ``start`` on, each aligned), and the payload's size.
 
     With ``streamed``, the same for the stream of streamed pieces instead. A piece that is not in that buffer (a
-    state in ``skip``, which is reduced, or a piece of the other buffer) has offset ``-1``.
+    state in ``skip``, which is reduced, a separate piece, or a piece of the other buffer) has offset ``-1``.
     """
     left_out = set(skip)
     wanted = [
-        [s not in left_out and piece.streamed == streamed for piece in state.pieces] for s, state in enumerate(states)
+        [s not in left_out and not piece.separate and piece.streamed == streamed for piece in state.pieces]
+        for s, state in enumerate(states)
     ]
     sizes = (
         piece.nbytes
