@@ -18,6 +18,7 @@ from torchmetrics import CatMetric, MetricCollection, SumMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_gradpatch as tg
+from tests._patch_state import forget_capacities
 from tests._rank_tools import calls
 from tests._ranks import run_ranks
 from tests._tensors import gloo_dtypes
@@ -93,6 +94,8 @@ def payload_sizes() -> Iterator[list[int]]:
 
 
 def fused_counted(metric: Any, mode: str = "local") -> int:
+    """The collectives of one fused sync of ``metric``, as its group's first exchange (every count alike)."""
+    forget_capacities()
     before = calls()
     _fused.fused_sync(metric, mode=mode)
     return calls() - before
@@ -176,10 +179,12 @@ def _collection_with_large_members(rank: int, world_size: int) -> None:
     with tg.patched(sync="torchmetrics"):
         reference = expected.compute()
     with threshold(1 << 40), tg.patched(sync="fused"):
+        forget_capacities()
         before = calls()
         plain = baseline.compute()
         base = calls() - before
     with threshold(THRESHOLD) as allocated, tg.patched(sync="fused"):
+        forget_capacities()
         before = calls()
         result = fused.compute()
         count = calls() - before
