@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
 if __package__:
-    from benchmarks import workloads
+    from benchmarks import _report, workloads
     from benchmarks._stats import spread
 else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
+    import _report  # type: ignore[no-redef]
     import workloads  # type: ignore[no-redef]
     from _stats import spread  # type: ignore[no-redef]
 
@@ -163,13 +162,8 @@ def as_text(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any], path: str) -> None:
+def plot(result: dict[str, Any], plt: Any) -> Any:
     """Bytes filled per rank and compute() time against the world size, one line per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     worlds = sorted(int(w) for w in result["worlds"])
     figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     for arm, style in zip(ARMS, ("o-", "s--", "^-"), strict=True):
@@ -184,8 +178,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         axis.grid(alpha=0.3)
     right.legend()
     figure.suptitle(f"MetricCollection sync, {result['classes']} classes, gloo (torch {result['torch']})", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, metadata={"Date": None})  # no timestamp: the same run draws the same file
+    return figure
 
 
 def main() -> None:
@@ -198,23 +191,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.world_sizes, args.rounds, args.classes = [2], 2, 50
-    import torch
-    import torchmetrics
-
     result: dict[str, Any] = {
-        "command": "python benchmarks/bench_collection.py " + " ".join(sys.argv[1:]),
-        "load_at_start": [round(v, 2) for v in os.getloadavg()],
-        "torch": torch.__version__,
-        "torchmetrics": torchmetrics.__version__,
+        **_report.started("bench_collection.py"),
         "classes": args.classes,
         "rounds": args.rounds,
         "worlds": {str(n): measure(n, args.classes, args.rounds) for n in args.world_sizes},
     }
-    result["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
-    print(as_text(result))
-    if args.plot:
-        plot(result, args.plot)
-        print(f"plot: {args.plot}")
+    _report.finished(result, as_text, plot, args.plot)
 
 
 if __name__ == "__main__":

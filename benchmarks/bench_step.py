@@ -28,16 +28,15 @@ per mode (matplotlib). It imports nothing from ``tests/``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 from typing import Any
 
 if __package__:
-    from benchmarks import _ranks
+    from benchmarks import _ranks, _report
     from benchmarks._stats import spread
 else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
     import _ranks  # type: ignore[no-redef]
+    import _report  # type: ignore[no-redef]
     from _stats import spread  # type: ignore[no-redef]
 
 ARMS = ("no metrics", "torchmetrics", "per-member fused", "one exchange")
@@ -157,13 +156,8 @@ def as_text(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any], path: str) -> None:
+def plot(result: dict[str, Any], plt: Any) -> Any:
     """The metrics' time per step against the world size, one line per arm, one panel per gradient mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     modes = sorted({key.split("/")[1] for key in result["runs"]}, key=["local", "global"].index)
     worlds = sorted({int(key.split("/")[0]) for key in result["runs"]})
     figure, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 3.6), squeeze=False)
@@ -180,8 +174,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         axis.grid(alpha=0.3)
     axes[0][-1].legend()
     figure.suptitle(f"MetricCollection loss in a DDP step, gloo (torch {result['torch']})", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, metadata={"Date": None})  # no timestamp: the same run draws the same file
+    return figure
 
 
 def main() -> None:
@@ -195,26 +188,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.world_sizes, args.modes, args.rounds, args.steps = [2], ["local"], 2, 2
-    import torch
-    import torchmetrics
-
     print(_ranks.package(), flush=True)
     result: dict[str, Any] = {
-        "command": "python benchmarks/bench_step.py " + " ".join(sys.argv[1:]),
-        "load_at_start": [round(v, 2) for v in os.getloadavg()],
-        "torch": torch.__version__,
-        "torchmetrics": torchmetrics.__version__,
+        **_report.started("bench_step.py"),
         "rounds": args.rounds,
         "steps": args.steps,
         "runs": {
             f"{n}/{mode}": measure(n, mode, args.rounds, args.steps) for n in args.world_sizes for mode in args.modes
         },
     }
-    result["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
-    print(as_text(result))
-    if args.plot:
-        plot(result, args.plot)
-        print(f"plot: {args.plot}")
+    _report.finished(result, as_text, plot, args.plot)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from tests._rank_tools import calls, destroy_subgroup, dynamo_refusal, every_ran
 from tests._ranks import run_ranks
 from tests.test_fused import Probe, device_path, recording, same, values, worlds
 from torchmetrics_gradpatch._errors import FusedSyncError
-from torchmetrics_gradpatch.fused import collection
+from torchmetrics_gradpatch.fused import collection, step
 
 C = 5  # classes
 
@@ -494,32 +494,36 @@ def test_gradients_against_one_process(world_size: int, mode: str) -> None:
     run_ranks(_gradients_against_one_process, world_size, mode, timeout=120)
 
 
-def test_install_replaces_compute_and_uninstall_restores_the_identical_original() -> None:
-    original = MetricCollection.__dict__["compute"]
-    was = collection.installed()
-    collection.uninstall()
+@pytest.mark.parametrize("name", ["compute", "forward"])
+def test_install_replaces_the_method_and_uninstall_restores_the_identical_original(name: str) -> None:
+    site = {"compute": collection.SITE, "forward": step.SITE}[name]
+    original = MetricCollection.__dict__[name]
+    was = site.installed()
+    site.uninstall()
     try:
-        plain = MetricCollection.__dict__["compute"]
-        assert not collection.installed() and getattr(plain, "__wrapped__", plain) is plain
-        collection.install()
-        replacement = MetricCollection.__dict__["compute"]
-        assert collection.installed() and replacement.__wrapped__ is plain
-        collection.install()  # idempotent: not wrapped twice
-        assert MetricCollection.__dict__["compute"] is replacement
-        collection.uninstall()
-        collection.uninstall()
-        assert MetricCollection.__dict__["compute"] is plain and not collection.installed()
+        plain = MetricCollection.__dict__[name]
+        assert not site.installed() and getattr(plain, "__wrapped__", plain) is plain
+        site.install()
+        replacement = MetricCollection.__dict__[name]
+        assert site.installed() and replacement.__wrapped__ is plain
+        site.install()  # idempotent: not wrapped twice
+        assert MetricCollection.__dict__[name] is replacement
+        site.uninstall()
+        site.uninstall()
+        assert MetricCollection.__dict__[name] is plain and not site.installed()
     finally:
         if was:
-            collection.install()
-    assert MetricCollection.__dict__["compute"] is original
+            site.install()
+    assert MetricCollection.__dict__[name] is original
 
 
-def test_the_fused_sync_in_force_installs_it() -> None:
+def test_the_fused_sync_in_force_installs_both_and_status_names_them() -> None:
     with tg.patched(sync="fused"):
-        assert collection.installed()
+        assert collection.SITE.installed() and step.SITE.installed()
+        applied = " ".join(tg.status().sync_applied_to)
+        assert "MetricCollection.compute" in applied and "MetricCollection.forward" in applied
     with tg.patched(sync="torchmetrics"):
-        assert not collection.installed()
+        assert not collection.SITE.installed() and not step.SITE.installed()
 
 
 def test_without_a_process_group_compute_is_torchmetrics_own() -> None:

@@ -11,7 +11,6 @@ process group's sequence number; the spawned cases of one world size run in one 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,9 +33,8 @@ import torchmetrics_gradpatch as tg
 from tests._rank_tools import calls, destroy_subgroup, dynamo_refusal, every_rank
 from tests._ranks import run_ranks
 from tests.test_fused import same, worlds
-from torchmetrics_gradpatch._errors import FusedSyncError
+from tests.test_fused_collection import Loss, outcome_of
 from torchmetrics_gradpatch.fused import collection as fc
-from torchmetrics_gradpatch.fused import step
 
 #: What one exchange of the fused sync costs: one collective while the group's agreed capacity holds the payload
 #: (steady), two where it does not (a group's first exchange, a payload that grew). The step's own assertion is that
@@ -59,29 +57,17 @@ class AUROC(BinaryAUROC):
         super().update(preds.sigmoid(), (target > 0).long())
 
 
-class Rows(Metric):
-    """A loss from a sum, a max and the order of a ``cat`` state; ``full_state_update`` as asked."""
+class Rows(Loss):
+    """:class:`tests.test_fused_collection.Loss` (a sum, a max and the order of a ``cat`` state), with
+    ``full_state_update`` as asked."""
 
     def __init__(self, full: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._full = full
-        self.add_state("sse", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("largest", torch.tensor(-1e9, dtype=torch.float64), dist_reduce_fx="max")
-        self.add_state("rows", [], dist_reduce_fx="cat")
 
     @property
     def full_state_update(self) -> bool:  # type: ignore[override]
         return self._full
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.sse = self.sse + ((preds - target) ** 2).sum()
-        self.largest = torch.maximum(self.largest, preds.max())
-        self.rows.append(preds.reshape(-1, 1) * 1.0)
-
-    def compute(self) -> torch.Tensor:
-        rows = torch.cat(self.rows) if isinstance(self.rows, list) else self.rows
-        order = torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype).reshape(-1, 1)
-        return self.sse / rows.shape[0] + 0.5 * self.largest + (order * rows**3).sum() / 10
 
 
 class Failing(Metric):
@@ -298,15 +284,6 @@ def _opt_outs_sync_as_today(rank: int, world_size: int) -> None:
     destroy_subgroup(subgroup)
 
 
-def outcome_of(action: Callable[[], object]) -> tuple[str, float]:
-    start = time.monotonic()
-    try:
-        action()
-    except FusedSyncError as error:
-        return str(error), time.monotonic() - start
-    return "synced", time.monotonic() - start
-
-
 def _changes_between_ranks(rank: int, world_size: int) -> None:
     """A member opting out or added on one rank, a dtype that differs: the same error on every rank, quickly, every
     joining member as after its update; a dtype changed on every rank, a batch size that changes: torchmetrics'
@@ -452,32 +429,3 @@ def test_without_a_process_group_forward_is_torchmetrics_own() -> None:
     with tg.patched(sync="fused"):
         assert alike(fused(*batch(0, 1, 0)), reference)
     assert alike(states(fused), states(expected))
-
-
-def test_install_replaces_forward_and_uninstall_restores_the_identical_original() -> None:
-    original = MetricCollection.__dict__["forward"]
-    was = step.installed()
-    step.uninstall()
-    try:
-        plain = MetricCollection.__dict__["forward"]
-        assert not step.installed() and getattr(plain, "__wrapped__", plain) is plain
-        step.install()
-        replacement = MetricCollection.__dict__["forward"]
-        assert step.installed() and replacement.__wrapped__ is plain
-        step.install()
-        assert MetricCollection.__dict__["forward"] is replacement
-        step.uninstall()
-        step.uninstall()
-        assert MetricCollection.__dict__["forward"] is plain and not step.installed()
-    finally:
-        if was:
-            step.install()
-    assert MetricCollection.__dict__["forward"] is original
-
-
-def test_the_fused_sync_in_force_installs_it_and_status_names_it() -> None:
-    with tg.patched(sync="fused"):
-        assert step.installed()
-        assert any("MetricCollection.forward" in site for site in tg.status().sync_applied_to)
-    with tg.patched(sync="torchmetrics"):
-        assert not step.installed()

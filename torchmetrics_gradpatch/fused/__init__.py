@@ -37,29 +37,30 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     run(metric, process_group, mode)
 
 
-def _install_collection() -> None:
+def _collection_sites_all() -> tuple[tuple[Any, str], ...]:
     from torchmetrics_gradpatch.fused import collection, step
 
-    collection.install()
-    step.install()
+    return (
+        (collection.SITE, "torchmetrics.MetricCollection.compute (one exchange per collection)"),
+        (step.SITE, "torchmetrics.MetricCollection.forward (one exchange per collection step)"),
+    )
+
+
+def _install_collection() -> None:
+    from torchmetrics_gradpatch import _compile
+
+    _compile.watch_dynamo()  # the graph breaks' wrapper, once dynamo is imported
+    for site, _ in _collection_sites_all():
+        site.install()
 
 
 def _uninstall_collection() -> None:
-    from torchmetrics_gradpatch.fused import collection, step
-
-    step.uninstall()
-    collection.uninstall()
+    for site, _ in reversed(_collection_sites_all()):
+        site.uninstall()
 
 
 def _collection_sites() -> tuple[str, ...]:
-    from torchmetrics_gradpatch.fused import collection, step
-
-    sites: tuple[str, ...] = (
-        ("torchmetrics.MetricCollection.compute (one exchange per collection)",) if collection.installed() else ()
-    )
-    if step.installed():
-        sites += ("torchmetrics.MetricCollection.forward (one exchange per collection step)",)
-    return sites
+    return tuple(name for site, name in _collection_sites_all() if site.installed())
 
 
 _syncs.register(

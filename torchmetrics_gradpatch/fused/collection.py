@@ -1,8 +1,8 @@
 """One exchange per ``MetricCollection``: under the fused sync, ``compute()`` syncs every member that syncs at once.
 
-:func:`install` replaces the class attribute ``torchmetrics.MetricCollection.compute`` (the method ``compute()`` runs
+``SITE.install()`` replaces the class attribute ``torchmetrics.MetricCollection.compute`` (the method ``compute()`` runs
 on every torchmetrics line from 0.11 to 1.9; from 1.0 on it calls ``_compute_and_reduce("compute")``, which
-``forward`` shares, so that is left alone); :func:`uninstall` puts the very same object back. While the engine's
+``forward`` shares, so that is left alone); ``SITE.uninstall()`` puts the very same object back. While the engine's
 effective sync is ``"fused"``, the replacement:
 
 1. takes the members as ``compute()`` does (``items(keep_base=True, copy_state=False)``, which links the states of
@@ -40,7 +40,7 @@ from typing import Any
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import Site
 
-__all__ = ["install", "installed", "sync_members", "uninstall"]
+__all__ = ["SITE", "sync_members"]
 
 _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
 
@@ -356,20 +356,6 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return compute
 
 
-_SITE = Site("torchmetrics.collections", "MetricCollection", "compute", _MARK, _replacement)
-
-
-def install() -> None:
-    """Replace ``MetricCollection.compute`` (now, or when ``torchmetrics.collections`` is imported); idempotent."""
-    _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
-    _SITE.install()
-
-
-def uninstall() -> None:
-    """Put torchmetrics' own ``MetricCollection.compute`` back (the same object); idempotent."""
-    _SITE.uninstall()
-
-
-def installed() -> bool:
-    """Whether ``torchmetrics.MetricCollection.compute`` currently is this package's replacement."""
-    return _SITE.installed()
+#: ``MetricCollection.compute``, replaced by ``SITE.install()`` (now, or when ``torchmetrics.collections`` is
+#: imported; idempotent) and put back, the very same object, by ``SITE.uninstall()``
+SITE = Site("torchmetrics.collections", "MetricCollection", "compute", _MARK, _replacement)

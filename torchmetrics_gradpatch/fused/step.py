@@ -1,8 +1,8 @@
 """One exchange per ``MetricCollection`` step: under the fused sync, ``forward`` syncs its step-syncing members at once.
 
-:func:`install` replaces the class attribute ``torchmetrics.MetricCollection.forward`` (on every torchmetrics line
+``SITE.install()`` replaces the class attribute ``torchmetrics.MetricCollection.forward`` (on every torchmetrics line
 from 0.11 to 1.9 it calls each member as ``m(*args, **m._filter_kwargs(**kwargs))`` and builds the result dict);
-:func:`uninstall` puts the very same object back. While the engine's effective sync is ``"fused"`` and a process
+``SITE.uninstall()`` puts the very same object back. While the engine's effective sync is ``"fused"`` and a process
 group is up, the replacement runs torchmetrics' own ``Metric._forward_full_state_update`` (the path every member
 with ``dist_sync_on_step=True`` takes) in two halves around one exchange:
 
@@ -53,7 +53,7 @@ from typing import Any
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import Site
 
-__all__ = ["install", "installed", "uninstall"]
+__all__ = ["SITE"]
 
 _MARK = "__torchmetrics_gradpatch_step__"  # set on our replacement, so it is told apart from another tool's
 
@@ -214,20 +214,6 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-_SITE = Site("torchmetrics.collections", "MetricCollection", "forward", _MARK, _replacement)
-
-
-def install() -> None:
-    """Replace ``MetricCollection.forward`` (now, or when ``torchmetrics.collections`` is imported); idempotent."""
-    _compile.watch_dynamo()  # the graph break's wrapper, once dynamo is imported
-    _SITE.install()
-
-
-def uninstall() -> None:
-    """Put torchmetrics' own ``MetricCollection.forward`` back (the same object); idempotent."""
-    _SITE.uninstall()
-
-
-def installed() -> bool:
-    """Whether ``torchmetrics.MetricCollection.forward`` currently is this package's replacement."""
-    return _SITE.installed()
+#: ``MetricCollection.forward``, replaced by ``SITE.install()`` (now, or when ``torchmetrics.collections`` is
+#: imported; idempotent) and put back, the very same object, by ``SITE.uninstall()``
+SITE = Site("torchmetrics.collections", "MetricCollection", "forward", _MARK, _replacement)
