@@ -186,13 +186,27 @@ def _collection_with_large_members(rank: int, world_size: int) -> None:
         before = calls()
         plain = baseline.compute()
         base = calls() - before
-    with threshold(THRESHOLD) as allocated, tg.patched(sync="fused"):
-        forget_capacities()
-        before = calls()
-        result = fused.compute()
-        count = calls() - before
+    cached: list[bool] = []  # per state joined in place: sync()'s cache of it holds the local tensors, no copies
+    release = large.release_cache
+
+    def spy(metric: Any, attrs: Any) -> None:  # runs as each member's synced states are set
+        for attr in attrs:
+            pairs = zip(metric._cache[attr], getattr(metric, attr), strict=True)
+            cached.append(all(c.data_ptr() == t.data_ptr() for c, t in pairs))
+        release(metric, attrs)
+
+    large.release_cache = spy
+    try:
+        with threshold(THRESHOLD) as allocated, tg.patched(sync="fused"):
+            forget_capacities()
+            before = calls()
+            result = fused.compute()
+            count = calls() - before
+    finally:
+        large.release_cache = release
     assert all(same(result[k], reference[k]) and same(plain[k], reference[k]) for k in reference)
     assert count == base + 1 and len(allocated) == 1, (count, base, allocated)
+    assert cached and all(cached), cached  # "a" and "b" (a rank's cat states count together): no copy made
 
 
 def test_collection_with_large_members() -> None:

@@ -243,8 +243,8 @@ def sync_members(
     import torch.distributed as dist
 
     from torchmetrics_gradpatch._gather import size_and_rank
+    from torchmetrics_gradpatch.fused import large, transit
     from torchmetrics_gradpatch.fused import sync as fs
-    from torchmetrics_gradpatch.fused import transit
     from torchmetrics_gradpatch.fused import wire as fp
 
     hows = [_how(metric) for _, metric in members] if hows is None else hows
@@ -290,7 +290,9 @@ def sync_members(
             metric = members[i][1]
             per_rank = [[synced[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
             values = [(got.reduced or {}).get(ref) for ref in tables[rank][i][3]]
-            apply(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values))
+            joined_in_place = [st.attr for st, v in zip(states[i], values, strict=True) if st.is_cat and v is not None]
+            with large.uncopied(metric, joined_in_place):  # sync()'s copies of them would add to the buffer's peak
+                apply(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values))
             done.append(metric)
     except BaseException:
         for metric in done:

@@ -31,8 +31,9 @@ gather per rank; for states of megabytes it is as fast as gloo's ``all_gather`` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch.fused import wire as fp
 
-__all__ = ["LARGE_MIN_BYTES", "defer", "mark", "on_buffer", "release_cache", "run", "sent_apart"]
+__all__ = ["LARGE_MIN_BYTES", "defer", "mark", "on_buffer", "release_cache", "run", "sent_apart", "uncopied"]
 
 #: Where this rank's ``cat`` states' tensors add up to at least this many bytes, they cross apart from the payload.
 LARGE_MIN_BYTES = 1 << 20
@@ -143,6 +144,41 @@ def release_cache(metric: Any, attrs: Iterable[str]) -> None:
             for c, t in zip(cached, current, strict=True)
         ):
             cache[attr] = [t.detach() for t in current]
+
+
+@contextlib.contextmanager
+def uncopied(metric: Any, attrs: Sequence[str]) -> Iterator[None]:
+    """While open, the cache that ``metric.sync()`` makes holds the ``cat`` list states ``attrs`` (those joined in
+    place) as this rank's own tensors, detached, instead of copies (as :func:`release_cache` leaves it, but without
+    the copies ever being made).
+
+    For a collection's members, whose ``sync()`` runs after the exchange: their copies would otherwise add to a
+    peak that already holds the buffer. ``_copy_state_dict`` (torchmetrics 1.0 on; before, ``sync()`` caches the
+    states themselves) runs with those states emptied for that one call.
+    """
+    copy = getattr(type(metric), "_copy_state_dict", None)
+    lists = [attr for attr in attrs if isinstance(getattr(metric, attr, None), list)]
+    if copy is None or not lists:
+        yield
+        return
+
+    def _copy_state_dict() -> dict[str, Any]:
+        held = {attr: getattr(metric, attr) for attr in lists}
+        for attr in lists:
+            setattr(metric, attr, [])
+        try:
+            cache: dict[str, Any] = copy(metric)
+        finally:
+            for attr, value in held.items():
+                setattr(metric, attr, value)
+        cache.update({attr: [t.detach() for t in value] for attr, value in held.items()})
+        return cache
+
+    metric._copy_state_dict = _copy_state_dict  # an instance attribute, over the class's, while open
+    try:
+        yield
+    finally:
+        del metric._copy_state_dict
 
 
 def sent_apart(slots: Sequence[Any]) -> list[str]:
