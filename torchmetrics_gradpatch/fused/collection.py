@@ -265,7 +265,7 @@ def sync_members(
     with torch.no_grad():
         rows = fs.headers(out, flags, agreed, group, world_size, device)
         fs.raise_failures(name, rows, failure, group, world_size, device)
-        got = fs.payloads(out, slots, rows, rank, group, world_size, device)
+        got = fs.payloads(out, rows, rank, group, world_size, device)
         error = _table_error(members, got.tables, lambda text: fs.gather_texts(text, group, world_size, device))
         if error is not None:
             raise error
@@ -290,8 +290,8 @@ def sync_members(
             metric = members[i][1]
             per_rank = [[synced[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
             values = [(got.reduced or {}).get(ref) for ref in tables[rank][i][3]]
-            joined_in_place = [st.attr for st, v in zip(states[i], values, strict=True) if st.is_cat and v is not None]
-            with large.uncopied(metric, joined_in_place):  # sync()'s copies of them would add to the buffer's peak
+            # sync()'s copies of the cat states joined in place would add to the buffer's peak: none are made
+            with large.uncopied(metric, large.joined_in_place(states[i], values)):
                 apply(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values))
             done.append(metric)
     except BaseException:

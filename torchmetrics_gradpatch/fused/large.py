@@ -42,7 +42,17 @@ import torch.distributed as dist
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch.fused import wire as fp
 
-__all__ = ["LARGE_MIN_BYTES", "defer", "mark", "on_buffer", "release_cache", "run", "sent_apart", "uncopied"]
+__all__ = [
+    "LARGE_MIN_BYTES",
+    "defer",
+    "joined_in_place",
+    "mark",
+    "on_buffer",
+    "release_cache",
+    "run",
+    "sent_apart",
+    "uncopied",
+]
 
 #: Where this rank's ``cat`` states' tensors add up to at least this many bytes, they cross apart from the payload.
 LARGE_MIN_BYTES = 1 << 20
@@ -179,6 +189,11 @@ def uncopied(metric: Any, attrs: Sequence[str]) -> Iterator[None]:
         yield
     finally:
         del metric._copy_state_dict
+
+
+def joined_in_place(states: Sequence[Any], values: Sequence[torch.Tensor | None]) -> list[str]:
+    """The ``cat`` states of ``states`` whose synced value :func:`run` made (``values``: each state's, or ``None``)."""
+    return [state.attr for state, value in zip(states, values, strict=True) if state.is_cat and value is not None]
 
 
 def sent_apart(slots: Sequence[Any]) -> list[str]:

@@ -320,7 +320,6 @@ class Exchanged:
 
 def payloads(
     out: Outgoing,
-    slots: list[Local],
     rows: list[list[int]],
     rank: int,
     group: Any,
@@ -331,7 +330,6 @@ def payloads(
     exchange uses, else collective 2 (every payload padded to the largest); read back per rank.
 
     The states every rank proposed alike to reduce are left out (:func:`torchmetrics_gradpatch.fused.reduced.agreed`).
-    ``slots`` are the states ``out`` describes (its tensors were taken by :func:`outgoing`).
     """
     words = out.words
     skip = out.plan.slots if _reduced.agreed(rows, out.plan) else ()
@@ -345,9 +343,7 @@ def payloads(
         buffers = first.regions
     else:
         size = max(row[fp.SIZE_REDUCED if skip else fp.SIZE] for row in rows)
-        payload = fp.pack(
-            words, out.sent or [[fp.sendable(t) for t in s.tensors] for s in slots], offsets, size, device
-        )
+        payload = fp.pack(words, out.sent, offsets, size, device)
         buffers = fp.gather_payloads(payload, group, world_size)
         del payload
     described = first.words if first is not None else [None] * world_size
@@ -476,7 +472,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
                 dict(enumerate(held)),
             )
         check_grad_modes(name, rows, mode)
-        got = payloads(out, states, rows, rank, resolved, world_size, device)
+        got = payloads(out, rows, rank, resolved, world_size, device)
         validate(name, states, got.slots)
         complete(got, out, states, rows, rank, resolved, device, staging)
     keep = [s.described.kind == fp.KIND_LIST and not s.is_cat for s in states]
@@ -535,10 +531,8 @@ def reduce(
     ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
     ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
-    if reduced is not None:  # the cat states joined in place: sync()'s copies of them go (a collection's members)
-        _large.release_cache(
-            metric, [st.attr for st, v in zip(states, reduced, strict=True) if st.is_cat and v is not None]
-        )
+    if reduced is not None:  # sync()'s copies of the cat states joined in place go (a collection's members)
+        _large.release_cache(metric, _large.joined_in_place(states, reduced))
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
             setattr(metric, state.attr, reduced[s])
