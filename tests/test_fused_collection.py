@@ -138,7 +138,7 @@ def _a_shared_state_crosses_the_wire_once(rank: int, world_size: int) -> None:
     assert sorted(prepared) == sorted(
         ["tp", "fp", "tn", "fn", "confmat", "preds", "target", "confidences", "accuracies"]
     )
-    for metric in done:
+    for metric in done.synced:
         metric.unsync()
 
 

@@ -278,7 +278,9 @@ def _opt_outs_sync_as_today(rank: int, world_size: int) -> None:
         before, before_group = calls(), calls(subgroup)
         result = fused(*batch(rank, 3, 1))
         count, group_count = calls() - before, calls(subgroup) - before_group
-    assert seen == [1] and count - own_fn_calls in EXCHANGE_COLLECTIVES, (seen, count, own_fn_calls)
+    # the member tables first, the members that opt out at their places (the one with its own dist_sync_fn as
+    # today), then one exchange for the members that join
+    assert len(seen) == 2 and count - own_fn_calls in (2, 3, 4), (seen, count, own_fn_calls)
     assert group_count in EXCHANGE_COLLECTIVES  # its own group's member: the fused sync of one Metric
     assert alike(result, reference) and alike(states(fused), states(expected))
     destroy_subgroup(subgroup)

@@ -19,9 +19,10 @@ moment it is (a ``wrapt`` post-import hook).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "install",
     "installed",
     "original_sync_dist",
+    "own_sync",
     "register",
     "uninstall",
 ]
@@ -89,9 +91,26 @@ def _is_torchmetrics_gather(fn: object, original: Any) -> bool:
     return module is not None and fn is getattr(module, "gather_all_tensors", None)
 
 
+#: ids of the Metrics that sync with torchmetrics' own ``_sync_dist`` now, whatever the strategy (:func:`own_sync`)
+_OWN: set[int] = set()
+
+
+@contextlib.contextmanager
+def own_sync(metrics: Iterable[Any]) -> Iterator[None]:
+    """While open, ``metrics`` sync with torchmetrics' own ``_sync_dist`` (and this package's gather), whatever the
+    strategy: a feature hands back to torchmetrics what it does not take over where its ranks must issue the
+    collectives torchmetrics' own path issues."""
+    added = {id(metric) for metric in metrics} - _OWN
+    _OWN.update(added)
+    try:
+        yield
+    finally:
+        _OWN.difference_update(added)
+
+
 def _run(original: Any, metric: Any, dist_sync_fn: Any, process_group: Any) -> None:
     strategy = STRATEGIES.get(_wanted["sync"])
-    if strategy is not None and _is_torchmetrics_gather(dist_sync_fn, original):
+    if strategy is not None and id(metric) not in _OWN and _is_torchmetrics_gather(dist_sync_fn, original):
         strategy.sync(metric, process_group, _mode_now())
     else:
         original(metric, dist_sync_fn, process_group)

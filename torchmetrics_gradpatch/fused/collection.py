@@ -9,8 +9,8 @@ effective sync is ``"fused"``, the replacement:
    a compute group's members to its first member's);
 2. exchanges over the default group, in one exchange whatever the number of members and states (one collective
    when steady, two after a change: :mod:`torchmetrics_gradpatch.fused.wire`), a member table (each member's
-   fingerprint, whether it joins the exchange or why not, whether it needs a sync) and the states of every member
-   that joins; a state object shared by several members (a compute group) is one slot, sent once;
+   fingerprint, its form, whether it needs a sync) and the states of every member that joins; a state object
+   shared by several members (a compute group) is one slot, sent once (each member still gets tensors of its own);
 3. from those same facts on every rank: refuses with the same :class:`~torchmetrics_gradpatch.FusedSyncError`
    (naming the member and the state) what cannot be synced, before any state changes; else sets each joining
    member's synced states through the member's own ``sync()`` (so its cache of local states is taken as its
@@ -18,86 +18,61 @@ effective sync is ``"fused"``, the replacement:
 4. runs torchmetrics' own ``compute()`` with those members' own sync skipped: each member computes on its synced
    states and its own ``unsync()`` restores its local states, as after torchmetrics' own sync.
 
-A member opts out, and syncs in its own ``compute()`` as it does today, when it does not sync on compute
-(``sync_on_compute=False``), syncs with a ``dist_sync_fn`` of its own or over a process group of its own,
-overrides ``_sync_dist``, is not distributed (its ``distributed_available_fn``) or is synced already; every rank
-sends why, and ranks that disagree raise the same error. A member whose result is cached is synced only when some
-rank has to (that rank's cache is then dropped, so every rank computes from the same states). A rank with no member
-to sync (none joins, or every one that joins holds a cached result) runs no exchange and issues no collective, as
-torchmetrics' own ``compute()`` issues none there: ``compute()`` on one rank alone, to log there, returns. A state
-that one rank cannot prepare (a ``cat`` list whose tensors do not concatenate, say) is flagged in its header, and
-every rank raises the same error after that collective. Under ``torch.compile`` the whole of it runs behind one
-graph break.
+The exchange takes over only the members in the form its tests prove (:mod:`torchmetrics_gradpatch.fused.forms`);
+every other member computes, and syncs, in its own ``compute()`` at its place in the order, exactly as under
+torchmetrics' own sync: one that does not sync on compute, syncs over a process group of its own, is not distributed
+or is synced already, and one whose form is not proven (a wrapper, a class overriding what the fused path relies
+on, module hooks, its own ``dist_sync_fn``, one object under two keys). Every rank sends each member's form. Where
+the ranks' forms differ but every rank's torchmetrics would sync the member over the default group (hooks, or a
+``dist_sync_fn`` of its own, on one rank only), every rank syncs it with torchmetrics' own ``_sync_dist``, so their
+collectives match; where one rank would sync it and another not, every rank raises the same error. A member whose
+result is cached is synced only when some rank has to (that rank's cache is then dropped, so every rank computes
+from the same states).
+
+A rank runs the exchange unless none of its members syncs over the default group or each one that does holds a
+cached result (members with their own ``dist_sync_fn`` count): then it issues no collective, as torchmetrics' own
+``compute()`` issues none there, and ``compute()`` on one rank alone, to log there, returns. A state that one rank
+cannot prepare (a ``cat`` list whose tensors do not concatenate, say) is flagged in its header, and every rank raises
+the same error after that collective. Under ``torch.compile`` the whole of it runs behind one graph break.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from torchmetrics_gradpatch import _compile, _engine
+from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import Site
+from torchmetrics_gradpatch.fused import forms
 
-__all__ = ["SITE", "sync_members"]
+__all__ = ["SITE", "Outcome", "forms_of", "sync_members"]
 
 _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
-
-# Why a member does or does not join the exchange; sent by every rank, so they agree or all raise.
-JOINS, NO_SYNC, OWN_SYNC_FN, OWN_GROUP, OWN_SYNC_DIST, NOT_DISTRIBUTED, SYNCED, NOT_A_METRIC = range(8)
-NO_STEP_SYNC, OWN_FORWARD, PRE_HOOKS = range(8, 11)  # a step's own reasons (forward, fused.step)
-_HOW = {
-    JOINS: "joins the collection's exchange",
-    NO_SYNC: "does not sync on compute (sync_on_compute=False)",
-    OWN_SYNC_FN: "syncs with a dist_sync_fn of its own",
-    OWN_GROUP: "syncs over a process group of its own",
-    OWN_SYNC_DIST: "overrides _sync_dist",
-    NOT_DISTRIBUTED: "is not distributed (its distributed_available_fn)",
-    SYNCED: "is synced already",
-    NOT_A_METRIC: "is not a torchmetrics Metric",
-    NO_STEP_SYNC: "does not sync on step (dist_sync_on_step=False)",
-    OWN_FORWARD: "overrides forward",
-    PRE_HOOKS: "has forward pre-hooks",
-}
-_MEMBER_WORDS = 3  # per member in the table: fingerprint, how, needs; then its slot references
+_MEMBER_WORDS = 4  # per member in the table: fingerprint, form, needs, detail; then its slot references
 
 
-def _how(metric: Any, on_step: bool = False) -> int:
-    """Whether ``metric`` joins the exchange, else why not: the same tests its own ``compute()`` makes, in order
-    (``on_step``: its ``forward``'s, where the batch states sync when ``dist_sync_on_step`` is set)."""
-    import torch.distributed as dist
-    import torchmetrics.utilities.distributed as tm_distributed
-    from torchmetrics import Metric
+def forms_of(members: list[tuple[str, Any]], on_step: bool = False) -> list[int]:
+    """Each member's form (:func:`torchmetrics_gradpatch.fused.forms.form`) for ``compute()`` or (``on_step``) the
+    step's ``forward``: an object held under several keys is a duplicate under each (torchmetrics runs it whole
+    at each of its places)."""
+    hooked = forms.global_hooks()
+    counts = collections.Counter(id(metric) for _, metric in members)
+    twice = {key for key, count in counts.items() if count > 1}
+    return [forms.form(metric, on_step, id(metric) in twice, hooked) for _, metric in members]
 
-    if not isinstance(metric, Metric):
-        return NOT_A_METRIC
-    if on_step:
-        if metric._is_synced:
-            return SYNCED  # its forward() raises "shouldn't be synced", as today
-        if not metric.dist_sync_on_step:
-            return NO_STEP_SYNC
-        cls = type(metric)
-        if cls.forward is not Metric.forward or (
-            cls._forward_full_state_update is not Metric._forward_full_state_update
-        ):
-            return OWN_FORWARD  # the step runs torchmetrics' own forward in two halves (fused.step)
-        if metric._forward_pre_hooks:
-            return PRE_HOOKS  # they run when the member is called, after its batch was updated
-    elif not metric._to_sync:
-        return NO_SYNC
-    elif metric._is_synced:
-        return SYNCED  # its compute() raises "already synced", as today
-    available = metric.distributed_available_fn
-    if not (callable(available) and available()):
-        return NOT_DISTRIBUTED
-    if metric.dist_sync_fn not in (None, tm_distributed.gather_all_tensors):
-        return OWN_SYNC_FN
-    if metric.process_group not in (None, dist.group.WORLD):
-        return OWN_GROUP
-    if type(metric)._sync_dist is not Metric.__dict__["_sync_dist"]:
-        return OWN_SYNC_DIST  # it may post-process (CompositionalMetric syncs nothing, its operands sync)
-    return JOINS
+
+def syncs_here(members: list[tuple[str, Any]], codes: list[int], on_step: bool = False) -> bool:
+    """Whether some member of this rank syncs over the default group (in ``compute()``: and holds no cached result):
+    the rank then runs the exchange; else it issues no collective for the collection, as torchmetrics' own path
+    issues none there."""
+    return any(
+        forms.kind(code) in (forms.JOINED, forms.OWN_PATH) and (on_step or getattr(metric, "_computed", None) is None)
+        for code, (_, metric) in zip(codes, members, strict=True)
+    )
 
 
 def _reduction_key(reduction: Any) -> Any:
@@ -129,10 +104,10 @@ def _held(members: list[tuple[str, Any]]) -> list[str]:
     return [f"{key!r}: {describe(metric)}" for key, metric in members]
 
 
-def _table_error(
-    members: list[tuple[str, Any]], tables: list[list[int]], texts: Callable[[str], list[str]]
+def _structure_error(
+    members: list[tuple[str, Any]], rows: list[list[_Row]], texts: Callable[[str], list[str]]
 ) -> Exception | None:
-    """The error every rank raises when the ranks' member tables disagree (``None``: they agree).
+    """The error every rank raises when the ranks hold other members (``None``: they hold the same).
 
     ``texts(text)`` gathers every rank's ``text`` (two collectives): called, alike on every rank, only where the
     tables disagree on which metrics the ranks hold, so the error names each rank's members, one text everywhere.
@@ -141,55 +116,86 @@ def _table_error(
 
     from torchmetrics_gradpatch.fused.sync import structure_error
 
-    counts = {r: table[0] for r, table in enumerate(tables)}
-    rows = [_rows(table) for table in tables]
-    differing = [i for i in range(min(counts.values())) if len({row[i][0] for row in rows}) > 1]
-    if len(set(counts.values())) > 1 or differing:
-        held = [json.loads(text) for text in texts(json.dumps(_held(members)))]
-        if len(set(counts.values())) > 1:
-            return structure_error(
-                "a MetricCollection",
-                None,
-                "the ranks are computing collections of different sizes",
-                {r: f"{len(h)} members: " + ", ".join(h) for r, h in enumerate(held)},
-            )
-        i = differing[0]
+    counts = {r: len(table) for r, table in enumerate(rows)}
+    differing = [i for i in range(min(counts.values())) if len({table[i].fingerprint for table in rows}) > 1]
+    if len(set(counts.values())) == 1 and not differing:
+        return None
+    held = [json.loads(text) for text in texts(json.dumps(_held(members)))]
+    if len(set(counts.values())) > 1:
         return structure_error(
-            f"member {i} of a MetricCollection",
+            "a MetricCollection",
             None,
-            "the ranks hold different metrics as this member (another key, class, or other states or reductions)",
-            {r: h[i] for r, h in enumerate(held)},
+            "the ranks are computing collections of different sizes",
+            {r: f"{len(h)} members: " + ", ".join(h) for r, h in enumerate(held)},
         )
+    i = differing[0]
+    return structure_error(
+        f"member {i} of a MetricCollection",
+        None,
+        "the ranks hold different metrics as this member (another key, class, or other states or reductions)",
+        {r: h[i] for r, h in enumerate(held)},
+    )
+
+
+def _own_sync(members: list[tuple[str, Any]], rows: list[list[_Row]]) -> list[int]:
+    """The members that every rank syncs with torchmetrics' own ``_sync_dist``: their forms differ between ranks but
+    every rank's torchmetrics would sync them over the default group, so those collectives match.
+
+    Raises, alike on every rank, where the forms differ so that torchmetrics' own sync could not complete (one rank
+    syncs a member another does not, or one rank's member raises as synced already).
+    """
+    from torchmetrics_gradpatch.fused.sync import structure_error
+
+    own = []
     for i, (key, metric) in enumerate(members):
-        name = _member_name(key, metric)
-        if len({row[i][1] for row in rows}) > 1:
-            return structure_error(
-                name,
-                None,
-                "the ranks disagree on whether it syncs in the collection's exchange",
-                {r: _HOW.get(row[i][1], f"reason {row[i][1]}") for r, row in enumerate(rows)},
-            )
-    return None
+        seen = [table[i] for table in rows]
+        kinds = {forms.kind(row.form) for row in seen}
+        if kinds in ({forms.JOINED}, {forms.QUIET}, {forms.OTHER_GROUP}, {forms.RAISES}):
+            continue
+        if kinds == {forms.OWN_PATH} and len({(row.form, row.detail) for row in seen}) == 1:
+            continue  # the same own path on every rank
+        if kinds <= {forms.JOINED, forms.OWN_PATH}:
+            own.append(i)
+            continue
+        raise structure_error(
+            _member_name(key, metric),
+            None,
+            "the ranks disagree on whether it syncs (torchmetrics' own sync would leave the ranks that sync waiting)",
+            {r: forms.describe(row.form) for r, row in enumerate(seen)},
+        )
+    return own
 
 
-def _rows(table: list[int]) -> list[tuple[int, int, int, list[int]]]:
-    """A member table read back: per member its fingerprint, how, needs and slot references."""
+@dataclass(frozen=True)
+class _Row:
+    """One member in one rank's table: its fingerprint, form, whether it needs a sync, its detail and its slots."""
+
+    fingerprint: int
+    form: int
+    needs: bool
+    detail: int
+    refs: list[int]
+
+
+def _rows(table: list[int]) -> list[_Row]:
+    """A member table read back."""
     rows = []
     at = 1
     for _ in range(table[0]):
-        fingerprint, how, needs = table[at : at + _MEMBER_WORDS]
+        fingerprint, form, needs, detail = table[at : at + _MEMBER_WORDS]
         count = table[at + _MEMBER_WORDS]
         refs = table[at + _MEMBER_WORDS + 1 : at + _MEMBER_WORDS + 1 + count]
-        rows.append((fingerprint, how, needs, list(refs)))
+        rows.append(_Row(fingerprint, form, bool(needs), detail, list(refs)))
         at += _MEMBER_WORDS + 1 + count
     return rows
 
 
 def _prepare(
-    members: list[tuple[str, Any]], hows: list[int], stream_cpu: bool
+    members: list[tuple[str, Any]], codes: list[int], stream_cpu: bool, staged: bool
 ) -> tuple[list[Any], list[list[Any]], Any, int]:
-    """Step 1 for every joining member: the slots this rank sends, each member's states (views of its slots), the
-    outgoing description (with the member table in front) and the fingerprint every rank must share."""
+    """Step 1 for every joining member (``staged``: their states are ready to send; else only the table travels): the
+    slots this rank sends, each member's states (views of its slots), the outgoing description (with the member
+    table in front) and the fingerprint every rank must share."""
     from torchmetrics_gradpatch.fused import sync as fs
 
     slots: list[fs.Local] = []
@@ -197,10 +203,10 @@ def _prepare(
     seen: dict[tuple[Any, ...], int] = {}
     table = [len(members)]
     placement: list[int] = []  # every member's slot references: what a proposal to reduce must agree on too
-    for (key, metric), how in zip(members, hows, strict=True):
+    for (key, metric), code in zip(members, codes, strict=True):
         refs: list[int] = []
         mine: list[fs.Local] = []
-        if how == JOINS:
+        if code == forms.JOINS and staged:
             rule = fs.placeholder_rule(metric)
             for attr, reduction in metric._reductions.items():
                 value = getattr(metric, attr)
@@ -215,29 +221,51 @@ def _prepare(
                 slot = slots[index]
                 mine.append(fs.Local(attr, reduction, slot.is_cat, slot.value, slot.tensors, slot.described))
                 refs.append(index)
-        needs = how == JOINS and metric._computed is None  # a cached result is returned without a sync
-        table += [_fingerprint(key, metric), how, int(needs), len(refs), *refs]
+        needs = getattr(metric, "_computed", None) is None  # a cached result is returned without a sync
+        own = forms.kind(code) == forms.OWN_PATH
+        table += [_fingerprint(key, metric), code, int(needs), forms.detail(metric) if own else 0, len(refs), *refs]
         placement += [len(refs), *refs]
         states.append(mine)
-    agreed = zlib.crc32(str([(row[0], row[1]) for row in _rows(table)]).encode())  # what every rank must share
+    agreed = zlib.crc32(str([(row.fingerprint, row.form) for row in _rows(table)]).encode())  # every rank shares
     return slots, states, fs.outgoing(slots, table, placement), agreed
+
+
+@dataclass
+class Outcome:
+    """What the exchange settled, alike on every rank: whether every rank sent its states (``everywhere``), the
+    members that join on every rank (their indices), the members whose synced states it set (each through
+    ``set_synced``; none unless ``everywhere``), and the members that every rank syncs with torchmetrics' own
+    ``_sync_dist``."""
+
+    everywhere: bool
+    joins: list[int]
+    synced: list[Any] = field(default_factory=list)
+    own_sync: list[Any] = field(default_factory=list)
+
+    def torchmetrics_sync(self) -> Any:
+        """A context in which the members of :attr:`own_sync`, and every Metric inside them, sync with torchmetrics'
+        own ``_sync_dist``."""
+        from torchmetrics import Metric
+
+        inside = [each for metric in self.own_sync for each in metric.modules() if isinstance(each, Metric)]
+        return _syncs.own_sync(inside)
 
 
 def sync_members(
     members: list[tuple[str, Any]],
     mode: str,
-    hows: list[int] | None = None,
+    codes: list[int] | None = None,
     set_synced: Callable[[Any, Callable[[], None]], None] | None = None,
-) -> list[Any]:
-    """The one exchange over the default group: set the synced states of every member that joins and needs it.
+    staged: bool = True,
+) -> Outcome:
+    """The one exchange over the default group: set the synced states of every member that joins on every rank and
+    needs it, and settle which members every rank syncs with torchmetrics' own ``_sync_dist``.
 
-    A collective among the ranks that have a member to sync: a rank where no member joins, or every joining member
-    holds a cached result, returns at once and issues none, as torchmetrics' own ``compute()`` would. Returns the
-    members now synced (each through its own ``sync()``: ``_is_synced`` set, its local states in its cache).
-
-    ``hows``: whether each member joins, else why not (default: :func:`_how` for ``compute()``); ``set_synced``:
-    what is done with each synced member and the function that sets its synced states (default: its own
-    ``sync()`` runs it, :func:`_set_synced`).
+    A collective of every rank where some member syncs over the default group (:func:`syncs_here`; the caller
+    decides). ``codes``: each member's form (default: :func:`forms_of` for ``compute()``); ``set_synced``: what is
+    done with each synced member and the function that sets its synced states (default: its own ``sync()`` runs
+    it, :func:`_set_synced`); ``staged``: this rank's joining members hold the states to send (a step's rank that
+    ran no member yet sends its table alone, and then no member is synced by the exchange on any rank).
     """
     import torch
     import torch.distributed as dist
@@ -247,58 +275,82 @@ def sync_members(
     from torchmetrics_gradpatch.fused import sync as fs
     from torchmetrics_gradpatch.fused import wire as fp
 
-    hows = [_how(metric) for _, metric in members] if hows is None else hows
+    codes = forms_of(members) if codes is None else codes
     apply = _set_synced if set_synced is None else set_synced
-    if not any(how == JOINS and metric._computed is None for how, (_, metric) in zip(hows, members, strict=True)):
-        return []  # nothing here needs a peer (a rank logging alone, say): no collective, so no rank waits alone
     group = dist.group.WORLD
     world_size, rank = size_and_rank(group)
-    joining = [metric for how, (_, metric) in zip(hows, members, strict=True) if how == JOINS]
-    device, staging, stream_cpu = transit.devices(joining[0].device, group)
+    joining = [metric for code, (_, metric) in zip(codes, members, strict=True) if code == forms.JOINS]
+    device, staging, stream_cpu = transit.devices((joining or [members[0][1]])[0].device, group)
     failure: Exception | None = None
     try:
-        slots, states, out, agreed = _prepare(members, hows, stream_cpu)
+        slots, states, out, agreed = _prepare(members, codes, stream_cpu, staged)
     except Exception as prepared:  # this rank's states cannot be sent: its header says so, and every rank raises
         slots, states, out, agreed, failure = [], [], fs.outgoing([]), 0, prepared
     name = "a MetricCollection"
-    flags = fs.flags_of(slots) | (fp.FLAG_FAILED if failure is not None else 0)
+    flags = fs.flags_of(slots) | (fp.FLAG_FAILED if failure is not None else 0) | (0 if staged else fp.FLAG_UNSTAGED)
     with torch.no_grad():
         rows = fs.headers(out, flags, agreed, group, world_size, device)
         fs.raise_failures(name, rows, failure, group, world_size, device)
         got = fs.payloads(out, rows, rank, group, world_size, device)
-        error = _table_error(members, got.tables, lambda text: fs.gather_texts(text, group, world_size, device))
+        tables = [_rows(t) for t in got.tables]
+        error = _structure_error(members, tables, lambda text: fs.gather_texts(text, group, world_size, device))
         if error is not None:
             raise error
-        fs.check_grad_modes(name, rows, mode)
-        tables = [_rows(t) for t in got.tables]
-        joined = [i for i, how in enumerate(hows) if how == JOINS and any(t[i][2] for t in tables)]
+        own = _own_sync(members, tables)
+        everywhere = not any(row[fp.FLAGS] & fp.FLAG_UNSTAGED for row in rows)
+        joins = [i for i, code in enumerate(codes) if code == forms.JOINS and i not in own]
+        joined = [i for i in joins if everywhere and any(t[i].needs for t in tables)]
+        for i, (_, metric) in enumerate(members):
+            if any(t[i].needs for t in tables) and (i in own or forms.kind(codes[i]) == forms.OWN_PATH):
+                metric._computed = None  # a peer syncs it: this rank computes from the same states, not its cache
+        if joined:
+            fs.check_grad_modes(name, rows, mode)
         views: dict[int, list[list[fp.State]]] = {}
         for i in joined:
-            views[i] = [[got.slots[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
+            views[i] = [[got.slots[r][ref] for ref in tables[r][i].refs] for r in range(world_size)]
             fs.validate(_member_name(*members[i]), states[i], views[i])
-        fs.complete(got, out, slots, rows, rank, group, device, staging)
+        if everywhere:
+            fs.complete(got, out, slots, rows, rank, group, device, staging)
+    outcome = Outcome(everywhere, joins, own_sync=[members[i][1] for i in own])
+    if not joined:
+        return outcome
     keep = [[False] * len(got.slots[r]) for r in range(world_size)]
     for i in joined:
         for s, state in enumerate(states[i]):
             if state.described.kind == fp.KIND_LIST and not state.is_cat:
                 for r in range(world_size):
-                    keep[r][tables[r][i][3][s]] = True
+                    keep[r][tables[r][i].refs[s]] = True
     synced = fs.entries(slots, got, keep, rank, world_size, None, fs.node_wanted(rows, mode), device)
-    done: list[Any] = []
+    given: set[int] = set()  # slots whose tensors a member already holds: the next member of its group gets copies
     try:
         for i in joined:
             metric = members[i][1]
-            per_rank = [[synced[r][ref] for ref in tables[r][i][3]] for r in range(world_size)]
-            values = [(got.reduced or {}).get(ref) for ref in tables[rank][i][3]]
+            refs = [tables[r][i].refs for r in range(world_size)]
+            shared = [ref in given for ref in refs[rank]]
+            per_rank = [
+                [_own_copy(synced[r][ref], r != rank and keep[r][ref] and shared[s]) for s, ref in enumerate(refs[r])]
+                for r in range(world_size)
+            ]
+            values = [
+                None if value is None else value.clone() if ref in given else value
+                for ref, value in ((ref, (got.reduced or {}).get(ref)) for ref in refs[rank])
+            ]
+            given.update(refs[rank])
             # sync()'s copies of the cat states joined in place would add to the buffer's peak: none are made
             with large.uncopied(metric, large.joined_in_place(states[i], values)):
                 apply(metric, functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values))
-            done.append(metric)
+            outcome.synced.append(metric)
     except BaseException:
-        for metric in done:
+        for metric in outcome.synced:
             metric.unsync()
         raise
-    return done
+    return outcome
+
+
+def _own_copy(entries: list[Any], copy: bool) -> list[Any]:
+    """A member's entries of another rank's slot: copies where an earlier member of its compute group holds them
+    (torchmetrics syncs each member apart, so no two members share a synced tensor)."""
+    return [entry.clone() if copy else entry for entry in entries]
 
 
 def _set_synced(metric: Any, reduce: Callable[[], None]) -> None:
@@ -322,26 +374,29 @@ def _compute(original: Callable[[Any], Any], collection: Any) -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection)
     members = [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)]
-    if not members:
+    codes = forms_of(members)
+    if not members or not syncs_here(members, codes):
         return original(collection)
-    joined = sync_members(members, _engine.effective_mode())
-    if not joined:
-        return original(collection)
+    outcome = sync_members(members, _engine.effective_mode(), codes)
+    joined = outcome.synced
     to_sync = [metric._to_sync for metric in joined]
     try:
         for metric in joined:
             metric._to_sync = False  # its own sync in compute() is skipped; its unsync still runs
-        # compute() links compute groups again first; done now, it would give each member its group's first
-        # member's synced states (the link was made above, before the exchange)
-        collection._state_is_copy = True
-        return original(collection)
+        if joined:
+            # compute() links compute groups again first; done now, it would give each member its group's first
+            # member's synced states (the link was made above, before the exchange)
+            collection._state_is_copy = True
+        with outcome.torchmetrics_sync():
+            return original(collection)
     except BaseException:
         for metric in joined:
             if metric._is_synced and metric._should_unsync:
                 metric.unsync()  # what the failure left synced goes back to its local states
         raise
     finally:
-        collection._state_is_copy = False  # as compute()'s items(copy_state=False) leaves it
+        if joined:
+            collection._state_is_copy = False  # as compute()'s items(copy_state=False) leaves it
         for metric, value in zip(joined, to_sync, strict=True):
             metric._to_sync = value
 

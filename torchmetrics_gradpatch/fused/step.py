@@ -76,6 +76,7 @@ class _Pending:
     cache: dict[str, Any]
     reduce: Callable[[], None] | None = field(default=None)
     finished: bool = False
+    result: Any = None
 
     @classmethod
     def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any], copies: bool) -> _Pending:
@@ -93,23 +94,28 @@ class _Pending:
         return cls(metric, update_count, compute_on_cpu, cache)
 
     def finish(self, *_: Any, **__: Any) -> Any:
-        """torchmetrics' lines from ``batch_val = self.compute()`` on, the sync being the exchange's result; stands
-        in for the member's ``forward`` (its arguments were used by :meth:`begin`)."""
+        """torchmetrics' lines from ``batch_val = self.compute()`` on, the sync being the exchange's result where it
+        synced the member (else the member's own sync); stands in for the member's ``forward`` (its arguments were
+        used by :meth:`begin`). Once finished, it returns that value again."""
+        if self.finished:
+            return self.result
         metric = self.metric
         reduce = self.reduce
+        if reduce is None:
+            batch_val = metric.compute()
+        else:
 
-        def _sync_dist(dist_sync_fn: Any = None, process_group: Any = None) -> None:
-            if reduce is not None:
+            def _sync_dist(dist_sync_fn: Any = None, process_group: Any = None) -> None:
                 reduce()
 
-        metric._sync_dist = _sync_dist  # an instance attribute over the class's, for this one compute()
-        try:
-            batch_val = metric.compute()
-        finally:
-            del metric._sync_dist
+            metric._sync_dist = _sync_dist  # an instance attribute over the class's, for this one compute()
+            try:
+                batch_val = metric.compute()
+            finally:
+                del metric._sync_dist
         self.restore()
         metric._forward_cache = batch_val
-        self.finished = True
+        self.finished, self.result = True, batch_val
         return batch_val
 
     def restore(self) -> None:
@@ -144,62 +150,144 @@ class _Done:
         return self.result
 
 
+def _shared_lists(members: list[tuple[str, Any]]) -> set[int]:
+    """The list states that several members hold as one object (a compute group's, linked by ``items()``)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, metric in members:
+        for attr in getattr(metric, "_defaults", {}):
+            value = getattr(metric, attr)
+            if isinstance(value, list):
+                (shared if id(value) in seen else seen).add(id(value))
+    return shared
+
+
+def _own_lists(metric: Any, shared: set[int]) -> None:
+    """Give ``metric`` its batch list states as lists of its own where another member holds the same list object.
+
+    torchmetrics (1.4 on) clears a list state in place in ``reset()``, and in its ``forward`` each member computes
+    before the next member's ``reset()``; here every member's first half runs first, so the next member's
+    ``reset()`` would empty this member's batch list before it computes. The tensors are the same; the list
+    object the next member updates is left as torchmetrics leaves it.
+    """
+    for attr in metric._defaults:
+        value = getattr(metric, attr)
+        if isinstance(value, list) and id(value) in shared:
+            setattr(metric, attr, list(value))
+
+
+class _Step:
+    """One collection step: the members, and each one's state between the two halves (see the module docstring)."""
+
+    def __init__(self, members: list[tuple[str, Any]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.members, self.args, self.kwargs = members, args, kwargs
+        self.copies, self.shared = _copies_states(), _shared_lists(members)
+        self.pending: dict[int, _Pending] = {}
+        self.steps: dict[int, _Pending | _Done] = {}  # by member index
+
+    def begin(self, i: int) -> None:
+        """The first half of member ``i``'s ``forward``, which joins an exchange."""
+        metric = self.members[i][1]
+        begun = _Pending.begin(metric, self.args, metric._filter_kwargs(**self.kwargs), self.copies)
+        _own_lists(metric, self.shared)
+        self.pending[id(metric)] = self.steps[i] = begun
+
+    def run(self, i: int) -> None:
+        """Member ``i``'s own ``forward``, whole, with its hooks (it joins no exchange)."""
+        metric = self.members[i][1]
+        self.steps[i] = _Done(metric, metric(*self.args, **metric._filter_kwargs(**self.kwargs)))
+
+    def record(self, metric: Any, reduce: Callable[[], None]) -> None:
+        self.pending[id(metric)].reduce = reduce
+
+    def restore(self) -> None:
+        """Every joining member not finished yet, as after its update of this batch (its accumulated states kept)."""
+        for begun in self.pending.values():
+            if not begun.finished:
+                begun.restore()
+
+    def collect(self, original: Callable[..., Any], collection: Any) -> Any:
+        """torchmetrics' own collection ``forward``, each member's ``forward`` standing in with what it has done (in
+        call order, for an object the collection holds under several keys)."""
+        queues: dict[int, list[_Pending | _Done]] = {}
+        for each in self.steps.values():
+            queues.setdefault(id(each.metric), []).append(each)
+        stood_in: list[_Pending | _Done] = []
+        try:
+            for queue in queues.values():
+                metric = queue[0].metric
+                metric.forward = functools.partial(_next, queue)  # what Module.__call__ runs for it now
+                stood_in.append(queue[0])
+                for each in queue:
+                    if isinstance(each, _Done):  # its hooks ran with its own forward
+                        for name in _HOOKS:
+                            if getattr(metric, name, None):
+                                each.hooks[name] = getattr(metric, name)
+                                setattr(metric, name, type(each.hooks[name])())
+            return original(collection, *self.args, **self.kwargs)
+        finally:
+            for each in stood_in:
+                del each.metric.forward
+            for each in self.steps.values():
+                if isinstance(each, _Done):
+                    for name, hooks in each.hooks.items():
+                        setattr(each.metric, name, hooks)
+
+
+def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
+    return queue.pop(0).finish()
+
+
 def _forward(original: Callable[..., Any], collection: Any, *args: Any, **kwargs: Any) -> Any:
     """The collection's ``forward`` with one exchange for every member that joins (see the module docstring)."""
     import torch.distributed as dist
 
     from torchmetrics_gradpatch.fused import collection as fc
+    from torchmetrics_gradpatch.fused import forms
 
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection, *args, **kwargs)
     members = [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)]
-    hows = [fc._how(metric, on_step=True) for _, metric in members]
-    if fc.JOINS not in hows:
+    codes = fc.forms_of(members, on_step=True)
+    if not fc.syncs_here(members, codes, on_step=True):
         return original(collection, *args, **kwargs)
-    copies = _copies_states()
-    pending: dict[int, _Pending] = {}
-    steps: list[_Pending | _Done] = []
+    mode = _engine.effective_mode()
+    # staged: every member joins or issues no collective, so the first halves run before the exchange, in the
+    # collection's order (every graph node is made in torchmetrics' order, so the gradients that an input gets from
+    # several members are summed in its order too); else this rank sends its member table alone first
+    staged = all(forms.kind(code) in (forms.JOINED, forms.QUIET) for code in codes)
+    step = _Step(members, args, kwargs)
     try:
-        # in the collection's order, as torchmetrics runs them: every graph node is made in the same order, so the
-        # gradients of inputs that several members share are summed in the same order in backward
-        for (_, metric), how in zip(members, hows, strict=True):
-            filtered = metric._filter_kwargs(**kwargs)
-            if how == fc.JOINS:
-                pending[id(metric)] = _Pending.begin(metric, args, filtered, copies)
-                steps.append(pending[id(metric)])
-            else:
-                steps.append(_Done(metric, metric(*args, **filtered)))
-
-        def record(metric: Any, reduce: Callable[[], None]) -> None:
-            pending[id(metric)].reduce = reduce
-
-        fc.sync_members(members, _engine.effective_mode(), hows, record)
+        if staged:
+            for i, code in enumerate(codes):
+                step.begin(i) if code == forms.JOINS else step.run(i)
+        outcome = fc.sync_members(members, mode, codes, step.record, staged)
+        if not outcome.everywhere:
+            # some rank has a member the exchange does not take over: from the same tables, every rank runs each
+            # member in order, the ones that join everywhere up to their compute(), every other member whole (its
+            # sync where every rank issues it, at its place), then a second exchange for the ones that join
+            with outcome.torchmetrics_sync():
+                if not staged and not outcome.joins:
+                    return original(collection, *args, **kwargs)
+                for i in range(len(members)):
+                    if i in outcome.joins:
+                        if not staged:
+                            step.begin(i)
+                    elif not staged:
+                        step.run(i)
+                    elif codes[i] == forms.JOINS:
+                        step.steps[i].finish()  # its sync differs between ranks: torchmetrics' own, now
+            if outcome.joins:
+                again = [forms.JOINS if i in outcome.joins else forms.RAN for i in range(len(members))]
+                fc.sync_members(members, mode, again, step.record)
     except BaseException:
-        for begun in pending.values():
-            begun.restore()  # each joining member as after its update of this batch
+        step.restore()
         raise
-    stood_in: list[_Pending | _Done] = []
     try:
-        for each in steps:
-            each.metric.forward = each.finish  # what Module.__call__ runs for this member now
-            stood_in.append(each)
-            if isinstance(each, _Done):  # its hooks ran with its own forward above
-                for name in _HOOKS:
-                    if getattr(each.metric, name, None):
-                        each.hooks[name] = getattr(each.metric, name)
-                        setattr(each.metric, name, type(each.hooks[name])())
-        return original(collection, *args, **kwargs)
+        return step.collect(original, collection)
     except BaseException:
-        for begun in pending.values():
-            if not begun.finished:
-                begun.restore()  # a member's compute() failed: the others as after their update of this batch
+        step.restore()  # a member's compute() failed: the others as after their update of this batch
         raise
-    finally:
-        for each in stood_in:
-            del each.metric.forward
-            if isinstance(each, _Done):
-                for name, hooks in each.hooks.items():
-                    setattr(each.metric, name, hooks)
 
 
 def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -5,10 +5,10 @@ What one rank sends
 -------------------
 * A **header** of :data:`HEADER_WORDS` int64 words, the same size on every rank: a format tag, the length of the
   rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad, the rank
-  could not prepare its states, its payload is inline), a fingerprint of the Metric (class and state names, each
-  state's reduction), the length of its payload when the states it proposes to reduce are left out, a digest of
-  that proposal (``0``: none; see :mod:`torchmetrics_gradpatch.fused.reduced`), its chunk size for CPU-held states,
-  and the inline capacity it used.
+  could not prepare its states, its payload is inline, it sends a collection's member table alone), a fingerprint
+  of the Metric (class and state names, each state's reduction), the length of its payload when the states it
+  proposes to reduce are left out, a digest of that proposal (``0``: none; see
+  :mod:`torchmetrics_gradpatch.fused.reduced`), its chunk size for CPU-held states, and the inline capacity it used.
 * A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
   :data:`ALIGN` so that it can be viewed back as its dtype in place. Left out: the states every rank agreed to
   reduce (:func:`layout`'s ``skip``), *separate* pieces (large ``cat`` states, which cross in a collective apart:
@@ -66,6 +66,7 @@ __all__ = [
     "ALIGN",
     "FLAG_FAILED",
     "FLAG_INLINE",
+    "FLAG_UNSTAGED",
     "HEADER_WORDS",
     "INLINE_MAX",
     "INLINE_MIN",
@@ -91,13 +92,14 @@ __all__ = [
     "words_of",
 ]
 
-FORMAT = 0x7467_6673_0004  # "tgfs", format 4: a rank running another format of this header size is told so
+FORMAT = 0x7467_6673_0005  # "tgfs", format 5: a rank running another format of this header size is told so
 HEADER_WORDS = 10  # 80 bytes: a multiple of ALIGN, so an inline payload's pieces can be viewed in place
 SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PLAN, CHUNK, CAPACITY = 2, 3, 4, 5, 6, 7, 8  # a header row's words
 FLAG_GRAD_MODE = 1
 FLAG_REQUIRES_GRAD = 2
 FLAG_FAILED = 8  # this rank could not prepare its states: every rank raises after the header
 FLAG_INLINE = 16  # this rank's payload (its proposal's layout) is in collective 1
+FLAG_UNSTAGED = 32  # a collection step's rank that sends its member table alone (it ran no member yet)
 
 #: The largest inline capacity: a payload over it always takes the second collective.
 INLINE_MAX = 64 * 1024
