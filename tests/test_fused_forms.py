@@ -449,6 +449,63 @@ def test_randomized_collections_with_one_rank_changed(world_size: int) -> None:
         run_ranks(_randomized_per_rank, world_size, seed, timeout=120)
 
 
+# --- the documented limits -----------------------------------------------------------------------------------------
+
+
+class Noisy(Metric):
+    """Draws random numbers in ``update`` and in ``compute``."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.total = self.total + (preds * torch.rand((), dtype=torch.float64)).sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.total * torch.rand((), dtype=torch.float64)
+
+
+class BrokenUpdate(MeanSquaredError):  # noqa: N818 - a Metric, not an exception
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        raise ValueError("a failing update")
+
+
+def _the_documented_limits(rank: int, world_size: int) -> None:
+    # 1. the order of random draws: the fused step runs every member's updates before any member's compute()
+    def noisy(count: int) -> Callable[[], MetricCollection]:
+        return lambda: MetricCollection(
+            {**{f"n{i}": Noisy(dist_sync_on_step=True) for i in range(count)}, "mse": MeanSquaredError()},
+            compute_groups=False,
+        )
+
+    check(noisy(1), rank, 8, "local", "one member draws")  # one member's draws keep their order
+    expected, got = (run(noisy(2), rank, 8, sync, "local") for sync in ("torchmetrics", "fused"))
+    assert not alike(got[1][0], expected[1][0])  # two members' draws interleave otherwise: other values
+    # 2. an update that raises on every rank: the same error and states, but the members before it have not
+    # computed their batch value, so their _forward_cache is not torchmetrics'
+    results = {}
+    for sync in ("torchmetrics", "fused"):
+        metrics = MetricCollection(
+            {"a": MeanSquaredError(dist_sync_on_step=True), "b": BrokenUpdate(dist_sync_on_step=True)},
+            compute_groups=False,
+        )
+        metrics["a"].update(*batch(rank, 9, 0))
+        with tg.patched(sync=sync), pytest.raises(ValueError, match="a failing update"):
+            metrics(*batch(rank, 9, 1))
+        results[sync] = flags(metrics)
+    differing = [name for name in results["fused"] if not alike(results["fused"][name], results["torchmetrics"][name])]
+    assert differing == ["a._forward_cache"], differing
+    assert results["fused"]["a._forward_cache"] is None and results["torchmetrics"]["a._forward_cache"] is not None
+
+
+@pytest.mark.parametrize("world_size", worlds(2))
+def test_the_documented_limits(world_size: int) -> None:
+    run_ranks(_the_documented_limits, world_size, timeout=120)
+
+
 def test_the_forms_of_a_collection_outside_ranks() -> None:
     """Which form each member has, without a process group: the allowlist."""
     from torchmetrics_gradpatch.fused import collection as fc
