@@ -247,8 +247,8 @@ class Outcome:
         own ``_sync_dist``."""
         from torchmetrics import Metric
 
-        inside = [each for metric in self.own_sync for each in metric.modules() if isinstance(each, Metric)]
-        return _syncs.own_sync(inside)
+        metrics = [each for metric in self.own_sync for each in (metric, *forms.inside(metric))]
+        return _syncs.own_sync(each for each in metrics if isinstance(each, Metric))
 
 
 def sync_members(

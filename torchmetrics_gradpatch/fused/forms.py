@@ -24,6 +24,7 @@ torchmetrics at import time.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "detail",
     "form",
     "global_hooks",
+    "inside",
     "kind",
 ]
 
@@ -118,12 +120,25 @@ def global_hooks() -> bool:
     return any(getattr(tm, name, None) for name in _GLOBAL_HOOKS)
 
 
+def inside(module: Any) -> Iterator[Any]:
+    """Every module inside ``module``, depth first, each once: ``Module.modules()`` without its set of modules,
+    which hashes a Metric by its states."""
+    seen = {id(module)}
+    stack = list(module._modules.values())
+    while stack:
+        each = stack.pop()
+        if each is not None and id(each) not in seen:
+            seen.add(id(each))
+            yield each
+            stack.extend(each._modules.values())
+
+
 def _proven_class(metric: Any) -> int:
     """JOINS where the member's class and instance replace nothing the fused path relies on, else the reason."""
     from torchmetrics import Metric
 
     cls = type(metric)
-    if any(isinstance(child, Metric) for child in metric.modules() if child is not metric):
+    if metric._modules and any(isinstance(inner, Metric) for inner in inside(metric)):
         return HOLDS_METRICS  # wrappers, CompositionalMetric: the Metrics inside sync themselves, in their order
     if cls._sync_dist is not Metric.__dict__["_sync_dist"]:
         return OWN_SYNC_DIST  # it may post-process (MeanAveragePrecision does)
@@ -188,7 +203,7 @@ def detail(metric: Any) -> int:
     from torchmetrics import Metric
 
     facts: list[str] = []
-    for each in metric.modules() if hasattr(metric, "modules") else (metric,):
+    for each in (metric, *inside(metric)) if hasattr(metric, "_modules") else (metric,):
         if not isinstance(each, Metric):
             continue
         fn = getattr(each, "dist_sync_fn", None)

@@ -1,0 +1,202 @@
+"""Check mode: every fused sync and step also runs torchmetrics' own sync on the same states, and compares.
+
+While check mode is on (``patch(check=True)``, ``patched(check=True)``, ``TORCHMETRICS_GRADPATCH_CHECK=1``), each
+run of the fused sync (:func:`run`) is followed by torchmetrics' own path on what the fused run started from:
+
+1. every Metric's states (cloned, objects shared between Metrics shared in the clone too) and flags, and the
+   random state (torch's, CUDA's where initialised, Python's and NumPy's where imported) are taken before the
+   fused run;
+2. the fused run's results, states and flags are kept, the ones taken before put back, and torchmetrics' own path
+   runs (every Metric syncing with torchmetrics' own ``_sync_dist`` and this package's gather);
+3. the two are compared bit for bit (values, states, flags, ``_forward_cache``), the fused run's results, states,
+   flags and random state are put back, and the ranks exchange what they found (one collective; a second where
+   some rank found a difference): every rank raises the same :class:`~torchmetrics_gradpatch.FusedSyncError`,
+   naming the rank, the Metric, the state and the first difference, or every rank returns the fused result.
+
+Costs: torchmetrics' own sync beside the fused one, a copy of every state, and module hooks run twice in a step.
+Every rank must run with the same check setting (a rank that checks issues collectives its peers do not).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from torchmetrics_gradpatch._errors import FusedSyncError
+
+__all__ = ["difference", "run"]
+
+T = TypeVar("T")
+_FLAGS = ("_update_count", "_forward_cache", "_computed", "_is_synced", "_should_unsync", "_to_sync", "_cache")
+
+
+def _rng() -> tuple[Any, ...]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call,unused-ignore]
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def _set_rng(state: tuple[Any, ...]) -> None:
+    cpu, cuda, python, numpy = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(python)
+    if numpy is not None:
+        sys.modules["numpy"].random.set_state(numpy)
+
+
+def _metrics(root: Any) -> Iterator[tuple[str, Any]]:
+    """Every Metric in ``root`` (a Metric or a collection), by its path."""
+    from torchmetrics import Metric
+
+    for path, module in root.named_modules():
+        if isinstance(module, Metric):
+            yield path or type(root).__name__, module
+
+
+def _clone(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` with every tensor and list copied; an object met before is the same copy (so aliasing stays)."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        copy: Any = value.detach().clone()
+    elif isinstance(value, list):
+        copy = []
+        memo[id(value)] = copy
+        copy.extend(_clone(v, memo) for v in value)
+        return copy
+    elif isinstance(value, dict):
+        copy = {k: _clone(v, memo) for k, v in value.items()}
+    else:
+        return value
+    memo[id(value)] = copy
+    return copy
+
+
+@dataclass
+class _Taken:
+    """Every Metric's states and flags: as objects (``keep``: the fused run's, put back as they are) or cloned."""
+
+    values: dict[str, dict[str, Any]]
+
+    @classmethod
+    def of(cls, root: Any, clone: bool) -> _Taken:
+        memo: dict[int, Any] = {}
+        values = {}
+        for path, metric in _metrics(root):
+            names = (*metric._defaults, *_FLAGS)
+            got = {name: metric.__dict__.get(name, getattr(metric, name, None)) for name in names}
+            values[path] = {k: _clone(v, memo) for k, v in got.items()} if clone else got
+        return cls(values)
+
+    def put(self, root: Any) -> None:
+        for path, metric in _metrics(root):
+            for name, value in self.values.get(path, {}).items():
+                setattr(metric, name, value)
+
+
+def difference(a: Any, b: Any) -> str | None:
+    """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+            return f"{a.dtype} {list(a.shape)} where torchmetrics' is {b.dtype} {list(b.shape)}"
+        if a.requires_grad != b.requires_grad:
+            return f"requires_grad={a.requires_grad} where torchmetrics' is {b.requires_grad}"
+        x, y = a.detach().contiguous(), b.detach().contiguous()
+        if x.numel() == 0:
+            return None
+        bytes_x, bytes_y = x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
+        if torch.equal(bytes_x, bytes_y):
+            return None
+        at = int((bytes_x != bytes_y).nonzero()[0]) // x.element_size()
+        index: list[int] = []
+        rest = at
+        for size in reversed(x.shape):
+            index.insert(0, rest % size)
+            rest //= size
+        mine, theirs = x.reshape(-1)[at].item(), y.reshape(-1)[at].item()
+        return f"at index {index}: {mine!r} where torchmetrics' is {theirs!r}"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"keys {sorted(map(str, a))} where torchmetrics' are {sorted(map(str, b))}"
+        for key in a:
+            found = difference(a[key], b[key])
+            if found is not None:
+                return f"[{key!r}] {found}"
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
+        if len(a) != len(b):
+            return f"{len(a)} elements where torchmetrics' has {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = difference(x, y)
+            if found is not None:
+                return f"[{i}] {found}"
+        return None
+    if type(a) is not type(b):
+        return f"a {type(a).__name__} where torchmetrics' is a {type(b).__name__}"
+    try:
+        return None if bool(a == b) else f"{a!r} where torchmetrics' is {b!r}"
+    except Exception:  # what cannot be compared is not judged
+        return None
+
+
+def _first(what: str, fused: tuple[Any, _Taken], reference: tuple[Any, _Taken]) -> str | None:
+    found = difference(fused[0], reference[0])
+    if found is not None:
+        return f"{what}'s result: {found}"
+    for path, states in reference[1].values.items():
+        for name, value in states.items():
+            if name == "_cache":
+                continue  # holds the local states as each path copied them; unsync() puts back equal states
+            found = difference(fused[1].values.get(path, {}).get(name), value)
+            if found is not None:
+                return f"{path!r}, {'state' if not name.startswith('_') else 'attribute'} {name!r}: {found}"
+    return None
+
+
+def _agree(text: str | None, what: str, group: Any) -> None:
+    """Every rank learns every rank's finding (one collective, two where one differs) and raises alike."""
+    from torchmetrics_gradpatch.fused.sync import gather_texts
+
+    world_size = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    found = torch.tensor([0 if text is None else 1], device=device)
+    every = [torch.empty_like(found) for _ in range(world_size)]
+    dist.all_gather(every, found, group)
+    if not any(int(f) for f in every):
+        return
+    texts = gather_texts(text or "", group, world_size, device)
+    differing = [(r, t) for r, t in enumerate(texts) if t]
+    rank, first = differing[0]
+    raise FusedSyncError(
+        f"torchmetrics_gradpatch: check mode: the fused sync of {what} differs from torchmetrics' own sync on "
+        f"rank(s) {[r for r, _ in differing]}; on rank {rank}, {first}. Every rank raised this error after the "
+        "same exchange; the states hold the fused sync's result. Sync with torchmetrics' own path "
+        "(sync='torchmetrics') for this workload, and report the difference."
+    )
+
+
+def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], Any], group: Any = None) -> T:
+    """``fused()``, checked against ``reference()`` run from the same states and random state (see the module
+    docstring); ``root`` is the Metric or collection both change, ``what`` how errors name it. A collective over
+    ``group`` (default: the world): every rank of it checks."""
+    before, rng = _Taken.of(root, clone=True), _rng()
+    result = fused()
+    after, rng_after = _Taken.of(root, clone=False), _rng()
+    try:
+        before.put(root)
+        _set_rng(rng)
+        expected = reference()
+        text = _first(what, (result, after), (expected, _Taken.of(root, clone=False)))
+    finally:
+        after.put(root)
+        _set_rng(rng_after)
+    _agree(text, what, group)
+    return result
