@@ -15,7 +15,7 @@ import pytest
 @pytest.fixture
 def restore_patch_state() -> Iterator[None]:
     """Whatever the test does to the patch state, put it back as found: open blocks closed, then ``patch()``'s
-    switch and mode as before (``patch(mode)`` if it was on, ``unpatch()`` if not)."""
+    switch, mode, sync and check as before (``patch(mode, sync, check)`` if it was on, ``unpatch()`` if not)."""
     import torchmetrics_gradpatch as tg
     from torchmetrics_gradpatch import _engine
 
@@ -24,7 +24,7 @@ def restore_patch_state() -> Iterator[None]:
     yield
     while _engine.snapshot().blocks:
         _engine.exit_block()
-    tg.patch(before.manual_mode) if before.manual else tg.unpatch()
+    tg.patch(before.manual_mode, before.manual_sync, before.manual_check) if before.manual else tg.unpatch()
 
 
 @pytest.fixture

@@ -206,12 +206,25 @@ def test_status_prints_versions_and_mode() -> None:
 
 @needs_supported_torch
 def test_status_json_without_autopatch() -> None:
-    proc = cli("status", "--json", env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0"})
+    proc = cli("status", "--json", env={"TORCHMETRICS_GRADPATCH_AUTOPATCH": "0", "TORCHMETRICS_GRADPATCH_CHECK": "on"})
     assert proc.returncode == 0, show(proc)
     data = json.loads(proc.stdout)
     assert data["torchmetrics_version"] == str(TORCHMETRICS)
     assert data["autopatch"] is False and data["in_force"] is False
     assert data["graph_preserving"] is NATIVE
+    # the variable sets the default; nothing in force checks
+    assert (data["check"], data["check_chosen_by"], data["default_check"]) == (False, "", True), data
+
+
+@needs_supported_torch
+def test_status_shows_the_sync_check() -> None:
+    env = {"TORCHMETRICS_GRADPATCH_CHECK": "1", "TORCHMETRICS_GRADPATCH_SYNC": "fused"}
+    text = cli("status", env=env)
+    assert text.returncode == 0, show(text)
+    line = "sync check:       on: each fused sync also runs torchmetrics' own sync on the same states and compares"
+    assert line in text.stdout, show(text)
+    data = json.loads(cli("status", "--json", env=env).stdout)
+    assert (data["check"], data["check_chosen_by"], data["default_check"]) == (True, "import", True), data
 
 
 @needs_supported_torch

@@ -49,6 +49,7 @@ COMMANDS = [["status"], ["status", "--json"], ["check"], ["--version"]]
 BAD_VARIABLES = {
     "TORCHMETRICS_GRADPATCH_MODE": ("foo", ["TORCHMETRICS_GRADPATCH_MODE='foo'", "local, global"]),
     "TORCHMETRICS_GRADPATCH_AUTOPATCH": ("maybe", ["TORCHMETRICS_GRADPATCH_AUTOPATCH='maybe'", "0, false", "1, true"]),
+    "TORCHMETRICS_GRADPATCH_CHECK": ("maybe", ["TORCHMETRICS_GRADPATCH_CHECK='maybe'", "0, false", "1, true"]),
 }
 
 

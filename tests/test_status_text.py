@@ -1,5 +1,5 @@
-"""``status()`` says what is true of its process: the import line, why each replaced place is replaced, and the
-JSON fields docs/api.md lists. Each case is an import, so each runs in a fresh interpreter."""
+"""``status()`` says what is true of its process: the import line, why each replaced place is replaced, the sync
+check's line, and the JSON fields docs/api.md lists. Each case is an import, so each runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -109,3 +109,44 @@ print(json.dumps([with_gather.sync_applied_to, str(with_gather), fused.sync_appl
         "graph break under torch.compile)"
     ), fused
     assert all(f"applied to:       {where}" in fused_text.splitlines() for where in fused), fused_text
+
+
+CHECK_LINE = """
+import json
+import torchmetrics_gradpatch as tg
+status = tg.status()
+lines = dict(line.split(":", 1) for line in str(status).splitlines() if not line.startswith(" "))
+print(json.dumps({"line": lines["sync check"].strip(), "json": status.as_dict()}))
+"""
+CHECKED = "each fused sync also runs torchmetrics' own sync on the same states and compares bit for bit"
+
+
+@pytest.mark.parametrize(
+    ("env", "line", "fields"),
+    [
+        ({}, "off", (False, "import", False)),
+        ({"CHECK": "1", "SYNC": "fused"}, f"on: {CHECKED}", (True, "import", True)),
+        (
+            {"CHECK": "true"},
+            "on, idle: only the fused sync is checked, and torchmetrics' own sync runs",
+            (True, "import", True),
+        ),
+        (
+            {"CHECK": "yes", "AUTOPATCH": "0"},
+            "off; patch() without check= uses on (from TORCHMETRICS_GRADPATCH_CHECK)",
+            (False, "", True),
+        ),
+    ],
+    ids=["unset", "on-fused", "on-torchmetrics-sync", "on-not-in-force"],
+)
+def test_the_sync_check_line_says_what_a_sync_does_now(
+    env: dict[str, str], line: str, fields: tuple[bool, str, bool]
+) -> None:
+    """The line says what a sync called now does: under torchmetrics' own sync a check that is on is idle, and while
+    nothing is in force the line names the variable that turned the default on."""
+    full = {f"TORCHMETRICS_GRADPATCH_{name}": "" for name in ("CHECK", "SYNC", "AUTOPATCH")}  # blank: unset
+    full.update({f"TORCHMETRICS_GRADPATCH_{name}": value for name, value in env.items()})
+    seen = json.loads(ok(CHECK_LINE, env=full).splitlines()[-1])
+    assert seen["line"] == line, seen
+    data = seen["json"]
+    assert (data["check"], data["check_chosen_by"], data["default_check"]) == fields, data

@@ -9,7 +9,8 @@ Public names:
 
 * :func:`patch`, :func:`unpatch`, :func:`is_patched` -- switch the patch on and off, and ask whether it is in force;
 * :func:`patched` -- ``with patched():`` / ``@patched`` keeps it in force for a block or a call;
-  ``patched(mode="global")`` also chooses the gradient mode there, ``patched(sync="fused")`` the sync strategy;
+  ``patched(mode="global")`` also chooses the gradient mode there, ``patched(sync="fused")`` the sync strategy,
+  ``patched(check=True)`` the sync check (each fused sync also runs torchmetrics' own and compares);
 * :func:`status` / :class:`Status` -- what is patched, where, and in which gradient mode (also
   ``python -m torchmetrics_gradpatch status``);
 * :func:`gather_all_tensors` -- the graph-preserving gather itself, with ``mode="local"`` or ``"global"``;
@@ -24,8 +25,9 @@ line) -- import the core. This module is the facade that imports both.
 
 Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"global"``), in the API and in
 ``TORCHMETRICS_GRADPATCH_MODE`` alike, and so are sync strategies (``TORCHMETRICS_GRADPATCH_SYNC=fused``).
-``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching; a value of any of these variables that is not
-understood makes the import raise a ``ValueError`` naming it.
+``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching, ``TORCHMETRICS_GRADPATCH_CHECK=1`` turns the sync
+check on by default; a value of any of these variables that is not understood makes the import raise a
+``ValueError`` naming it.
 
 Documentation: the README and docs/ in the source distribution and repository (docs/api.md: this API and the
 fields of ``status()``).

@@ -1,10 +1,10 @@
 """The public switches: ``patch``, ``unpatch``, ``is_patched``, ``compile_support``, and the environment variables.
 
 Role: check what the caller gave (a clear error naming the argument) and change the engine through its functions;
-read ``TORCHMETRICS_GRADPATCH_MODE`` / ``TORCHMETRICS_GRADPATCH_SYNC`` / ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (a
-``ValueError`` naming the variable and its allowed values). :func:`patched` lives in
-:mod:`torchmetrics_gradpatch._blocks`, :func:`status` in :mod:`torchmetrics_gradpatch._status`; the state model
-they share is in docs/design.md.
+read ``TORCHMETRICS_GRADPATCH_MODE`` / ``TORCHMETRICS_GRADPATCH_SYNC`` / ``TORCHMETRICS_GRADPATCH_CHECK`` /
+``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (a ``ValueError`` naming the variable and its allowed values).
+:func:`patched` lives in :mod:`torchmetrics_gradpatch._blocks`, :func:`status` in
+:mod:`torchmetrics_gradpatch._status`; the state model they share is in docs/design.md.
 
 Invariants:
 
@@ -27,12 +27,15 @@ from torchmetrics_gradpatch._syncs import STRATEGIES, check_sync
 
 __all__ = [
     "AUTOPATCH_ENV",
+    "CHECK_ENV",
     "MODE_ENV",
     "SYNC_ENV",
     "ImportChoice",
     "apply_environment",
     "at_import",
     "autopatch_requested",
+    "check_choice",
+    "check_requested",
     "compile_support",
     "is_patched",
     "mode_requested",
@@ -42,13 +45,14 @@ __all__ = [
 ]
 
 AUTOPATCH_ENV = "TORCHMETRICS_GRADPATCH_AUTOPATCH"
+CHECK_ENV = "TORCHMETRICS_GRADPATCH_CHECK"
 MODE_ENV = "TORCHMETRICS_GRADPATCH_MODE"
 SYNC_ENV = "TORCHMETRICS_GRADPATCH_SYNC"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def patch(mode: str | None = None, sync: str | None = None) -> None:
+def patch(mode: str | None = None, sync: str | None = None, check: bool | None = None) -> None:
     """Put the graph-preserving gather in force until :func:`unpatch`. Idempotent.
 
     Args:
@@ -58,17 +62,22 @@ def patch(mode: str | None = None, sync: str | None = None) -> None:
             when steady, docs/fused-sync.md; case-insensitive); ``None`` means the default
             (``TORCHMETRICS_GRADPATCH_SYNC``, else ``"torchmetrics"``). Every rank must use the same sync, as with
             the mode.
+        check: ``True``: each fused sync also runs torchmetrics' own sync on the same states and compares the two bit
+            for bit (docs/fused-sync.md); ``False``: it does not; ``None`` means the default
+            (``TORCHMETRICS_GRADPATCH_CHECK``, else ``False``).
 
     In local mode on a torchmetrics that keeps the graph natively (1.6.0 and newer) nothing is changed; the
     global mode is installed on every torchmetrics. If torchmetrics is not imported yet, the patch lands the
     moment ``torchmetrics.utilities.distributed`` is imported.
 
     Raises:
+        TypeError: ``check`` is not ``True``, ``False`` or ``None``; nothing is changed.
         UnsupportedVersionError: torchmetrics' gather has been refused (by the import, or when torchmetrics was
             imported after this package); nothing is changed, and ``status()`` says why.
     """
     chosen_mode = None if mode is None else check_mode(mode)
-    _engine.set_manual(True, chosen_mode, sync=None if sync is None else check_sync(sync))
+    chosen_sync = None if sync is None else check_sync(sync)
+    _engine.set_manual(True, chosen_mode, sync=chosen_sync, check=check_choice("patch", check))
 
 
 def unpatch() -> None:
@@ -108,6 +117,14 @@ def compile_support(enabled: bool = True) -> None:
     _engine.set_defaults(compile_support=enabled)
 
 
+def check_choice(call: str, check: object) -> bool | None:
+    """``check`` as ``call(check=...)`` was given it: ``True``, ``False`` or ``None``; anything else a ``TypeError``
+    naming the call and the argument."""
+    if check is None or isinstance(check, bool):
+        return check
+    raise TypeError(f"torchmetrics_gradpatch: {call}(check={check!r}): check must be True, False or None.")
+
+
 def _read(variable: str, unset: str, check: Callable[[str], str], noun: str, allowed: str, see: str) -> str:
     """``variable``'s value as ``check`` spells it (unset or blank: ``unset``); else a ``ValueError`` saying that
     the variable's value is not ``noun``, what it may hold and where to read more."""
@@ -135,6 +152,13 @@ def autopatch_requested() -> bool:
     """Read ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (unset or blank: patch at import)."""
     allowed = f"{', '.join(_FALSE)} (import without patching) / {', '.join(_TRUE)} (patch, the default)"
     return _read(AUTOPATCH_ENV, "1", _flag, "a flag", allowed, "").strip() == "1"
+
+
+def check_requested() -> bool:
+    """Read ``TORCHMETRICS_GRADPATCH_CHECK`` (the flag spellings of ``TORCHMETRICS_GRADPATCH_AUTOPATCH``; unset or
+    blank: off)."""
+    allowed = f"{', '.join(_FALSE)} (do not check, the default) / {', '.join(_TRUE)} (check the fused sync)"
+    return _read(CHECK_ENV, "0", _flag, "a flag", allowed, "See docs/fused-sync.md.") == "1"
 
 
 def mode_requested() -> str:
@@ -165,12 +189,12 @@ def at_import() -> ImportChoice:
 
 
 def apply_environment() -> None:
-    """What the import does: read the variables (any may raise), set the default mode and sync, and patch unless
-    ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to; record that for :func:`at_import`."""
+    """What the import does: read the variables (any may raise), set the default mode, sync and check, and patch
+    unless ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to; record that for :func:`at_import`."""
     global _at_import
-    mode, sync, autopatch = mode_requested(), sync_requested(), autopatch_requested()
+    mode, sync, check, autopatch = mode_requested(), sync_requested(), check_requested(), autopatch_requested()
     raw = os.environ.get(AUTOPATCH_ENV, "")
-    _engine.set_defaults(mode=mode, sync=sync)
+    _engine.set_defaults(mode=mode, sync=sync, check=check)
     _at_import = ImportChoice(patched=autopatch, variable=raw if raw.strip() else None)
     if autopatch:
         _engine.set_manual(True, by="import")

@@ -31,6 +31,7 @@ from typing import Any, TypeVar, cast, overload
 import wrapt
 
 from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch._api import check_choice
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch._syncs import check_sync
 
@@ -79,14 +80,16 @@ class _Patched:
     block around a suspended generator would leak into the code that iterates it.
 
     ``patched(mode="global")`` (or ``"local"``) also sets the gradient mode while the block is open and no
-    newer block with a mode is; ``patched()`` leaves the mode alone. ``sync=`` does the same for the sync strategy.
+    newer block with a mode is; ``patched()`` leaves the mode alone. ``sync=`` does the same for the sync strategy,
+    ``check=`` (``True`` or ``False``) for the sync check.
     """
 
     __exit__ = _Exit()
 
-    def __init__(self, mode: object = None, sync: object = None) -> None:
+    def __init__(self, mode: object = None, sync: object = None, check: object = None) -> None:
         self._mode = None if mode is None else check_mode(mode)
         self._sync = None if sync is None else check_sync(sync)
+        self._check = check_choice("patched", check)
         # thread -> (the exit object ``with`` just looked up, its cell): picked up by that thread's __enter__
         self._armed: dict[int, tuple[weakref.ref[Any], list[int | None]]] = {}
         # entries made by calling __enter__ by hand: (thread, token), oldest first
@@ -99,10 +102,10 @@ class _Patched:
         if armed is not None and armed[0]() is not None:
             # Through ``with``: the record lives while the exit object does; the cell store below runs no line
             # that can be interrupted before this frame returns into the ``with`` statement.
-            token = _engine.enter_block(self._mode, armed[0], self._sync)
+            token = _engine.enter_block(self._mode, armed[0], self._sync, self._check)
             armed[1][0] = token
             return self
-        token = _engine.enter_block(self._mode, None, self._sync)
+        token = _engine.enter_block(self._mode, None, self._sync, self._check)
         with self._lock:
             self._by_hand.append((ident, token))
         return self
@@ -137,14 +140,14 @@ class _Patched:
 
             @functools.wraps(function)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                with _Patched(self._mode, self._sync):
+                with _Patched(self._mode, self._sync, self._check):
                     return await function(*args, **kwargs)
 
             return cast(F, run_async)
 
         @wrapt.decorator
         def run(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            with _Patched(self._mode, self._sync):
+            with _Patched(self._mode, self._sync, self._check):
                 return wrapped(*args, **kwargs)
 
         return cast(F, run(function))
@@ -155,18 +158,20 @@ def patched(mode: F, /) -> F: ...
 
 
 @overload
-def patched(mode: str | None = None, sync: str | None = None) -> _Patched: ...
+def patched(mode: str | None = None, sync: str | None = None, check: bool | None = None) -> _Patched: ...
 
 
-def patched(mode: str | F | None = None, sync: str | None = None) -> _Patched | F:
+def patched(mode: str | F | None = None, sync: str | None = None, check: bool | None = None) -> _Patched | F:
     """Keep the patch in force for a block (``with patched():``) or for every call of a function (``@patched``).
 
     ``@patched`` and ``@patched()`` are the same decorator; ``patched(mode="global")`` (or ``"local"``,
     case-insensitive) also sets the gradient mode while its block is open and no newer block with a mode is;
-    ``patched(sync="fused")`` (or ``"torchmetrics"``) likewise sets the sync strategy (docs/fused-sync.md).
+    ``patched(sync="fused")`` (or ``"torchmetrics"``) likewise sets the sync strategy (docs/fused-sync.md), and
+    ``patched(check=True)`` (or ``False``) whether each fused sync also runs torchmetrics' own sync and compares;
+    ``check`` must be ``True``, ``False`` or ``None`` (a ``TypeError`` otherwise).
     Blocks nest, are thread-safe and, on exit, undo only their own entry (also when the block raises); see
     :class:`_Patched` for decorating coroutine and generator functions.
     """
     if callable(mode):  # @patched without parentheses: Python passed the decorated function as ``mode``
         return _Patched()(mode)
-    return _Patched(mode, sync)
+    return _Patched(mode, sync, check)

@@ -1,8 +1,8 @@
 """The patch engine: swap the code of torchmetrics' own gather for a trampoline, and put the very same code back.
 
 Role: the one owner of the process's patch state (docs/design.md, "The state model"): the ``patch()`` switch,
-the open ``patched()`` blocks, the modes, the sync strategies, compile support, and what that means for
-torchmetrics' function and ``Metric._sync_dist``. Every change goes through a function here (:func:`set_manual`,
+the open ``patched()`` blocks, the modes, the sync strategies, the sync check, compile support, and what that means
+for torchmetrics' function and ``Metric._sync_dist``. Every change goes through a function here (:func:`set_manual`,
 :func:`enter_block`, :func:`exit_block`, :func:`set_defaults`) and :func:`observe` takes one consistent reading of
 it for ``status()``.
 
@@ -44,7 +44,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import wrapt
 
@@ -57,6 +57,7 @@ __all__ = [
     "Observation",
     "configure",
     "dispatch",
+    "effective_check",
     "effective_mode",
     "effective_sync",
     "enter_block",
@@ -74,8 +75,10 @@ __all__ = [
 #: trampoline while another thread unpatches still finds it.
 DISPATCH_NAME = "__torchmetrics_gradpatch_dispatch__"
 #: One open block: its mode (or None), a weak reference to what keeps its ``with`` statement alive (or None for
-#: a block entered by calling ``__enter__`` directly, open until exited), and its sync strategy (or None).
-Record = tuple["str | None", "weakref.ref[Any] | None", "str | None"]
+#: a block entered by calling ``__enter__`` directly, open until exited), its sync strategy (or None) and its sync
+#: check (or None).
+Record = tuple["str | None", "weakref.ref[Any] | None", "str | None", "bool | None"]
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -101,6 +104,8 @@ class _State:
     default_sync: str = "torchmetrics"  # TORCHMETRICS_GRADPATCH_SYNC, set at import
     manual_sync: str = "torchmetrics"  # the sync patch() was given
     sync_replaced: bool = False  # the engine has asked _syncs to replace Metric._sync_dist
+    default_check: bool = False  # TORCHMETRICS_GRADPATCH_CHECK, set at import
+    manual_check: bool = False  # the check patch() was given
     # why torchmetrics' gather was refused (the UnsupportedVersionError's message), once it has been; never cleared
     refusal: str | None = None
     settled: bool = True  # the derived fields, __code__ and Metric._sync_dist match the records and switches
@@ -112,6 +117,10 @@ class _State:
     mode: str = "local"  # the effective mode
     block_syncs: list[tuple[int, str]] = field(default_factory=list)  # open blocks with a sync, oldest first
     sync: str = "torchmetrics"  # the effective sync strategy
+    block_checks: list[tuple[int, bool]] = field(default_factory=list)  # open blocks with a check, oldest first
+    check: bool = False  # the chosen check, in force or not
+    # the check in effect now (``check`` while in force): one field, so effective_check() reads no half-change
+    checking: bool = False
     # What dispatch() calls: the effective mode's gather while the patch is in force and torchmetrics' gather is
     # recognised, else None (dispatch then runs the original).
     gather: Callable[..., Any] | None = None
@@ -207,8 +216,9 @@ def _wanted() -> bool:
     return _state.in_force and (not _state.native or _state.mode == "global" or _state.compile_native)
 
 
-def _chosen(blocks: list[tuple[int, str]], manual: str, default: str) -> str:
-    """The mode or sync in effect: the newest open block's that names one, else patch()'s while on, else the default."""
+def _chosen(blocks: list[tuple[int, _T]], manual: _T, default: _T) -> _T:
+    """The mode, sync or check in effect: the newest open block's that names one, else patch()'s while on, else the
+    default."""
     if blocks:
         return blocks[-1][1]
     return manual if _state.manual else default
@@ -222,19 +232,24 @@ def _refresh() -> None:
     records = _state.records
     _state.blocks = len(records)
     _state.block_modes = (
-        [(token, mode) for token, (mode, _, _) in records.items() if mode is not None] if records else []
+        [(token, mode) for token, (mode, _, _, _) in records.items() if mode is not None] if records else []
     )
     _state.block_syncs = (
-        [(token, sync) for token, (_, _, sync) in records.items() if sync is not None] if records else []
+        [(token, sync) for token, (_, _, sync, _) in records.items() if sync is not None] if records else []
+    )
+    _state.block_checks = (
+        [(token, check) for token, (_, _, _, check) in records.items() if check is not None] if records else []
     )
     _state.mode = _chosen(_state.block_modes, _state.manual_mode, _state.default_mode)
     _state.sync = _chosen(_state.block_syncs, _state.manual_sync, _state.default_sync)
+    _state.check = _chosen(_state.block_checks, _state.manual_check, _state.default_check)
     # "in force" is computed here only; everything else reads this field. A refused gather holds back all that
     # needs it: before 1.6 the patch itself, on native torchmetrics the global mode and compile support.
     asked = _state.manual or bool(records)
     needs_gather = not _state.native or _state.mode == "global" or _state.compile_native
     _state.held_back = asked and needs_gather and _state.refusal is not None
     _state.in_force = asked and not _state.held_back
+    _state.checking = _state.check and _state.in_force
     _state.gather = _modes.gather_for(_state.mode) if _state.in_force and _state.function is not None else None
     if _state.gather is not None:
         _state.is_compiling = _compile.check()
@@ -255,6 +270,13 @@ def effective_sync() -> str:
     """The sync strategy a Metric sync called now uses: the chosen one while the patch is in force, else
     ``"torchmetrics"`` (one attribute read, no lock)."""
     return _state.sync if _state.in_force else "torchmetrics"
+
+
+def effective_check() -> bool:
+    """Whether a fused sync called now also runs torchmetrics' own sync on the same states and compares: the chosen
+    check while the patch is in force, else ``False`` (the fused sync asks at every sync; one attribute read, no
+    lock)."""
+    return _state.checking
 
 
 def _sync() -> None:
@@ -382,50 +404,63 @@ def configure(*, native: bool, torchmetrics_version: str) -> None:
             _ensure_hook()
 
 
-def set_manual(on: bool, mode: str | None = None, *, by: str = "patch()", sync: str | None = None) -> None:
+def set_manual(
+    on: bool, mode: str | None = None, *, by: str = "patch()", sync: str | None = None, check: bool | None = None
+) -> None:
     """``patch()`` / ``unpatch()`` (``by="import"``: the import's own patch); idempotent.
 
-    Turning it on sets the mode and sync ``patch()`` stands for: ``mode`` / ``sync``, or the default when ``None``.
+    Turning it on sets the mode, sync and check ``patch()`` stands for: ``mode`` / ``sync`` / ``check``, or the
+    default when ``None``.
     """
     with _lock:
         _sweep()
-        previous = _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync
+        previous = _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync, _state.manual_check
 
         def undo() -> None:
-            _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync = previous
+            _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync, _state.manual_check = previous
 
         _state.settled = False
         _state.manual = on
         if on:
             _state.manual_mode = _state.default_mode if mode is None else mode
             _state.manual_sync = _state.default_sync if sync is None else sync
+            _state.manual_check = _state.default_check if check is None else check
             _state.manual_from = by
         _change(undo, asks=on)
 
 
-def set_defaults(*, mode: str | None = None, sync: str | None = None, compile_support: bool | None = None) -> None:
-    """Set what applies when neither ``patch()`` nor a ``patched()`` block names one: the default ``mode`` and
-    ``sync`` (from the environment at import), and ``compile_support`` (on native torchmetrics, install the
+def set_defaults(
+    *,
+    mode: str | None = None,
+    sync: str | None = None,
+    compile_support: bool | None = None,
+    check: bool | None = None,
+) -> None:
+    """Set what applies when neither ``patch()`` nor a ``patched()`` block names one: the default ``mode``, ``sync``
+    and ``check`` (from the environment at import), and ``compile_support`` (on native torchmetrics, install the
     trampoline in local mode too). ``None`` leaves a field as it is."""
     if compile_support is not None:
         _compile.watch_dynamo()
     with _lock:
-        previous = _state.default_mode, _state.default_sync, _state.compile_native
+        previous = _state.default_mode, _state.default_sync, _state.compile_native, _state.default_check
 
         def undo() -> None:
-            _state.default_mode, _state.default_sync, _state.compile_native = previous
+            _state.default_mode, _state.default_sync, _state.compile_native, _state.default_check = previous
 
         _state.settled = False
         _state.default_mode = previous[0] if mode is None else mode
         _state.default_sync = previous[1] if sync is None else sync
         _state.compile_native = previous[2] if compile_support is None else compile_support
+        _state.default_check = previous[3] if check is None else check
         _change(undo, asks=bool(compile_support))
 
 
-def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None, sync: str | None = None) -> int:
+def enter_block(
+    mode: str | None = None, alive: weakref.ref[Any] | None = None, sync: str | None = None, check: bool | None = None
+) -> int:
     """Open one ``patched()`` block and return its token, which :func:`exit_block` takes.
 
-    ``mode`` / ``sync``: what the block sets while no newer block sets one (``None``: leaves it alone).
+    ``mode`` / ``sync`` / ``check``: what the block sets while no newer block sets one (``None``: leaves it alone).
 
     ``alive``: a weak reference to what keeps the block's ``with`` statement alive; once it is dead the block is
     closed whether or not its exit ran (see the module docstring).
@@ -435,7 +470,7 @@ def enter_block(mode: str | None = None, alive: weakref.ref[Any] | None = None, 
         token = _state.next_token
         _state.next_token = token + 1
         _state.settled = False
-        _state.records[token] = (mode, alive, sync)  # the block is open from this one store on
+        _state.records[token] = (mode, alive, sync, check)  # the block is open from this one store on
         _change(lambda: _state.records.pop(token, None), asks=True)
         return token
 
@@ -463,7 +498,7 @@ def _sweep() -> None:
         _settle()
     if not _state.records:
         return
-    dead = [token for token, (_, alive, _) in _state.records.items() if alive is not None and alive() is None]
+    dead = [token for token, (_, alive, _, _) in _state.records.items() if alive is not None and alive() is None]
     if dead:
         _state.settled = False
         for token in dead:
@@ -487,6 +522,7 @@ def snapshot() -> _State:
         copy.records = dict(_state.records)
         copy.block_modes = list(_state.block_modes)
         copy.block_syncs = list(_state.block_syncs)
+        copy.block_checks = list(_state.block_checks)
         return copy
 
 

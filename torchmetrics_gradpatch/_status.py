@@ -1,4 +1,5 @@
-"""``status()``: what is patched, where, in which gradient mode and sync strategy, and why.
+"""``status()``: what is patched, where, in which gradient mode and sync strategy, with or without the sync check,
+and why.
 
 Role: turn one reading of the engine (:func:`torchmetrics_gradpatch._engine.observe`, taken under its lock) into
 :class:`Status`, its JSON and its text; the command line prints the same object. Every field comes from that one
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._api import AUTOPATCH_ENV, MODE_ENV, SYNC_ENV, at_import
+from torchmetrics_gradpatch._api import AUTOPATCH_ENV, CHECK_ENV, MODE_ENV, SYNC_ENV, at_import
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, describe
 from torchmetrics_gradpatch._version import installed_version
 
@@ -67,6 +68,12 @@ class Status:
     #: what chose ``sync``: "patched(sync=...)", "patch()", "import", "default", or "" when not in force
     sync_chosen_by: str
     default_sync: str  #: the sync of patch() without one: TORCHMETRICS_GRADPATCH_SYNC, else "torchmetrics"
+    #: the sync check is on: a fused sync called now also runs torchmetrics' own sync on the same states and
+    #: compares (False when not in force)
+    check: bool
+    #: what chose ``check``: "patched(check=...)", "patch()", "import", "default", or "" when not in force
+    check_chosen_by: str
+    default_check: bool  #: the check of patch() without one: TORCHMETRICS_GRADPATCH_CHECK, else False
     compile_support: bool  #: compile_support() is on (matters on torchmetrics >= 1.6 only)
     torchmetrics_imported: bool
     #: where this package's gather runs in place of torchmetrics' own: non-empty exactly when state is "patched"
@@ -168,6 +175,16 @@ class Status:
         own = "torchmetrics: its own collectives per state"
         return own + (f"; patch() without a sync uses {default}" if default != "torchmetrics" else "")
 
+    def _check_text(self) -> str:
+        if not self.check:
+            return "off" + (f"; patch() without check= uses on (from {CHECK_ENV})" if self.default_check else "")
+        chosen = " (chosen by an open patched(check=...) block)" if self.check_chosen_by == "patched(check=...)" else ""
+        if self.sync != "fused":
+            return f"on{chosen}, idle: only the fused sync is checked, and torchmetrics' own sync runs"
+        return (
+            f"on{chosen}: each fused sync also runs torchmetrics' own sync on the same states and compares bit for bit"
+        )
+
     def _import_text(self) -> str:
         done = "switched the patch on" if self.autopatch else "left the patch off"
         why = "the default" if self.autopatch_variable is None else f"{AUTOPATCH_ENV}={self.autopatch_variable}"
@@ -182,6 +199,7 @@ class Status:
             f"graph preserved:  {'yes' if self.graph_preserving else 'NO'}",
             f"gradient mode:    {self._mode_text()}",
             f"sync:             {self._sync_text()}",
+            f"sync check:       {self._check_text()}",
             f"at import:        {self._import_text()}",
         ]
         if self.refused is not None:
@@ -259,6 +277,9 @@ def status() -> Status:
         sync=state.sync if in_force else "torchmetrics",
         sync_chosen_by=_chosen_by(in_force, bool(state.block_syncs), "patched(sync=...)", switched_on_by),
         default_sync=state.default_sync,
+        check=bool(state.checking),
+        check_chosen_by=_chosen_by(in_force, bool(state.block_checks), "patched(check=...)", switched_on_by),
+        default_check=bool(state.default_check),
         compile_support=bool(state.compile_native),
         torchmetrics_imported=seen.imported,
         applied_to=applied,
