@@ -14,7 +14,8 @@ Cases:
 * ``BinaryAUROC`` (``thresholds=None``: a float32 ``preds`` and an int64 ``target`` ``cat`` state) holding
   ``--elements`` samples over all ranks, unevenly (rank ``r`` holds its share times ``0.9`` to ``1.1``) in one
   batch, at every world size; at the second world size with one rank holding half of them; at the first, in 20
-  batches per rank (so each state is a list of 20 tensors, which torchmetrics joins before it gathers).
+  batches per rank (so each state is a list of 20 tensors, which torchmetrics joins before it gathers); at the
+  first two, in 200 and in 2,000 batches per rank (as a validation epoch builds them: many small tensors).
 * at the first world size, mixes: 200 small ``cat`` states and 100 small sum states in one Metric; a
   ``MetricCollection`` (``BinaryAUROC`` and ``BinaryAveragePrecision`` sharing their states, a ``CatMetric``,
   ``MeanSquaredError``) synced by the collection's one exchange against each member's own sync; a 1,000-class
@@ -52,7 +53,7 @@ def _fill(case: str, rank: int, world_size: int, elements: int) -> list[Any]:
         else:  # 0.9 to 1.1 times an even share
             n = int(elements / world_size * (0.9 + 0.2 * rank / max(1, world_size - 1)))
         metric = BinaryAUROC(thresholds=None, validate_args=False)
-        batches = 20 if "batches" in case else 1
+        batches = int(case.split(", ")[-1].split()[0].replace(",", "")) if "batches" in case else 1
         for k in range(batches):
             m = n // batches + (n % batches if k == 0 else 0)
             metric.update(torch.rand(m, generator=generator), torch.randint(0, 2, (m,), generator=generator))
@@ -162,6 +163,10 @@ def run(world_sizes: list[int], elements: int, quick: bool, only: str | None = N
         cases.append((world_sizes[1], "BinaryAUROC, one rank holds half", ARMS))
     w0 = world_sizes[0]
     cases.append((w0, "BinaryAUROC, uneven, 20 batches per rank", ARMS))
+    # as a validation epoch builds the states: many small tensors, and as many copies in sync()'s cache
+    for world_size in world_sizes[:2]:
+        for batches in ("200", "2,000"):
+            cases.append((world_size, f"BinaryAUROC, uneven, {batches} batches per rank", ARMS))
     mixes = ("200 small cat + 100 sum states", "MetricCollection (4 members, 2 sharing)", "confusion matrix 1000",
              "MeanMetric, two 4M float32 sum states")  # fmt: skip
     for case in mixes:
@@ -183,7 +188,7 @@ def run(world_sizes: list[int], elements: int, quick: bool, only: str | None = N
 
 def _line(row: dict[str, Any]) -> str:
     g = row["gathered"]
-    cells = [f"{row['world_size']:>2} ranks  {row['case']:42} gathered {g:8.1f} MiB"]
+    cells = [f"{row['world_size']:>2} ranks  {row['case']:46} gathered {g:8.1f} MiB"]
     for arm in ARMS:
         if arm in row:
             cells.append(f"{arm} {row[arm]:7.1f} MiB ({row[arm] / g:4.2f}x, {row[arm + ' s']:.2f} s)")

@@ -21,7 +21,20 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["ALIGN", "aligned", "as_bytes", "code", "dtype_name", "dtype_of", "itemsize", "nbytes", "offsets", "plain"]
+__all__ = [
+    "ALIGN",
+    "aligned",
+    "as_bytes",
+    "code",
+    "dtype_name",
+    "dtype_of",
+    "itemsize",
+    "nbytes",
+    "offsets",
+    "plain",
+    "resolved",
+    "unresolved",
+]
 
 #: Every packed piece starts at a multiple of this, so its bytes can be viewed as any dtype (complex128: 16).
 ALIGN = 16
@@ -94,9 +107,22 @@ def offsets(sizes: Iterable[int], start: int = 0) -> tuple[list[int], int]:
     return found, at
 
 
+def unresolved(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a conjugate or negative view (``x.conj()``, ``x.conj().imag``): its memory holds other
+    values than it reads as, and a byte view of it raises."""
+    return bool(tensor.is_conj() or tensor.is_neg())
+
+
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or a copy holding the values it reads as where it is a conjugate or negative view (as
+    ``torch.cat`` resolves them)."""
+    return tensor.resolve_conj().resolve_neg() if unresolved(tensor) else tensor
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s memory as a flat ``uint8`` tensor (a view when it is contiguous)."""
-    flat = tensor.detach().reshape(-1)
+    """``tensor``'s values as a flat ``uint8`` tensor (a view of its memory when it is contiguous and no conjugate or
+    negative view)."""
+    flat = resolved(tensor.detach()).reshape(-1)
     if flat.numel() and flat.stride(0) != 1:  # expanded gradients (stride 0) pass is_contiguous at one element
         flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(torch.uint8)

@@ -29,6 +29,10 @@ what one process holding all the data would get or raises the same :class:`Fused
 * a state that step 1 fails on one rank (a ``cat`` list whose tensors do not concatenate, where torchmetrics'
   sync raises on that rank and leaves the others waiting): that rank's header says so, and every rank raises the
   same :class:`FusedSyncError`, naming each failing rank's error, after that first collective.
+* a conjugate or negative view (``x.conj()``, ``x.conj().imag``), which torchmetrics' ``torch.cat``, padding or
+  stacking resolves, but its ``all_gather`` refuses where a conjugate view is gathered as it is (equal shapes on
+  every rank; those ranks raise, the others wait): resolved in step 1, before the header, so every state comes out
+  as the values it reads as, as torchmetrics' result and one process give it.
 
 Beyond that exchange: states whose reduction is exact in any order (an integer ``sum``, a ``max`` or
 ``min``) and large enough are all-reduced instead of gathered when every rank proposed the same
@@ -60,6 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
 from torchmetrics_gradpatch._modes import check_mode
@@ -149,19 +154,24 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     value = getattr(metric, attr)
     cat = is_cat(reduction)
     placeholder = False
-    if cat and isinstance(value, list) and len(value) > 1:
-        deferred = _large.defer(value, stream_cpu)  # joined later, or written one by one
-        if deferred is not None:
-            return Local(attr, reduction, True, value, *deferred)
-        value = [dim_zero_cat(value)]
+    if cat and isinstance(value, list):
+        value = list(value)  # this sync's own list: the large path empties it once it wrote the tensors (large.run)
+        if len(value) > 1 or (value and isinstance(value[0], torch.Tensor) and _bytes.unresolved(value[0])):
+            deferred = _large.defer(value, stream_cpu)  # joined later, or written one by one
+            if deferred is not None:
+                return Local(attr, reduction, True, value, *deferred)
+        if len(value) > 1:
+            value = [dim_zero_cat(value)]
     if rule and cat and isinstance(value, list) and len(value) == 0:
         value = [torch.tensor([], device=metric.device, dtype=metric.dtype)]
         placeholder = True
+    # a conjugate or negative view is sent as the values it reads as (torchmetrics' torch.cat, pad or stack
+    # resolves it), resolved here, before the header: a byte view of it would raise on this rank alone
     if isinstance(value, torch.Tensor):
-        tensors = [value.contiguous()]
+        tensors = [_bytes.resolved(value).contiguous()]
         described = fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0], stream_cpu and value.device.type == "cpu"),))
     elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
-        tensors = [v.contiguous() for v in value]
+        tensors = [_bytes.resolved(v).contiguous() for v in value]
         pieces = tuple(fp.piece_of(t, stream_cpu and t.device.type == "cpu") for t in tensors)
         described = fp.State(fp.KIND_LIST, pieces, placeholder)
     else:
@@ -220,8 +230,15 @@ def outgoing(slots: list[Local], table: list[int] | None = None, placement: list
     plan = _reduced.propose(slots, placement or ())
     offsets, size = fp.layout(described, start)
     offsets_reduced, size_reduced = fp.layout(described, start, plan.slots) if plan.slots else (offsets, size)
-    sent = [[fp.sendable(t) for t in s.tensors] for s in slots]
+    # a separate piece is never packed: its stand-in keeps no reference to the local tensor (large.recopy)
+    sent = [
+        [_NOT_SENT if p.separate else fp.sendable(t) for t, p in zip(s.tensors, s.described.pieces, strict=True)]
+        for s in slots
+    ]
     return Outgoing(words, offsets, size, offsets_reduced, size_reduced, plan, sent)
+
+
+_NOT_SENT = torch.empty(0, dtype=torch.uint8)
 
 
 def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size: int, device: Any) -> list[list[int]]:
@@ -458,7 +475,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         out = outgoing(states)
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         states, out, failure = [], outgoing([]), error
-    _large.release_cache(metric, _large.sent_apart(states))  # sync()'s copies, freed before the buffer is made
+    released = _large.release_cache(metric, _large.sent_apart(states))  # sync()'s copies: made again after the peak
     flags = flags_of(states) | (fp.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
     with torch.no_grad():
         rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)
@@ -478,6 +495,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     keep = [s.described.kind == fp.KIND_LIST and not s.is_cat for s in states]
     synced = entries(states, got, [keep] * world_size, rank, world_size, group, node_wanted(rows, mode), device)
     reduce(metric, states, got.slots, synced, [got.reduced.get(s) if got.reduced else None for s in range(len(states))])
+    _large.recopy(metric, _large.written(states, released))  # the local tensors are no longer held but by the cache
 
 
 def entries(
@@ -531,8 +549,6 @@ def reduce(
     ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
     ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
-    if reduced is not None:  # sync()'s copies of the cat states joined in place go (a collection's members)
-        _large.release_cache(metric, _large.joined_in_place(states, reduced))
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
             setattr(metric, state.attr, reduced[s])
