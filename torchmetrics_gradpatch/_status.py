@@ -25,7 +25,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch import _engine, _syncs
 from torchmetrics_gradpatch._api import AUTOPATCH_ENV, CHECK_ENV, MODE_ENV, SYNC_ENV, at_import
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, describe
 from torchmetrics_gradpatch._version import installed_version
@@ -81,6 +81,10 @@ class Status:
     #: the other places replaced now: ``torchmetrics.Metric._sync_dist`` (the sync strategy, behind one graph break
     #: under torch.compile) and any site of the strategy in force
     sync_applied_to: tuple[str, ...]
+    #: the torchmetrics functions the fused sync does not recognise by their content (a newer torchmetrics, another
+    #: tool's replacement), each with the parts of the fused sync that step aside for it, where torchmetrics' own
+    #: path runs; empty when every one is recognised or torchmetrics is not imported
+    stepped_aside: dict[str, tuple[str, ...]]
     #: every path torchmetrics uses to reach its gather, and whether it reaches torchmetrics' own function
     references: dict[str, bool]
     #: what another tool put in the module attribute ``torchmetrics.utilities.distributed.gather_all_tensors``
@@ -101,6 +105,7 @@ class Status:
         data = asdict(self)
         data["applied_to"] = list(self.applied_to)
         data["sync_applied_to"] = list(self.sync_applied_to)
+        data["stepped_aside"] = {function: list(parts) for function, parts in self.stepped_aside.items()}
         return data
 
     def to_json(self) -> str:
@@ -205,6 +210,10 @@ class Status:
         if self.refused is not None:
             lines.append(f"refused:          {self.refused}")
         lines += [f"applied to:       {where}" for where in (*self.applied_to, *self.sync_applied_to)]
+        lines += [
+            f"steps aside:      {function} is not recognised: torchmetrics' own path runs for {', '.join(parts)}"
+            for function, parts in self.stepped_aside.items()
+        ]
         if self.attribute_replaced_by is not None:
             lines.append(
                 f"module attribute: {_GATHER} holds {self.attribute_replaced_by}, not torchmetrics' own function "
@@ -284,6 +293,7 @@ def status() -> Status:
         torchmetrics_imported=seen.imported,
         applied_to=applied,
         sync_applied_to=sync_applied,
+        stepped_aside=_syncs.stepped_aside(),
         references={path: obj is function for path, obj in seen.held.items()} if function is not None else {},
         attribute_replaced_by=None if function is None or attribute is function else describe(attribute),
         autopatch=choice.patched,

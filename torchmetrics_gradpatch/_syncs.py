@@ -40,6 +40,7 @@ __all__ = [
     "original_sync_dist",
     "own_sync",
     "register",
+    "stepped_aside",
     "uninstall",
 ]
 
@@ -56,6 +57,9 @@ class Strategy:
     uninstall: Callable[[], None] | None = None
     #: what ``status()`` reports as the strategy's further sites when they are in place (``None``: it has none)
     sites: Callable[[], tuple[str, ...]] | None = None
+    #: the torchmetrics functions the strategy does not recognise now, each with the parts of it that step aside
+    #: (called only once torchmetrics is imported)
+    aside: Callable[[], dict[str, tuple[str, ...]]] | None = None
 
 
 #: name -> strategy; ``None`` stands for torchmetrics' own sync.
@@ -181,6 +185,19 @@ def sites() -> tuple[str, ...]:
     """The further sites the strategy in force has put in place (what ``status()`` lists)."""
     strategy = STRATEGIES.get(_wanted["sites"]) if _wanted["sites"] is not None else None
     return strategy.sites() if strategy is not None and strategy.sites is not None else ()
+
+
+def stepped_aside() -> dict[str, tuple[str, ...]]:
+    """Every registered strategy's :attr:`Strategy.aside`, merged (what ``status()`` reports); empty until
+    torchmetrics is imported."""
+    if "torchmetrics.metric" not in sys.modules:
+        return {}
+    found: dict[str, tuple[str, ...]] = {}
+    for strategy in STRATEGIES.values():
+        if strategy is not None and strategy.aside is not None:
+            for function, parts in strategy.aside().items():
+                found[function] = (*found.get(function, ()), *parts)
+    return found
 
 
 def original_sync_dist() -> Any:

@@ -31,10 +31,28 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     collective for the whole sync). A collective: every rank of the group calls it for the same Metric class.
     Raises :class:`~torchmetrics_gradpatch.FusedSyncError` (on every rank alike) when the ranks' states cannot be
     synced together.
+
+    Where a torchmetrics function it re-implements is not recognised (:mod:`torchmetrics_gradpatch.fused.aside`),
+    torchmetrics' own ``_sync_dist`` runs instead; in check mode the fused sync is compared with it
+    (:mod:`torchmetrics_gradpatch.fused.check`).
     """
+    from torchmetrics_gradpatch import _engine
+    from torchmetrics_gradpatch.fused import aside, check
     from torchmetrics_gradpatch.fused.sync import fused_sync as run
 
-    run(metric, process_group, mode)
+    if aside.stepping_aside(aside.SINGLE):
+        _syncs.original_sync_dist()(metric, process_group=process_group)
+    elif _engine.effective_check():
+        group = process_group or metric.process_group
+        check.run(
+            type(metric).__name__,
+            metric,
+            lambda: run(metric, process_group, mode),
+            lambda: _syncs.original_sync_dist()(metric, process_group=process_group),
+            group,
+        )
+    else:
+        run(metric, process_group, mode)
 
 
 def _collection_sites_all() -> tuple[tuple[Any, str], ...]:
@@ -63,9 +81,19 @@ def _collection_sites() -> tuple[str, ...]:
     return tuple(name for site, name in _collection_sites_all() if site.installed())
 
 
+def _stepped_aside() -> dict[str, tuple[str, ...]]:
+    from torchmetrics_gradpatch.fused import aside
+
+    return aside.aside()
+
+
 _syncs.register(
     "fused",
     _syncs.Strategy(
-        sync=fused_sync, install=_install_collection, uninstall=_uninstall_collection, sites=_collection_sites
+        sync=fused_sync,
+        install=_install_collection,
+        uninstall=_uninstall_collection,
+        sites=_collection_sites,
+        aside=_stepped_aside,
     ),
 )

@@ -3,15 +3,16 @@
 While check mode is on (``patch(check=True)``, ``patched(check=True)``, ``TORCHMETRICS_GRADPATCH_CHECK=1``), each
 run of the fused sync (:func:`run`) is followed by torchmetrics' own path on what the fused run started from:
 
-1. every Metric's states (cloned, objects shared between Metrics shared in the clone too) and flags, and the
-   random state (torch's, CUDA's where initialised, Python's and NumPy's where imported) are taken before the
-   fused run;
-2. the fused run's results, states and flags are kept, the ones taken before put back, and torchmetrics' own path
+1. every Metric's attributes (its ``__dict__``, every tensor and list in it copied, objects that Metrics share
+   shared in the copy, graphs kept) and the random state (torch's, CUDA's where initialised, Python's and NumPy's
+   where imported) are taken before the fused run;
+2. the fused run's result and attributes are kept, the ones taken before put back, and torchmetrics' own path
    runs (every Metric syncing with torchmetrics' own ``_sync_dist`` and this package's gather);
-3. the two are compared bit for bit (values, states, flags, ``_forward_cache``), the fused run's results, states,
-   flags and random state are put back, and the ranks exchange what they found (one collective; a second where
-   some rank found a difference): every rank raises the same :class:`~torchmetrics_gradpatch.FusedSyncError`,
-   naming the rank, the Metric, the state and the first difference, or every rank returns the fused result.
+3. the two are compared bit for bit (the result, every state, ``_update_count``, ``_forward_cache``,
+   ``_computed`` and the sync flags), the fused run's result, attributes and random state are put back, and the
+   ranks exchange what they found (one collective; a second where some rank found a difference): every rank
+   raises the same :class:`~torchmetrics_gradpatch.FusedSyncError`, naming the rank, the Metric, the state and
+   the first difference, or every rank returns the fused result.
 
 Costs: torchmetrics' own sync beside the fused one, a copy of every state, and module hooks run twice in a step.
 Every rank must run with the same check setting (a rank that checks issues collectives its peers do not).
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,13 +53,20 @@ def _set_rng(state: tuple[Any, ...]) -> None:
         sys.modules["numpy"].random.set_state(numpy)
 
 
-def _metrics(root: Any) -> Iterator[tuple[str, Any]]:
-    """Every Metric in ``root`` (a Metric or a collection), by its path."""
+def _metrics(root: Any) -> list[tuple[str, Any]]:
+    """Every Metric in ``root`` (a Metric or a collection, ``root`` too), each once, by its path."""
     from torchmetrics import Metric
 
-    for path, module in root.named_modules():
+    found, seen, stack = [], set(), [(type(root).__name__, root)]
+    while stack:
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
         if isinstance(module, Metric):
-            yield path or type(root).__name__, module
+            found.append((path, module))
+        stack.extend((name if module is root else f"{path}.{name}", m) for name, m in module._modules.items() if m)
+    return found
 
 
 def _clone(value: Any, memo: dict[int, Any]) -> Any:
@@ -66,14 +74,12 @@ def _clone(value: Any, memo: dict[int, Any]) -> Any:
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, torch.Tensor):
-        copy: Any = value.detach().clone()
+        copy: Any = value.clone()  # a state with a graph keeps it: the reference syncs what the fused sync synced
     elif isinstance(value, list):
         copy = []
         memo[id(value)] = copy
         copy.extend(_clone(v, memo) for v in value)
         return copy
-    elif isinstance(value, dict):
-        copy = {k: _clone(v, memo) for k, v in value.items()}
     else:
         return value
     memo[id(value)] = copy
@@ -82,24 +88,33 @@ def _clone(value: Any, memo: dict[int, Any]) -> Any:
 
 @dataclass
 class _Taken:
-    """Every Metric's states and flags: as objects (``keep``: the fused run's, put back as they are) or cloned."""
+    """Every Metric's attributes (its ``__dict__``): as they are (the fused run's, put back as they are) or with
+    every tensor and list copied (what both runs start from; objects that Metrics share are shared in the copy)."""
 
-    values: dict[str, dict[str, Any]]
+    metrics: list[tuple[str, Any, dict[str, Any]]]
 
     @classmethod
     def of(cls, root: Any, clone: bool) -> _Taken:
         memo: dict[int, Any] = {}
-        values = {}
+        taken = []
         for path, metric in _metrics(root):
-            names = (*metric._defaults, *_FLAGS)
-            got = {name: metric.__dict__.get(name, getattr(metric, name, None)) for name in names}
-            values[path] = {k: _clone(v, memo) for k, v in got.items()} if clone else got
-        return cls(values)
+            attributes = dict(vars(metric))
+            if clone:
+                attributes = {name: _clone(value, memo) for name, value in attributes.items()}
+            taken.append((path, metric, attributes))
+        return cls(taken)
 
-    def put(self, root: Any) -> None:
-        for path, metric in _metrics(root):
-            for name, value in self.values.get(path, {}).items():
-                setattr(metric, name, value)
+    def put(self) -> None:
+        for _, metric, attributes in self.metrics:
+            vars(metric).clear()
+            vars(metric).update(attributes)
+
+    def compared(self) -> dict[str, dict[str, Any]]:
+        """What is compared: every Metric's states, and the flags torchmetrics' paths set."""
+        return {
+            path: {name: attributes.get(name) for name in (*attributes.get("_defaults", {}), *_FLAGS)}
+            for path, _, attributes in self.metrics
+        }
 
 
 def difference(a: Any, b: Any) -> str | None:
@@ -151,11 +166,12 @@ def _first(what: str, fused: tuple[Any, _Taken], reference: tuple[Any, _Taken]) 
     found = difference(fused[0], reference[0])
     if found is not None:
         return f"{what}'s result: {found}"
-    for path, states in reference[1].values.items():
+    mine = fused[1].compared()
+    for path, states in reference[1].compared().items():
         for name, value in states.items():
             if name == "_cache":
                 continue  # holds the local states as each path copied them; unsync() puts back equal states
-            found = difference(fused[1].values.get(path, {}).get(name), value)
+            found = difference(mine.get(path, {}).get(name), value)
             if found is not None:
                 return f"{path!r}, {'state' if not name.startswith('_') else 'attribute'} {name!r}: {found}"
     return None
@@ -191,12 +207,16 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     result = fused()
     after, rng_after = _Taken.of(root, clone=False), _rng()
     try:
-        before.put(root)
+        before.put()
         _set_rng(rng)
-        expected = reference()
-        text = _first(what, (result, after), (expected, _Taken.of(root, clone=False)))
+        try:
+            expected = reference()
+        except Exception as error:  # torchmetrics' own path raises where the fused sync returned
+            text: str | None = f"torchmetrics' own path raised {type(error).__name__}: {error}"
+        else:
+            text = _first(what, (result, after), (expected, _Taken.of(root, clone=False)))
     finally:
-        after.put(root)
+        after.put()
         _set_rng(rng_after)
     _agree(text, what, group)
     return result

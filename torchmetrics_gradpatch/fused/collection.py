@@ -47,9 +47,9 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import Site
-from torchmetrics_gradpatch.fused import forms
+from torchmetrics_gradpatch.fused import aside, forms
 
-__all__ = ["SITE", "Outcome", "forms_of", "sync_members"]
+__all__ = ["SITE", "Outcome", "forms_of", "sync_members", "syncs_here", "torchmetrics_own"]
 
 _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
 _MEMBER_WORDS = 4  # per member in the table: fingerprint, form, needs, detail; then its slot references
@@ -368,7 +368,8 @@ def _set_synced(metric: Any, reduce: Callable[[], None]) -> None:
 
 
 def _compute(original: Callable[[Any], Any], collection: Any) -> Any:
-    """The collection's ``compute()`` with one exchange for every member that joins (see the module docstring)."""
+    """The collection's ``compute()`` with one exchange for every member that joins (see the module docstring); in
+    check mode, compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.check`)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -377,6 +378,31 @@ def _compute(original: Callable[[Any], Any], collection: Any) -> Any:
     codes = forms_of(members)
     if not members or not syncs_here(members, codes):
         return original(collection)
+    if not _engine.effective_check():
+        return _exchange_and_compute(original, collection, members, codes)
+    from torchmetrics_gradpatch.fused import check
+
+    return check.run(
+        "a MetricCollection's compute()",
+        collection,
+        lambda: _exchange_and_compute(original, collection, members, codes),
+        lambda: torchmetrics_own(original, collection),
+    )
+
+
+def torchmetrics_own(original: Callable[..., Any], collection: Any, *args: Any, **kwargs: Any) -> Any:
+    """``original`` (the collection's own ``compute`` or ``forward``) with every Metric in the collection syncing
+    with torchmetrics' own ``_sync_dist``."""
+    from torchmetrics import Metric
+
+    metrics = [each for each in forms.inside(collection) if isinstance(each, Metric)]
+    with _syncs.own_sync(metrics):
+        return original(collection, *args, **kwargs)
+
+
+def _exchange_and_compute(
+    original: Callable[[Any], Any], collection: Any, members: list[tuple[str, Any]], codes: list[int]
+) -> Any:
     outcome = sync_members(members, _engine.effective_mode(), codes)
     joined = outcome.synced
     to_sync = [metric._to_sync for metric in joined]
@@ -404,7 +430,7 @@ def _compute(original: Callable[[Any], Any], collection: Any) -> Any:
 def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
     def compute(self: Any) -> Any:
-        if _engine.effective_sync() != "fused":
+        if _engine.effective_sync() != "fused" or aside.stepping_aside(aside.COMPUTE):
             return original(self)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
             return _compile.run_eagerly(_compute, original, self)

@@ -52,6 +52,7 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import Site
+from torchmetrics_gradpatch.fused import aside
 
 __all__ = ["SITE"]
 
@@ -243,7 +244,6 @@ def _forward(original: Callable[..., Any], collection: Any, *args: Any, **kwargs
     import torch.distributed as dist
 
     from torchmetrics_gradpatch.fused import collection as fc
-    from torchmetrics_gradpatch.fused import forms
 
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection, *args, **kwargs)
@@ -251,6 +251,29 @@ def _forward(original: Callable[..., Any], collection: Any, *args: Any, **kwargs
     codes = fc.forms_of(members, on_step=True)
     if not fc.syncs_here(members, codes, on_step=True):
         return original(collection, *args, **kwargs)
+    if not _engine.effective_check():
+        return _exchange_and_forward(original, collection, members, codes, args, kwargs)
+    from torchmetrics_gradpatch.fused import check
+
+    return check.run(
+        "a MetricCollection's forward",
+        collection,
+        lambda: _exchange_and_forward(original, collection, members, codes, args, kwargs),
+        lambda: fc.torchmetrics_own(original, collection, *args, **kwargs),
+    )
+
+
+def _exchange_and_forward(
+    original: Callable[..., Any],
+    collection: Any,
+    members: list[tuple[str, Any]],
+    codes: list[int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    from torchmetrics_gradpatch.fused import collection as fc
+    from torchmetrics_gradpatch.fused import forms
+
     mode = _engine.effective_mode()
     # staged: every member joins or issues no collective, so the first halves run before the exchange, in the
     # collection's order (every graph node is made in torchmetrics' order, so the gradients that an input gets from
@@ -293,7 +316,7 @@ def _forward(original: Callable[..., Any], collection: Any, *args: Any, **kwargs
 def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _engine.effective_sync() != "fused":
+        if _engine.effective_sync() != "fused" or aside.stepping_aside(aside.STEP):
             return original(self, *args, **kwargs)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
             return _compile.run_eagerly(functools.partial(_forward, original, self, *args, **kwargs))
