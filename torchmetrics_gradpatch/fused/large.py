@@ -370,7 +370,7 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
     buffer's view of them (``tensors``; what :func:`recopy` copies from) and no longer the local ones (``value``,
     this sync's own list, is emptied), so that ``sync()``'s cache can be the last to hold those.
     """
-    every: list[list[fp.State]] = got.slots
+    every: list[Sequence[fp.State]] = got.slots
     same_tables = all(table == got.tables[0] for table in got.tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
     places: list[tuple[int, int, int, int, fp.Piece]] = []  # rank, slot, position, offset, piece

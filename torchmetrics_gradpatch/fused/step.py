@@ -59,6 +59,7 @@ __all__ = ["SITE"]
 _MARK = "__torchmetrics_gradpatch_step__"  # set on our replacement, so it is told apart from another tool's
 
 
+@functools.cache
 def _copies_states() -> bool:
     """Whether this torchmetrics' forward saves the accumulated states as copies (``_copy_state_dict``, 1.4 on)."""
     import torchmetrics
@@ -95,25 +96,20 @@ class _Pending:
         return cls(metric, update_count, compute_on_cpu, cache)
 
     def finish(self, *_: Any, **__: Any) -> Any:
-        """torchmetrics' lines from ``batch_val = self.compute()`` on, the sync being the exchange's result where it
-        synced the member (else the member's own sync); stands in for the member's ``forward`` (its arguments were
-        used by :meth:`begin`). Once finished, it returns that value again."""
+        """torchmetrics' lines from ``batch_val = self.compute()`` on; stands in for the member's ``forward`` (its
+        arguments were used by :meth:`begin`). Once finished, it returns that value again.
+
+        Where the exchange synced the member, its synced batch states are set first, as its ``sync()`` would set
+        them (``_is_synced``), and its ``compute()`` runs without a sync of its own. What that skips is the copy
+        of the batch states ``sync()`` keeps for ``unsync()``, which ``forward`` never calls (it restores the
+        accumulated states itself); else the member syncs in its ``compute()``."""
         if self.finished:
             return self.result
         metric = self.metric
-        reduce = self.reduce
-        if reduce is None:
-            batch_val = metric.compute()
-        else:
-
-            def _sync_dist(dist_sync_fn: Any = None, process_group: Any = None) -> None:
-                reduce()
-
-            metric._sync_dist = _sync_dist  # an instance attribute over the class's, for this one compute()
-            try:
-                batch_val = metric.compute()
-            finally:
-                del metric._sync_dist
+        if self.reduce is not None:
+            self.reduce()
+            metric._is_synced, metric._to_sync = True, False
+        batch_val = metric.compute()
         self.restore()
         metric._forward_cache = batch_val
         self.finished, self.result = True, batch_val

@@ -56,8 +56,9 @@ crosses the wire once. Errors that the ranks' disagreement causes carry the same
 
 from __future__ import annotations
 
+import functools
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,18 +140,23 @@ def placeholder_rule(metric: Any) -> bool:
     return bool(getattr(metric, "_TORCH_GREATER_EQUAL_2_1", getattr(tm_metric, "_TORCH_GREATER_EQUAL_2_1", False)))
 
 
-def is_cat(reduction: object) -> bool:
-    """Whether ``reduction`` is torchmetrics' ``dim_zero_cat`` (compared as torchmetrics.metric compares it)."""
+@functools.cache
+def _dim_zero_cat() -> Callable[..., Any]:
+    """torchmetrics' ``dim_zero_cat``, the object ``torchmetrics.metric`` holds and compares reductions with."""
     from torchmetrics.utilities.data import dim_zero_cat
 
-    return bool(reduction == dim_zero_cat)
+    return dim_zero_cat
+
+
+def is_cat(reduction: object) -> bool:
+    """Whether ``reduction`` is torchmetrics' ``dim_zero_cat`` (compared as torchmetrics.metric compares it)."""
+    return bool(reduction == _dim_zero_cat())
 
 
 def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu: bool = False) -> Local:
     """Step 1 for one state, exactly as torchmetrics' ``_sync_dist`` does it, and the state's description
     (``stream_cpu``: its tensors held on the CPU are described as streamed)."""
-    from torchmetrics.utilities.data import dim_zero_cat  # the object torchmetrics.metric compares with
-
+    dim_zero_cat = _dim_zero_cat()
     value = getattr(metric, attr)
     cat = is_cat(reduction)
     placeholder = False
@@ -226,10 +232,9 @@ def outgoing(slots: list[Local], table: list[int] | None = None, placement: list
     _large.mark(slots)  # large cat states leave the payload
     described = [s.described for s in slots]
     words = fp.encode(described, table or ())
-    start = 8 * len(words)
     plan = _reduced.propose(slots, placement or ())
-    offsets, size = fp.layout(described, start)
-    offsets_reduced, size_reduced = fp.layout(described, start, plan.slots) if plan.slots else (offsets, size)
+    offsets, size = fp.read_layout(tuple(words), ())
+    offsets_reduced, size_reduced = fp.read_layout(tuple(words), tuple(plan.slots)) if plan.slots else (offsets, size)
     # a separate piece is never packed: its stand-in keeps no reference to the local tensor (large.recopy)
     sent = [
         [_NOT_SENT if p.separate else fp.sendable(t) for t, p in zip(s.tensors, s.described.pieces, strict=True)]
@@ -328,10 +333,11 @@ class Exchanged:
     """Every rank's description table and slots, every slot's pieces (views of the receive buffers), the slots
     every rank reduces (``skip``: they have no pieces) and, once :func:`complete` ran, their values."""
 
-    tables: list[list[int]]
-    slots: list[list[fp.State]]
+    tables: list[Sequence[int]]
+    slots: list[Sequence[fp.State]]
     gathered: list[list[list[torch.Tensor]]]
     skip: tuple[int, ...] = ()
+    words: tuple[tuple[int, ...], ...] = ()  # every rank's description: what everything read from it depends on
     reduced: dict[int, torch.Tensor] | None = None
 
 
@@ -364,25 +370,20 @@ def payloads(
         buffers = fp.gather_payloads(payload, group, world_size)
         del payload
     described = first.words if first is not None else [None] * world_size
-    tables: list[list[int]] = []
-    every: list[list[fp.State]] = []
+    tables: list[Sequence[int]] = []
+    every: list[Sequence[fp.State]] = []
     layouts: list[list[list[int]]] = []
-    previous: list[int] = []
+    described_words: list[tuple[int, ...]] = []
     for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
         known = described[r]
         theirs = words if r == rank else known if known is not None else fp.words_of(buffer, row[1])
-        if every and theirs == previous:  # ranks holding alike describe alike: decode once
-            tables.append(tables[-1])
-            every.append(every[-1])
-            layouts.append(layouts[-1])
-        else:
-            table, states = fp.decode(theirs)
-            tables.append(table)
-            every.append(states)
-            layouts.append(offsets if r == rank else fp.layout(states, 8 * len(theirs), skip)[0])
-        previous = theirs
+        described_words.append(tuple(theirs))
+        table, states, offsets_read = fp.read(described_words[-1], tuple(skip))
+        tables.append(table)
+        every.append(states)
+        layouts.append(offsets if r == rank else offsets_read)
     gathered = [fp.unpack(buffer, descs, lay, skip) for buffer, descs, lay in zip(buffers, every, layouts, strict=True)]
-    return Exchanged(tables, every, gathered, skip)
+    return Exchanged(tables, every, gathered, skip, tuple(described_words))
 
 
 def complete(
@@ -398,13 +399,16 @@ def complete(
     """After validation: every rank's streamed pieces into ``got.gathered``, the agreed reductions into
     ``got.reduced`` (the collectives both need, decided from the exchanged facts alike on every rank)."""
     chunk = min(row[fp.CHUNK] for row in rows)
-    own = [s.tensors for s in slots]
-    transit.receive_stream(got.gathered, own, got.slots, got.skip, rank, group, staging, chunk)
+    traits = [fp.apart(words) for words in got.words]  # what the descriptions say, alike on every rank
+    if any(streamed for streamed, _ in traits):
+        own = [s.tensors for s in slots]
+        transit.receive_stream(got.gathered, own, got.slots, got.skip, rank, group, staging, chunk)
     got.reduced = _reduced.run(out.plan, slots, group, device, staging, chunk) if got.skip else {}
-    got.reduced.update(_large.run(got, slots, rank, group, device))
+    if any(separate for _, separate in traits):
+        got.reduced.update(_large.run(got, slots, rank, group, device))
 
 
-def validate(name: str, states: list[Local], every: list[list[fp.State]]) -> None:
+def validate(name: str, states: list[Local], every: Sequence[Sequence[fp.State]]) -> None:
     """Refuse, on every rank alike, what torchmetrics' sync cannot complete and one process could not hold.
 
     ``every[r][i]`` is rank ``r``'s description of ``states[i]``.
@@ -540,7 +544,7 @@ def entries(
 def reduce(
     metric: Any,
     states: list[Local],
-    every: list[list[fp.State]],
+    every: Sequence[Sequence[fp.State]],
     entries: list[list[list[torch.Tensor]]],
     reduced: list[torch.Tensor | None] | None = None,
 ) -> None:

@@ -18,6 +18,7 @@ any rank sent in its header, so every rank issues the same ones.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,12 @@ def devices(metric_device: Any, group: Any) -> tuple[torch.device, torch.device 
     return device, staging, staging is not None or device.type != "cpu"
 
 
+@functools.lru_cache(maxsize=128)
+def _stream_layout(states: tuple[fp.State, ...], skip: tuple[int, ...]) -> tuple[list[list[int]], int]:
+    # a steady exchange streams what it streamed before: its layout is read once
+    return fp.layout(states, 0, skip, streamed=True)
+
+
 def receive_stream(
     gathered: list[list[list[torch.Tensor]]],
     own: Sequence[Sequence[torch.Tensor]],
@@ -55,7 +62,7 @@ def receive_stream(
     ``own[s]`` are this rank's tensors of slot ``s``; ``every[r]`` rank ``r``'s description; ``skip`` the reduced
     slots; ``chunk`` the agreed chunk size (used when ``staging`` is a device).
     """
-    layouts = [fp.layout(states, 0, skip, streamed=True) for states in every]
+    layouts = [_stream_layout(tuple(states), tuple(skip)) for states in every]
     total = max(size for _, size in layouts)
     if total == 0:
         return 0

@@ -50,6 +50,8 @@ every rank even where a torch lacks some dtype; a dtype a buffer cannot carry is
 
 from __future__ import annotations
 
+import array
+import functools
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -79,6 +81,7 @@ __all__ = [
     "Piece",
     "State",
     "agree",
+    "apart",
     "capacity",
     "decode",
     "encode",
@@ -87,6 +90,8 @@ __all__ = [
     "layout",
     "pack",
     "piece_of",
+    "read",
+    "read_layout",
     "sendable",
     "unpack",
     "words_of",
@@ -128,7 +133,7 @@ class Piece:
     streamed: bool = False
     separate: bool = False  # left out of the payload: it crosses in a collective of its own (fused.large)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return _bytes.nbytes(self.shape, self.dtype) if self.dtype is not None else 0
 
@@ -150,8 +155,13 @@ def sendable(tensor: torch.Tensor) -> torch.Tensor:
 
 def piece_of(tensor: torch.Tensor, streamed: bool = False) -> Piece:
     """The description of ``tensor``."""
-    dtype = tensor.dtype if _bytes.plain(tensor.dtype) else None
-    return Piece(dtype, tuple(tensor.shape), tensor.requires_grad, streamed)
+    return _piece(tensor.dtype, tuple(tensor.shape), tensor.requires_grad, streamed)
+
+
+@functools.lru_cache(maxsize=1024)
+def _piece(dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, streamed: bool) -> Piece:
+    # a steady exchange describes the same tensors step after step: one object each (its nbytes computed once)
+    return Piece(dtype if _bytes.plain(dtype) else None, shape, requires_grad, streamed)
 
 
 def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
@@ -193,6 +203,36 @@ def decode(words: Sequence[int]) -> tuple[list[int], list[State]]:
     return table, states
 
 
+def read(words: tuple[int, ...], skip: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[State, ...], list[list[int]]]:
+    """A rank's description read back: its table, its states and their payload offsets with ``skip`` left out.
+
+    A pure function of the words: a steady exchange, whose ranks describe what they described before, reads each
+    description once (the result is shared; callers do not change it)."""
+    table, states, (offsets, _), _ = _read(words, skip)
+    return table, states, offsets
+
+
+def read_layout(words: tuple[int, ...], skip: tuple[int, ...]) -> tuple[list[list[int]], int]:
+    """The payload offsets and size of the description ``words`` with ``skip`` left out (:func:`layout`), cached as
+    :func:`read` is."""
+    return _read(words, skip)[2]
+
+
+def apart(words: tuple[int, ...]) -> tuple[bool, bool]:
+    """Whether the description ``words`` has a streamed piece, and whether it has a separate one (cached)."""
+    return _read(words, ())[3]
+
+
+@functools.lru_cache(maxsize=128)
+def _read(
+    words: tuple[int, ...], skip: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[State, ...], tuple[list[list[int]], int], tuple[bool, bool]]:
+    table, states = decode(words)
+    pieces = [piece for state in states for piece in state.pieces]
+    traits = (any(p.streamed for p in pieces), any(p.separate for p in pieces))
+    return tuple(table), tuple(states), layout(states, 8 * len(words), skip), traits
+
+
 def layout(
     states: Sequence[State], start: int, skip: Sequence[int] = (), streamed: bool = False
 ) -> tuple[list[list[int]], int]:
@@ -227,26 +267,37 @@ def pack(
 ) -> torch.Tensor:
     """This rank's payload in a buffer of ``size`` bytes: its description, then each tensor's bytes at its offset.
 
-    The one copy of the local states' bytes that the fused sync makes; padding bytes are zeroed, not left
-    uninitialised, so nothing of this process's memory travels.
+    The one copy of the local states' bytes that the fused sync makes (one ``torch.cat``); padding bytes are zeros,
+    not left uninitialised, so nothing of this process's memory travels.
     """
-    buffer = torch.empty(size, dtype=torch.uint8, device=device)
-    head = torch.tensor(list(words), dtype=torch.int64).view(torch.uint8)
-    if buffer.device.type == "cuda":  # pinned, so the copy neither waits for the device nor counts as a sync
-        head = head.pin_memory()
-    buffer[: head.numel()].copy_(head, non_blocking=True)
+    head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
+    if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
+        head = head.pin_memory().to(device, non_blocking=True)
+    parts = [head]
     end = head.numel()
     for state_tensors, state_offsets in zip(tensors, offsets, strict=True):
         for tensor, offset in zip(state_tensors, state_offsets, strict=True):
             if offset < 0:
                 continue  # reduced, or streamed
             if offset > end:
-                buffer[end:offset].zero_()
+                parts.append(_zeros(offset - end, device))
             data = as_bytes(tensor)
-            buffer[offset : offset + data.numel()].copy_(data)
+            parts.append(data)
             end = offset + data.numel()
-    buffer[end:].zero_()
-    return buffer
+    if size > end:
+        parts.append(_zeros(size - end, device))
+    return torch.cat(parts)
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zero bytes on ``device`` (a view of one kept buffer; read only)."""
+    zeros = _ZEROS.get(device)
+    if zeros is None or zeros.numel() < n:
+        zeros = _ZEROS[device] = torch.zeros(max(n, 2 * _HEAD_BYTES + INLINE_MAX), dtype=torch.uint8, device=device)
+    return zeros[:n]
 
 
 def unpack(
@@ -256,19 +307,37 @@ def unpack(
     into ``buffer``, no copy). A piece not in it (offset ``-1``) is an empty stand-in, for the other buffer to fill;
     a state in ``skip`` (reduced) has no pieces."""
     left_out = set(skip)
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype once; each piece one view of it
     out: list[list[torch.Tensor]] = []
     for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True)):
         if s in left_out:
             out.append([])
             continue
-        out.append(
-            [
-                buffer[offset : offset + piece.nbytes].view(piece.dtype).view(piece.shape) if offset >= 0 else _ABSENT
-                for piece, offset in zip(state.pieces, state_offsets, strict=True)
-                if piece.dtype is not None
-            ]
-        )
+        pieces = []
+        for piece, offset in zip(state.pieces, state_offsets, strict=True):
+            dtype = piece.dtype
+            if dtype is None:
+                continue
+            if offset < 0:
+                pieces.append(_ABSENT)
+                continue
+            view = typed.get(dtype)
+            if view is None:
+                view = typed[dtype] = buffer.view(dtype)
+            size = _bytes.itemsize(dtype)
+            pieces.append(view.as_strided(piece.shape, _strides(piece.shape), view.storage_offset() + offset // size))
+        out.append(pieces)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 _ABSENT = torch.empty(0)
@@ -283,21 +352,27 @@ class Capacity:
     words: int = 0
 
 
-# per group: the needs (largest inline payload, largest description) of its last WINDOW exchanges; None where an
-# exchange's largest payload was over INLINE_MAX
-_Needs = deque[tuple[int, int] | None]
-_RECORDS: weakref.WeakKeyDictionary[Any, _Needs] = weakref.WeakKeyDictionary()
-_STRONG: dict[Any, _Needs] = {}  # groups that take no weak reference (kept alive, as the group itself is)
+@dataclass
+class _Record:
+    """A group's needs (largest inline payload, largest description) of its last :data:`WINDOW` exchanges (``None``
+    where an exchange's largest payload was over :data:`INLINE_MAX`), and the capacity they give."""
+
+    needs: deque[tuple[int, int] | None] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    capacity: Capacity = field(default_factory=Capacity)
 
 
-def _needs(group: Any) -> _Needs:
+_RECORDS: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
+_STRONG: dict[Any, _Record] = {}  # groups that take no weak reference (kept alive, as the group itself is)
+
+
+def _record(group: Any) -> _Record:
     key = dist.group.WORLD if group is None else group
     try:
         found = _RECORDS.get(key)
         if found is None:
-            found = _RECORDS[key] = deque(maxlen=WINDOW)
+            found = _RECORDS[key] = _Record()
     except TypeError:
-        found = _STRONG.setdefault(key, deque(maxlen=WINDOW))
+        found = _STRONG.setdefault(key, _Record())
     return found
 
 
@@ -307,17 +382,20 @@ def _power_of_two(n: int) -> int:
 
 def capacity(group: Any) -> Capacity:
     """``group``'s inline capacity for its next exchange: the same on every rank of it (see the module docstring)."""
-    needs = [need for need in _needs(group) if need is not None]
-    if not needs:
-        return Capacity()
-    data = min(max(_power_of_two(max(n for n, _ in needs)), INLINE_MIN), INLINE_MAX)
-    return Capacity(data, min(_power_of_two(max(w for _, w in needs)), data // 8))
+    return _record(group).capacity
 
 
 def agree(group: Any, rows: Sequence[Sequence[int]]) -> None:
     """Record one exchange of ``group`` from its gathered header ``rows``: run on every rank after collective 1."""
+    record = _record(group)
     size = max(row[SIZE_REDUCED] for row in rows)
-    _needs(group).append((size, max(row[1] for row in rows)) if size <= INLINE_MAX else None)
+    record.needs.append((size, max(row[1] for row in rows)) if size <= INLINE_MAX else None)
+    needs = [need for need in record.needs if need is not None]
+    if not needs:
+        record.capacity = Capacity()
+        return
+    data = min(max(_power_of_two(max(n for n, _ in needs)), INLINE_MIN), INLINE_MAX)
+    record.capacity = Capacity(data, min(_power_of_two(max(w for _, w in needs)), data // 8))
 
 
 @dataclass
@@ -356,12 +434,13 @@ def gather_first(
         mine = pack([*row, *words], tensors, shifted, total, device)
     else:
         mine = pack(row, [], [], total, device)
-    received = [torch.empty_like(mine) for _ in range(world_size)]
+    flat = torch.empty((world_size, total), dtype=torch.uint8, device=mine.device)
+    received = list(flat)
     dist.all_gather(received, mine, group)
     del mine
     read = _HEAD_BYTES + 8 * agreed.words
     # the exchange's one device-to-host read: every header and every inline description at once
-    table = torch.stack([buffer[:read] for buffer in received]).view(torch.int64).tolist()
+    table = flat[:, :read].view(torch.int64).tolist()
     rows = [list(t[:HEADER_WORDS]) for t in table]
     described = [
         list(t[HEADER_WORDS : HEADER_WORDS + r[1]]) if r[FLAGS] & FLAG_INLINE else None
