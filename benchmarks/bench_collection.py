@@ -1,4 +1,4 @@
-"""How a MetricCollection's sync grows with the world: torchmetrics' own, per-member fused, one fused exchange.
+"""How a MetricCollection's sync grows with the world: torchmetrics' own, per-member fused, one exchange, floor.
 
     python benchmarks/bench_collection.py [--world-sizes 2 4 8] [--rounds 5] [--classes 1000] [--plot PATH]
     python benchmarks/bench_collection.py --quick     # a smoke test of the script (the figures mean nothing)
@@ -12,13 +12,19 @@ the arms' order rotating from round to round (every member's cached result is dr
 * ``torchmetrics``: torchmetrics' own sync (``patched(sync="torchmetrics")``);
 * ``per-member fused``: the fused sync with torchmetrics' own ``MetricCollection.compute`` (each member syncs in its
   own ``compute()``: what ``self.log_dict(collection)`` gets in Lightning);
-* ``fused``: ``compute()`` under ``patched(sync="fused")``, one exchange for the collection.
+* ``fused``: ``compute()`` under ``patched(sync="fused")``, one exchange for the collection;
+* ``floor``: ``compute()`` of the same collection with every member's ``distributed_available_fn`` returning
+  ``False`` (torchmetrics' own, no sync), then one ``all_gather_single`` (``all_gather_into_tensor`` on a torch
+  without it) on the default group of the bytes a steady fused exchange moves in its collective 1:
+  ``80 + wire.capacity(group).data`` bytes per rank, the capacity read after the warm-up of ``fused`` (and checked
+  again at the end). The collectives the fused exchange issues beside that one (the reduced states' ``all_reduce``)
+  are not in the floor.
 
 Reported per arm: collectives per ``compute()`` (the default group's sequence number), the bytes of the buffers the
 collectives fill on one rank (what ``all_gather`` receives into, what ``all_reduce`` reduces in place), the median
-``compute()`` time (the slowest rank's) and the median of the per-round ratios to torchmetrics' arm with a
-distribution-free 95% confidence interval. ``--plot`` draws bytes and time against the world size (matplotlib).
-It imports nothing from ``tests/``.
+``compute()`` time (the slowest rank's) and the medians of the per-round ratios to torchmetrics' arm and to the
+floor with a distribution-free 95% confidence interval, then the floor's bytes per rank. ``--plot`` draws bytes
+and time against the world size (matplotlib). It imports nothing from ``tests/``.
 """
 
 from __future__ import annotations
@@ -30,14 +36,15 @@ import time
 from typing import Any
 
 if __package__:
-    from benchmarks import _report, workloads
+    from benchmarks import _floor, _report, workloads
     from benchmarks._stats import spread
 else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
+    import _floor  # type: ignore[no-redef]
     import _report  # type: ignore[no-redef]
     import workloads  # type: ignore[no-redef]
     from _stats import spread  # type: ignore[no-redef]
 
-ARMS = ("torchmetrics", "per-member fused", "fused")
+ARMS = ("torchmetrics", "per-member fused", "fused", "floor")
 _FILLING = ("all_gather", "all_reduce", "all_gather_into_tensor", "all_gather_single")
 
 
@@ -57,6 +64,10 @@ def _count_bytes(counter: list[int]) -> None:
             return _real(*args, **kwargs)
 
         setattr(dist, name, counted)
+
+
+def _unavailable() -> bool:
+    return False
 
 
 def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, results: Any) -> None:
@@ -80,6 +91,8 @@ def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, resu
     own_compute = MetricCollection.__dict__["compute"]
     filled = [0]
     _count_bytes(filled)
+    floor: list[Any] = []  # the floor's collective, made once the capacity has settled
+    available = [metric.distributed_available_fn for metric in members]
 
     def compute(arm: str) -> None:
         for metric in members:
@@ -87,6 +100,16 @@ def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, resu
         if arm == "torchmetrics":
             with tg.patched(sync="torchmetrics"):
                 metrics.compute()
+        elif arm == "floor":
+            for metric in members:
+                metric.distributed_available_fn = _unavailable
+            try:
+                with tg.patched(sync="torchmetrics"):
+                    metrics.compute()
+            finally:
+                for metric, fn in zip(members, available, strict=True):
+                    metric.distributed_available_fn = fn
+            floor[0]()
         else:
             with tg.patched(sync="fused"):
                 if arm == "fused":
@@ -100,7 +123,11 @@ def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, resu
         return float(value)
 
     counts: dict[str, dict[str, int]] = {}
+    floor_bytes = 0
     for arm in ARMS:
+        if arm == "floor":  # after the fused arm's warm-up: the capacity its steady exchanges use
+            floor_bytes = _floor.exchange_bytes(group)
+            floor.append(_floor.collective(floor_bytes, group))
         compute(arm)  # warm-up, and the counts
         before, filled[0] = group._get_sequence_number_for_group(), 0
         compute(arm)
@@ -113,7 +140,7 @@ def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, resu
             compute(arm)
             times[arm].append(slowest(time.perf_counter() - started))
     if rank == 0:
-        results.put({"counts": counts, "times": times})
+        results.put({"counts": counts, "times": times, "floor_bytes": [floor_bytes, _floor.exchange_bytes(group)]})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -141,20 +168,33 @@ def as_text(result: dict[str, Any]) -> str:
     lines = [
         f"{result['command']}  (torch {result['torch']}, torchmetrics {result['torchmetrics']}, {result['classes']} "
         f"classes, {result['rounds']} rounds, load {result['load_at_start']} -> {result['load_at_end']})",
-        "bytes: what the collectives fill on one rank; compute(): medians, slowest rank; ratio: median of the "
-        "per-round compute() ratios to torchmetrics' [95% CI]",
-        f"{'ranks':>5} {'arm':18} {'collectives':>11} {'MiB filled':>10} {'compute() ms':>12} {'/ torchmetrics':>24}",
+        "bytes: what the collectives fill on one rank; compute(): medians, slowest rank; ratios: median of the "
+        "per-round compute() ratios [95% CI]",
+        f"{'ranks':>5} {'arm':18} {'collectives':>11} {'MiB filled':>10} {'compute() ms':>12} "
+        f"{'/ torchmetrics':>20} {'/ floor':>20}",
     ]
+
+    def ratio(times: list[float], reference: list[float]) -> str:
+        found = spread([t / r for t, r in zip(times, reference, strict=True)])
+        return f"{found['median']:.2f} [{found['ci95_lo']:.2f}, {found['ci95_hi']:.2f}]"
+
+    notes = []
     for world_size, row in result["worlds"].items():
         for arm in ARMS:
             count, times = row["counts"][arm], row["times"][arm]
-            ratios = [t / r for t, r in zip(times, row["times"]["torchmetrics"], strict=True)]
-            ratio = spread(ratios)
-            ratio_text = f"{ratio['median']:.2f} [{ratio['ci95_lo']:.2f}, {ratio['ci95_hi']:.2f}]"
             lines.append(
-                f"{world_size:>5} {arm:18} {count['collectives']:>11} {count['bytes'] / 2**20:>10.1f} "
-                f"{1e3 * statistics.median(times):>12.0f} {ratio_text:>24}"
+                f"{world_size:>5} {arm:18} {count['collectives']:>11} {count['bytes'] / 2**20:>10.2f} "
+                f"{1e3 * statistics.median(times):>12.1f} {ratio(times, row['times']['torchmetrics']):>20} "
+                f"{ratio(times, row['times']['floor']):>20}"
             )
+        start, end = row["floor_bytes"]
+        beyond = row["counts"]["fused"]["collectives"] - row["counts"]["floor"]["collectives"]
+        notes.append(
+            f"{world_size} ranks: the floor's collective, {start} bytes per rank"
+            + (f" (at the end: {end})" if end != start else "")
+            + (f"; the fused compute() issues {beyond} collective(s) more (reduced states)" if beyond > 0 else "")
+        )
+    lines += notes
     fused = {int(w): row["counts"]["fused"]["bytes"] for w, row in result["worlds"].items()}
     if len(fused) > 1:
         low, high = min(fused), max(fused)
@@ -166,7 +206,7 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     """Bytes filled per rank and compute() time against the world size, one line per arm."""
     worlds = sorted(int(w) for w in result["worlds"])
     figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for arm, style in zip(ARMS, ("o-", "s--", "^-"), strict=True):
+    for arm, style in zip(ARMS, ("o-", "s--", "^-", "x:"), strict=True):
         rows = [result["worlds"][str(w)] for w in worlds]
         left.plot(worlds, [r["counts"][arm]["bytes"] / 2**20 for r in rows], style, label=arm)
         right.plot(worlds, [1e3 * statistics.median(r["times"][arm]) for r in rows], style, label=arm)

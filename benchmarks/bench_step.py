@@ -1,4 +1,4 @@
-"""A DDP training step whose loss is a MetricCollection: torchmetrics' own sync, per-member fused, one exchange.
+"""A DDP training step whose loss is a MetricCollection, against its floor: torchmetrics' own sync, the fused syncs.
 
     python benchmarks/bench_step.py [--world-sizes 2 4 8] [--modes local global] [--rounds 5] [--steps 8]
                                     [--plot PATH]
@@ -8,21 +8,41 @@ The loop, on every rank (gloo on loopback, one intra-op thread, ranks started by
 model (``Linear(16, 1)`` in float64, wrapped in ``DistributedDataParallel`` over a process group of its own, so
 its gradient all-reduce is not counted with the metrics'), uneven batches (``64 + 16 * rank`` samples and a few
 more every other step), and a ``MetricCollection`` of ``MeanSquaredError``, ``MeanAbsoluteError``,
-``ExplainedVariance``, ``R2Score`` and ``PearsonCorrCoef``, all ``dist_sync_on_step=True``, whose outputs make the
-loss; backward, an SGD step. Arms, in rotating order from round to round, each ``--steps`` steps a round:
+``ExplainedVariance``, ``R2Score`` and ``PearsonCorrCoef``, whose outputs make the loss, and a ``SpearmanCorrCoef``
+riding along (synced, not in the loss), all ``dist_sync_on_step=True``; backward, an SGD step. Each arm has a
+collection of its own, reset at the start of each round (so Spearman's list states hold the same batches in every
+arm when timed). Arms, in rotating order from round to round, each ``--steps`` steps a round:
 
-* ``no metrics``: the same step with a plain ``mse_loss`` (what the metrics' time is measured from);
+* ``no metrics``: the same step with a plain ``mse_loss``;
+* ``floor``: the collection built with ``distributed_available_fn=lambda: False`` for every member (torchmetrics'
+  own forward path, less the sync) and, right after its forward, inside the step, one ``all_gather_single``
+  (``all_gather_into_tensor`` on a torch without it) on the default group of the bytes a steady fused exchange
+  moves in its one collective: ``80 + wire.capacity(group).data`` bytes per rank, the capacity read after the warm-up
+  of ``one exchange`` (and checked again at the end). Its forward and the loss's backward count, as in every arm;
+  in global mode the floor has no backward collective;
 * ``torchmetrics``: torchmetrics' own sync (``patched(sync="torchmetrics")``; in global mode with this package's
   global gather);
 * ``per-member fused``: the fused sync with torchmetrics' own ``MetricCollection.forward`` (each member's forward
-  syncs on its own);
-* ``one exchange``: ``patched(sync="fused")``: the collection's forward syncs every member in one exchange.
+  syncs on its own). Its collection is on a process group of its own: its exchanges, smaller than the collection's,
+  would otherwise lower the default group's inline capacity (which follows the group's recent exchanges) under the
+  next arm;
+* ``one exchange``: ``patched(sync="fused")``: the collection's forward syncs every member in one exchange;
+* ``one exchange, check``: ``patched(sync="fused", check=True)``: every fused step also runs torchmetrics' own path
+  and compares (what check mode costs).
 
-Reported per arm: the collectives per step on the default group (its sequence number: forward + backward), the
-median step time (the slowest rank's), the metrics' time (the step time less the ``no metrics`` arm's, per round)
-and its share of the step, and the median of the per-round ratios of the metrics' time to torchmetrics' arm with
-a distribution-free 95% confidence interval. ``--plot`` draws the metrics' time against the world size, a panel
-per mode (matplotlib). It imports nothing from ``tests/``.
+Per round, after the arms, ``bare collective`` times the floor's collective alone in a tight loop (``4 * --steps``
+of them, back to back), for reference beside the same collective issued inside the floor's step.
+
+Reported per arm: the collectives per timed step on the arm's metrics' group (its sequence number: forward +
+backward; a range where steps differ), the median step time (per round, each rank's median, the slowest rank's),
+the thread CPU time per step (``time.thread_time()``: the rank's calling thread, which collectives leave blocked,
+not busy; the largest rank's), the CPU over the floor (per round and rank, the arm's median thread CPU per step
+less the floor's, the largest rank's; for the fused arms, the package's own CPU per steady step, collectives
+excluded), the median of the per-round ratios of the step time to the floor's with a distribution-free 95%
+confidence interval, and the same for the metrics' time (the step less the ``no metrics`` step) against
+torchmetrics' arm. Then, per world and mode: the floor's bytes per rank, its collective's time inside the step and
+the bare collective's. ``--plot`` draws the step / floor ratio against the world size, a panel per mode, with the
+1.3x line (matplotlib). It imports nothing from ``tests/``.
 """
 
 from __future__ import annotations
@@ -32,15 +52,19 @@ import statistics
 from typing import Any
 
 if __package__:
-    from benchmarks import _ranks, _report
+    from benchmarks import _floor, _ranks, _report
     from benchmarks._stats import spread
 else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
+    import _floor  # type: ignore[no-redef]
     import _ranks  # type: ignore[no-redef]
     import _report  # type: ignore[no-redef]
     from _stats import spread  # type: ignore[no-redef]
 
-ARMS = ("no metrics", "torchmetrics", "per-member fused", "one exchange")
+ARMS = ("no metrics", "floor", "torchmetrics", "per-member fused", "one exchange", "one exchange, check")
+#: the order of the warm-up: ``one exchange`` settles the default group's inline capacity, which the floor reads
+WARM_UP = ("no metrics", "torchmetrics", "per-member fused", "one exchange, check", "one exchange", "floor")
 FEATURES = 16
+TICKS = (0.1, 0.2, 0.5, 1, 1.3, 2, 5, 10, 20, 50, 100)  # the plot's ratio axis (logarithmic)
 
 
 def _batch(rank: int, step: int) -> tuple[Any, Any]:
@@ -53,7 +77,7 @@ def _batch(rank: int, step: int) -> tuple[Any, Any]:
 
 
 def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
-    """One rank's loop (see the module docstring): per arm the collectives of one step and every step's time."""
+    """One rank's loop (see the module docstring): per arm and round its medians, per arm the collectives seen."""
     import time
     import warnings
 
@@ -67,6 +91,7 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
         MeanSquaredError,
         PearsonCorrCoef,
         R2Score,
+        SpearmanCorrCoef,
     )
 
     import torchmetrics_gradpatch as tg
@@ -78,101 +103,194 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
         torch.nn.Linear(FEATURES, 1).double(), process_group=dist.new_group(list(range(world_size)))
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    kinds = (MeanSquaredError, MeanAbsoluteError, ExplainedVariance, R2Score, PearsonCorrCoef)
-    metrics = MetricCollection([kind(dist_sync_on_step=True) for kind in kinds])
-    group = dist.distributed_c10d._get_default_group()
+    default = dist.distributed_c10d._get_default_group()
+    apart = dist.new_group(list(range(world_size)))  # per-member fused's metrics
+    kinds = (MeanSquaredError, MeanAbsoluteError, ExplainedVariance, R2Score, PearsonCorrCoef, SpearmanCorrCoef)
+
+    def collection(**kwargs: Any) -> Any:
+        return MetricCollection([kind(dist_sync_on_step=True, **kwargs) for kind in kinds])
+
+    metrics = {arm: collection() for arm in ARMS[2:]}
+    metrics["per-member fused"] = collection(process_group=apart)
+    metrics["floor"] = collection(distributed_available_fn=lambda: False)
+    groups = {arm: apart if arm == "per-member fused" else default for arm in ARMS}
+    floor: list[Any] = []  # the floor's collective, made once the capacity has settled
 
     def own_forward(preds: Any, target: Any) -> Any:  # torchmetrics' own, whatever the class attribute holds now
         forward = MetricCollection.__dict__["forward"]
-        return getattr(forward, "__wrapped__", forward)(metrics, preds, target)
+        return getattr(forward, "__wrapped__", forward)(metrics["per-member fused"], preds, target)
 
-    def step(arm: str, index: int) -> tuple[float, int, int]:
+    def step(arm: str, index: int) -> tuple[float, float, int, int, float]:
         x, y = _batch(rank, index)
-        started = time.perf_counter()
+        group, collective = groups[arm], 0.0
+        started, cpu = time.perf_counter(), time.thread_time()
         optimizer.zero_grad()
         preds = model(x).squeeze(-1)
         before = group._get_sequence_number_for_group()
         if arm == "no metrics":
             loss = torch.nn.functional.mse_loss(preds, y)
         else:
-            values = own_forward(preds, y) if arm == "per-member fused" else metrics(preds, y)
+            values = own_forward(preds, y) if arm == "per-member fused" else metrics[arm](preds, y)
+            if arm == "floor":
+                issued = time.perf_counter()
+                floor[0]()
+                collective = time.perf_counter() - issued
             loss = values["MeanSquaredError"] + values["MeanAbsoluteError"] + (1 - values["R2Score"])
             loss = loss + (1 - values["ExplainedVariance"]) + (1 - values["PearsonCorrCoef"])
         middle = group._get_sequence_number_for_group()
         loss.backward()
         after = group._get_sequence_number_for_group()
         optimizer.step()
-        return time.perf_counter() - started, middle - before, after - middle
+        return time.perf_counter() - started, time.thread_time() - cpu, middle - before, after - middle, collective
 
-    def run(arm: str, first: int, count: int) -> list[tuple[float, int, int]]:
-        sync = "torchmetrics" if arm in ("no metrics", "torchmetrics") else "fused"
-        with tg.patched(sync=sync, mode=mode):
+    def run(arm: str, first: int, count: int) -> list[tuple[float, float, int, int, float]]:
+        sync = "torchmetrics" if arm in ("no metrics", "floor", "torchmetrics") else "fused"
+        with tg.patched(sync=sync, mode=mode, check=arm == "one exchange, check"):
             return [step(arm, first + k) for k in range(count)]
 
-    counts = {arm: run(arm, 0, 2)[-1][1:] for arm in ARMS}  # warm-up; a steady step's collectives
-    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    nbytes = 0
+    for arm in WARM_UP:
+        if arm == "floor":
+            nbytes = _floor.exchange_bytes(default)
+            floor.append(_floor.collective(nbytes, default))
+        run(arm, 0, 2)
+    counts: dict[str, set[tuple[int, int]]] = {arm: set() for arm in ARMS}
+    keys = ("step", "cpu", "collective")
+    medians: dict[str, dict[str, list[float]]] = {arm: {key: [] for key in keys} for arm in ARMS}
+    bare: list[float] = []
     for round_ in range(rounds):
         for arm in ARMS[round_ % len(ARMS) :] + ARMS[: round_ % len(ARMS)]:
+            if arm != "no metrics":
+                metrics[arm].reset()
             dist.barrier()
-            times[arm].append(statistics.median(t for t, _, _ in run(arm, 2 + round_ * steps, steps)))
-    return {"counts": counts, "times": times}
+            done = run(arm, 2 + round_ * steps, steps)
+            counts[arm].update((forward, backward) for _, _, forward, backward, _ in done)
+            for key, column in zip(keys, (0, 1, 4), strict=True):
+                medians[arm][key].append(statistics.median(row[column] for row in done))
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(4 * steps):
+            floor[0]()
+        bare.append((time.perf_counter() - started) / (4 * steps))
+    return {
+        "counts": {arm: sorted(found) for arm, found in counts.items()},
+        "medians": medians,
+        "bare": bare,
+        "floor_bytes": nbytes,
+        "floor_bytes_at_end": _floor.exchange_bytes(default),
+    }
 
 
 def measure(world_size: int, mode: str, rounds: int, steps: int) -> dict[str, Any]:
-    """One world and mode: rank 0's counts, and per arm and round the slowest rank's median step time."""
+    """One world and mode: per arm the collectives seen on any rank and, per round, the slowest rank's medians."""
     ranks = _ranks.spawn_ranks(_train, world_size, (mode, rounds, steps))
-    times = {arm: [max(r["times"][arm][i] for r in ranks) for i in range(rounds)] for arm in ARMS}
-    return {"counts": ranks[0]["counts"], "times": times}
+
+    def slowest(values: list[list[float]]) -> list[float]:
+        return [max(per_rank[i] for per_rank in values) for i in range(rounds)]
+
+    floor_cpu = [r["medians"]["floor"]["cpu"] for r in ranks]
+    return {
+        "counts": {arm: sorted({tuple(c) for r in ranks for c in r["counts"][arm]}) for arm in ARMS},
+        "times": {arm: slowest([r["medians"][arm]["step"] for r in ranks]) for arm in ARMS},
+        "cpu": {arm: slowest([r["medians"][arm]["cpu"] for r in ranks]) for arm in ARMS},
+        "cpu_over_floor": {
+            arm: slowest(
+                [
+                    [c - f for c, f in zip(r["medians"][arm]["cpu"], own, strict=True)]
+                    for r, own in zip(ranks, floor_cpu, strict=True)
+                ]
+            )
+            for arm in ARMS
+        },
+        "floor_collective": slowest([r["medians"]["floor"]["collective"] for r in ranks]),
+        "bare_collective": slowest([r["bare"] for r in ranks]),
+        "floor_bytes": sorted({r["floor_bytes"] for r in ranks} | {r["floor_bytes_at_end"] for r in ranks}),
+    }
+
+
+def _counts_text(counts: list[tuple[int, int]]) -> str:
+    def span(values: set[int]) -> str:
+        return f"{min(values)}" if len(values) == 1 else f"{min(values)}-{max(values)}"
+
+    return f"{span({f for f, _ in counts})} + {span({b for _, b in counts})}"
+
+
+def _ratio_text(values: list[float]) -> str:
+    found = spread(values)
+    return f"{found['median']:.2f} [{found['ci95_lo']:.2f}, {found['ci95_hi']:.2f}]"
 
 
 def as_text(result: dict[str, Any]) -> str:
     lines = [
         f"{result['command']}  (torch {result['torch']}, torchmetrics {result['torchmetrics']}, {result['rounds']} "
         f"rounds of {result['steps']} steps, load {result['load_at_start']} -> {result['load_at_end']})",
-        "collectives per step on the default group: forward + backward; step: median, slowest rank; metrics: step "
-        "less the 'no metrics' step; ratio: median of the per-round metrics-time ratios to torchmetrics' [95% CI]",
-        f"{'ranks':>5} {'mode':6} {'arm':18} {'collectives':>11} {'step ms':>8} {'metrics ms':>10} {'share':>6} "
-        f"{'metrics / torchmetrics':>24}",
+        "collectives: per step on the arm's metrics' group, forward + backward. step: median, slowest rank.",
+        "CPU: thread CPU per step (time.thread_time(): a collective blocks the thread without using it), largest rank.",
+        "CPU-floor: per round and rank, the arm's CPU less the floor's, largest rank (fused arms: the package's CPU).",
+        "ratios: median of the per-round ratios [95% CI]: step / floor's; metrics' time (step less 'no metrics') / "
+        "torchmetrics'.",
+        f"{'ranks':>5} {'mode':6} {'arm':19} {'collectives':>11} {'step ms':>8} {'CPU ms':>7} {'CPU-floor ms':>12} "
+        f"{'step / floor':>19} {'metrics / tm':>19}",
     ]
+    notes = []
     for key, row in result["runs"].items():
         world_size, mode = key.split("/")
-        base = row["times"]["no metrics"]
+        base, floor = row["times"]["no metrics"], row["times"]["floor"]
         reference = [t - b for t, b in zip(row["times"]["torchmetrics"], base, strict=True)]
         for arm in ARMS:
-            forward, backward = row["counts"][arm]
             times = row["times"][arm]
-            spent = [t - b for t, b in zip(times, base, strict=True)]
-            step_ms, metrics_ms = 1e3 * statistics.median(times), 1e3 * statistics.median(spent)
-            if arm == "no metrics":
-                ratio_text, share = "", ""
+            over_floor = _ratio_text([t / f for t, f in zip(times, floor, strict=True)])
+            if arm in ("no metrics", "floor"):
+                versus_tm = ""
             else:
-                ratio = spread([s / r for s, r in zip(spent, reference, strict=True)])
-                ratio_text = f"{ratio['median']:.2f} [{ratio['ci95_lo']:.2f}, {ratio['ci95_hi']:.2f}]"
-                share = f"{100 * metrics_ms / step_ms:.0f}%"
-            lines.append(
-                f"{world_size:>5} {mode:6} {arm:18} {f'{forward} + {backward}':>11} {step_ms:>8.1f} "
-                f"{metrics_ms if arm != 'no metrics' else 0.0:>10.1f} {share:>6} {ratio_text:>24}"
+                spent = [t - b for t, b in zip(times, base, strict=True)]
+                versus_tm = _ratio_text([s / r for s, r in zip(spent, reference, strict=True)])
+            cpu_over = (
+                "" if arm in ("no metrics", "floor") else f"{1e3 * statistics.median(row['cpu_over_floor'][arm]):.2f}"
             )
-    return "\n".join(lines) + "\n"
+            lines.append(
+                f"{world_size:>5} {mode:6} {arm:19} {_counts_text(row['counts'][arm]):>11} "
+                f"{1e3 * statistics.median(times):>8.2f} {1e3 * statistics.median(row['cpu'][arm]):>7.2f} "
+                f"{cpu_over:>12} {over_floor:>19} {versus_tm:>19}"
+            )
+        nbytes = " then ".join(str(n) for n in row["floor_bytes"])
+        notes.append(
+            f"{world_size} ranks, {mode}: the floor's collective, {nbytes} bytes per rank: "
+            f"{1e3 * statistics.median(row['floor_collective']):.3f} ms inside the step, "
+            f"{1e3 * statistics.median(row['bare_collective']):.3f} ms alone in a tight loop (bare collective)"
+        )
+        if len(row["floor_bytes"]) > 1:
+            notes.append("  the inline capacity changed during the run: the floor's bytes are the first figure")
+    return "\n".join(lines + notes) + "\n"
 
 
 def plot(result: dict[str, Any], plt: Any) -> Any:
-    """The metrics' time per step against the world size, one line per arm, one panel per gradient mode."""
+    """The step / floor ratio against the world size, one line per arm, one panel per gradient mode."""
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
     modes = sorted({key.split("/")[1] for key in result["runs"]}, key=["local", "global"].index)
     worlds = sorted({int(key.split("/")[0]) for key in result["runs"]})
-    figure, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 3.6), squeeze=False)
+    figure, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes) + 2, 3.6), squeeze=False)
+    arms = [arm for arm in ARMS if arm != "floor"]
     for axis, mode in zip(axes[0], modes, strict=True):
-        for arm, style in zip(ARMS[1:], ("o-", "s--", "^-"), strict=True):
-            spent = []
+        plotted: list[float] = []
+        for arm, style in zip(arms, ("x:", "o-", "s--", "^-", "v-."), strict=True):
+            ratios = []
             for world_size in worlds:
                 row = result["runs"][f"{world_size}/{mode}"]["times"]
-                spent.append(1e3 * statistics.median(t - b for t, b in zip(row[arm], row["no metrics"], strict=True)))
-            axis.plot(worlds, spent, style, label=arm)
-        axis.set(xlabel="ranks", ylabel="metrics' ms per step (median)", title=f"{mode} mode")
+                ratios.append(statistics.median(t / f for t, f in zip(row[arm], row["floor"], strict=True)))
+            axis.plot(worlds, ratios, style, label=arm)
+            plotted += ratios
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.axhline(1.3, color="grey", linestyle="--", linewidth=0.8, label="1.3x the floor")
+        axis.set(xlabel="ranks", ylabel="step time / floor (median)", title=f"{mode} mode", yscale="log")
         axis.set_xticks(worlds)
-        axis.set_ylim(bottom=0)
+        low, high = min(0.9, *plotted), max(1.4, *plotted)
+        axis.set_yticks([tick for tick in TICKS if low <= tick <= high])
+        axis.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        axis.yaxis.set_minor_formatter(NullFormatter())
         axis.grid(alpha=0.3)
-    axes[0][-1].legend()
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     figure.suptitle(f"MetricCollection loss in a DDP step, gloo (torch {result['torch']})", fontsize=10)
     return figure
 

@@ -1,18 +1,27 @@
-"""Fused sync against torchmetrics' own sync: collectives and wall time per Metric sync, side by side in one run.
+"""Fused sync against torchmetrics' own sync and against its floor: collectives and wall time per Metric sync.
 
     python benchmarks/bench_sync.py [--world-sizes 2 4] [--rounds 15]
     python benchmarks/bench_sync.py --quick     # a smoke test of the script (seconds; the figures mean nothing)
 
-Each spawned rank (gloo on loopback, one intra-op thread) builds every case's Metric, updates it once with an
-uneven batch, and then, for ``--rounds`` rounds, times one block of syncs per method, the order of the two methods
-alternating from round to round. A sync is ``Metric._sync_dist`` as torchmetrics ships it, with torchmetrics'
-gather (``torchmetrics``), or :func:`torchmetrics_gradpatch.fused.fused_sync` in local mode (``fused``); the
-states are put back after each sync, so every sync starts from the same local states. Ranks meet at a barrier
-before each block, and a block's time is the slowest rank's. Reported per case: collectives per sync (the
-process group's sequence number), the median time per sync of each method, and the median of the per-round
-ratios fused / torchmetrics with a distribution-free 95% confidence interval. The fused sync's packing buffer
-(its one copy of the local states' bytes, plus the description and alignment) is reported against the bytes of
-the local states.
+Each spawned rank (gloo on loopback, one intra-op thread) builds every case's Metric on a process group of the
+case's own (so one case's exchanges leave the next case's inline capacity alone), updates it once with an uneven
+batch, and then, for ``--rounds`` rounds, times one block of syncs per method, the order of the three methods
+rotating from round to round:
+
+* ``torchmetrics``: ``Metric._sync_dist`` as torchmetrics ships it, with torchmetrics' gather;
+* ``fused``: :func:`torchmetrics_gradpatch.fused.fused_sync` in local mode;
+* ``floor``: per Metric, one ``all_gather_single`` (``all_gather_into_tensor`` on a torch without it) on the case's
+  group of the bytes a steady fused exchange moves in its collective 1: ``80 + wire.capacity(group).data`` bytes
+  per rank, the capacity read after the warm-up fused syncs of the case (and checked again at the end). Where the
+  fused sync issues more collectives than that one (a large ``cat`` state's, a reduced state's), the floor leaves
+  them out, and its ratio is marked ``*``.
+
+The states are put back after each sync, so every sync starts from the same local states. Ranks meet at a barrier
+before each block, and a block's time is the slowest rank's. Reported per case: collectives per sync (the group's
+sequence number), the median time per sync of each method, and the medians of the per-round ratios fused /
+torchmetrics and fused / floor with a distribution-free 95% confidence interval; then the floor's bytes per rank
+and the fused sync's packing buffer (its one copy of the local states' bytes, plus the description and alignment)
+against the bytes of the local states. A 'sync' of the collection case is every member's, one after another.
 """
 
 from __future__ import annotations
@@ -23,17 +32,18 @@ import sys
 import time
 from typing import Any
 
+import _floor
 import _ranks
 from _stats import spread
 
 #: syncs per timed block, per case (more for the fast ones, so that a scheduler hiccup does not decide a block)
 CASES = {"MeanSquaredError": 40, "MulticlassAccuracy macro (4 [C] states)": 30, "10-member MetricCollection": 4,
          "1M-element cat state": 4}  # fmt: skip
-METHODS = ("torchmetrics", "fused")
+METHODS = ("torchmetrics", "fused", "floor")
 
 
-def _metrics(case: str, rank: int) -> list[Any]:
-    """The case's Metric(s), updated once with rank ``rank``'s (uneven) batch."""
+def _metrics(case: str, rank: int, group: Any) -> list[Any]:
+    """The case's Metric(s) on process group ``group``, updated once with rank ``rank``'s (uneven) batch."""
     import torch
     from torchmetrics import CatMetric, MaxMetric, MeanMetric, MinMetric, SumMetric
     from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
@@ -43,16 +53,19 @@ def _metrics(case: str, rank: int) -> list[Any]:
     n = 64 + 16 * rank
     preds, target = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
     probs, labels = torch.randn(n, 10, generator=generator).softmax(-1), torch.randint(0, 10, (n,), generator=generator)
+    on = {"process_group": group}
     if case == "MeanSquaredError":
-        metrics = [MeanSquaredError()]
+        metrics = [MeanSquaredError(**on)]
     elif case.startswith("MulticlassAccuracy"):
-        metrics = [MulticlassAccuracy(num_classes=10, average="macro")]
+        metrics = [MulticlassAccuracy(num_classes=10, average="macro", **on)]
     elif case.startswith("10-member"):
-        metrics = [MeanSquaredError(), MeanAbsoluteError(), PearsonCorrCoef(), MeanMetric(), SumMetric(),
-                   MaxMetric(), MinMetric(), MulticlassAccuracy(num_classes=10, average="macro"),
-                   MulticlassPrecision(num_classes=10, average="macro"), MulticlassF1Score(num_classes=10)]  # fmt: skip
+        metrics = [MeanSquaredError(**on), MeanAbsoluteError(**on), PearsonCorrCoef(**on), MeanMetric(**on),
+                   SumMetric(**on), MaxMetric(**on), MinMetric(**on),
+                   MulticlassAccuracy(num_classes=10, average="macro", **on),
+                   MulticlassPrecision(num_classes=10, average="macro", **on),
+                   MulticlassF1Score(num_classes=10, **on)]  # fmt: skip
     else:
-        metric = CatMetric()
+        metric = CatMetric(**on)
         metric.update(torch.randn(1_000_000 + 1000 * rank, generator=generator))
         return [metric]
     for metric in metrics:
@@ -77,10 +90,14 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     original = Metric.__dict__["_sync_dist"]
-    group = dist.distributed_c10d._get_default_group()
-    rank = dist.get_rank()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    floor: list[Any] = []  # the case's floor collective, made once its capacity has settled
 
     def sync(method: str, metrics: list[Any]) -> None:
+        if method == "floor":
+            for _ in metrics:
+                floor[0]()
+            return
         for metric in metrics:
             saved = {attr: getattr(metric, attr) for attr in metric._reductions}
             if method == "fused":
@@ -97,9 +114,13 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for case, syncs in cases.items():
-        metrics = _metrics(case, rank)
-        collectives = {}
+        group = dist.new_group(list(range(world_size)))
+        metrics = _metrics(case, rank, group)
+        collectives, floor_bytes = {}, 0
         for method in METHODS:
+            if method == "floor":  # after the fused sync's warm-up: the capacity its steady exchanges use
+                floor_bytes = _floor.exchange_bytes(group)
+                floor[:] = [_floor.collective(floor_bytes, group)]
             sync(method, metrics)  # warm-up, and the count
             before = group._get_sequence_number_for_group()
             sync(method, metrics)
@@ -119,9 +140,9 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
             described = [_fused_pack.State(0, tuple(_fused_pack.piece_of(t) for t in p)) for p in pieces]
             packed += _fused_pack.layout(described, 8 * len(_fused_pack.encode(described)))[1]
         times: dict[str, list[float]] = {m: [] for m in METHODS}
-        ratios = []
+        ratios: dict[str, list[float]] = {"torchmetrics": [], "floor": []}
         for round_ in range(rounds):
-            order = METHODS if round_ % 2 == 0 else METHODS[::-1]
+            order = METHODS[round_ % len(METHODS) :] + METHODS[: round_ % len(METHODS)]
             block = {}
             for method in order:
                 dist.barrier()
@@ -130,12 +151,16 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
                     sync(method, metrics)
                 block[method] = slowest((time.perf_counter() - started) / syncs)
                 times[method].append(block[method])
-            ratios.append(block["fused"] / block["torchmetrics"])
+            for reference, found in ratios.items():
+                found.append(block["fused"] / block[reference])
         out[case] = {
             "collectives_per_metric_sync": collectives,
             "metrics_per_sync": len(metrics),
             "seconds_per_sync": {m: spread(v) for m, v in times.items()},
-            "ratio_fused_over_torchmetrics": spread(ratios),
+            "ratio_fused_over_torchmetrics": spread(ratios["torchmetrics"]),
+            "ratio_fused_over_floor": spread(ratios["floor"]),
+            "floor_bytes_per_rank": floor_bytes,
+            "floor_bytes_at_end": _floor.exchange_bytes(group),
             "local_state_bytes": state_bytes,
             "packing_buffer_bytes": packed,
         }
@@ -170,23 +195,44 @@ def as_text(result: dict[str, Any]) -> str:
         f"{result['command']}  (torch {result['torch']}, torchmetrics "
         f"{result['torchmetrics']}, {result['package']}, load {result['load_at_start']} -> {result['load_at_end']}, "
         f"{result['rounds']} rounds)",
-        "A 'sync' is one Metric's (the collection: every member's, one after another).",
+        "A 'sync' is one Metric's (the collection: every member's, one after another); the floor: one collective of "
+        "the fused exchange's collective-1 bytes per Metric.",
+        "ms: median per sync, slowest rank; ratios: median of the per-round ratios [95% CI].",
     ]
+
+    def ratio(found: dict[str, float]) -> str:
+        return f"{found['median']:.2f} [{found['ci95_lo']:.2f}, {found['ci95_hi']:.2f}]"
+
+    notes = 0
     for world_size, cases in result["worlds"].items():
         lines.append(f"\n{world_size} gloo ranks")
-        header = f"{'case':42} {'collectives tm/fused':>21} {'ms tm':>8} {'ms fused':>9}"
-        lines.append(header + f" {'fused/tm [95% CI]':>24} {'pack/state bytes':>17}")
+        lines.append(
+            f"{'case':39} {'collectives tm/fused/floor':>26} {'ms tm':>7} {'ms fused':>8} {'ms floor':>8} "
+            f"{'fused / tm':>18} {'fused / floor':>20}"
+        )
         for case, row in cases.items():
-            c = row["collectives_per_metric_sync"]
-            k = row["metrics_per_sync"]
-            t = row["seconds_per_sync"]
-            r = row["ratio_fused_over_torchmetrics"]
+            c, k, t = row["collectives_per_metric_sync"], row["metrics_per_sync"], row["seconds_per_sync"]
+            counts = " / ".join(f"{c[m] * k:.0f}" for m in METHODS)
+            beyond = c["fused"] > c["floor"]  # collectives the floor leaves out
+            marked = ratio(row["ratio_fused_over_floor"]) + (" *" if beyond else "  ")
             lines.append(
-                f"{case:42} {c['torchmetrics'] * k:>10.0f} / {c['fused'] * k:<8.0f} "
-                f"{1e3 * t['torchmetrics']['median']:>8.3f} {1e3 * t['fused']['median']:>9.3f} "
-                f"{r['median']:>8.3f} [{r['ci95_lo']:.3f}, {r['ci95_hi']:.3f}]      "
-                f"{row['packing_buffer_bytes'] / max(1, row['local_state_bytes']):>8.3f}"
+                f"{case:39} {counts:>26} {1e3 * t['torchmetrics']['median']:>7.3f} {1e3 * t['fused']['median']:>8.3f} "
+                f"{1e3 * t['floor']['median']:>8.3f} {ratio(row['ratio_fused_over_torchmetrics']):>18} {marked:>20}"
             )
+            notes += beyond
+        lines.append(f"{'case':39} {'floor bytes per rank':>26} {'pack/state bytes':>17}")
+        for case, row in cases.items():
+            nbytes = f"{row['floor_bytes_per_rank']}"
+            if row["floor_bytes_at_end"] != row["floor_bytes_per_rank"]:
+                nbytes += f" (at the end: {row['floor_bytes_at_end']})"
+            lines.append(
+                f"{case:39} {nbytes:>26} {row['packing_buffer_bytes'] / max(1, row['local_state_bytes']):>17.3f}"
+            )
+    if notes:
+        lines.append(
+            "* the fused sync issues collectives the floor leaves out (a large cat state's, a reduced state's): "
+            "fused / floor is not against its whole exchange"
+        )
     return "\n".join(lines) + "\n"
 
 

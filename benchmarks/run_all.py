@@ -7,9 +7,9 @@ Each benchmark is also one command of its own (docs/performance.md names them):
 
     python benchmarks/bench_percall.py      # what the patch adds to one gather call
     python benchmarks/bench_gather.py       # whole gathers patched / unpatched, native >= 1.6, toggle, import, memory
-    python benchmarks/bench_sync.py         # the fused sync against torchmetrics' own sync
-    python benchmarks/bench_collection.py   # the sync inside MetricCollection.compute(): fused and torchmetrics'
-    python benchmarks/bench_step.py         # a DDP training step with a MetricCollection loss: the three syncs
+    python benchmarks/bench_sync.py         # the fused sync against torchmetrics' own sync and its floor
+    python benchmarks/bench_collection.py   # the sync inside MetricCollection.compute(): fused, torchmetrics', floor
+    python benchmarks/bench_step.py         # a DDP step with a MetricCollection loss: the syncs against the floor
     python benchmarks/bench_memory.py       # the peak memory of one sync against the gathered states' size
     python benchmarks/bench_global.py       # global mode against local mode and torch's differentiable all_gather
     python benchmarks/bench_compile.py      # what torch.compile support costs the eager path
