@@ -12,7 +12,9 @@ Cost while everything is recognised: one look at the live objects per call (:fun
 
 from __future__ import annotations
 
+import sys
 import warnings
+from typing import Any
 
 from torchmetrics_gradpatch.fused import recognise
 
@@ -53,15 +55,40 @@ def _qualified(key: str) -> str:
     return f"{target.module}.{key}"
 
 
+#: where each key's function lives (its class's or module's namespace, by key order), once torchmetrics is imported
+_places: list[tuple[Any, str]] = []
+#: the live objects and code of the last look, and what was not recognised then
+_last: list[Any] = [None, ()]
+
+
+def _unrecognised() -> tuple[str, ...]:
+    """:func:`recognise.unrecognised` of every key, looked up again only when a live object or its code changed
+    since the last call (a few dict reads: a sync asks at every call)."""
+    if not _places:
+        for key in recognise.KEYS:
+            target = recognise.TARGETS[key]
+            module = sys.modules.get(target.module)
+            holder = getattr(module, target.owner, None) if target.owner else module
+            if holder is None:
+                return tuple(recognise.unrecognised())  # not imported yet: nothing to keep
+            _places.append((vars(holder), target.name))
+    live = tuple(namespace.get(name) for namespace, name in _places)
+    codes = tuple(getattr(obj, "__code__", None) for obj in live)
+    last = _last[0]
+    if last is None or not all(a is b for a, b in zip((*live, *codes), last, strict=True)):
+        _last[:] = [(*live, *codes), tuple(recognise.unrecognised())]
+    return _last[1]  # type: ignore[no-any-return]
+
+
 def aside() -> dict[str, tuple[str, ...]]:
     """Each function not recognised now (its qualified name), with the parts that step aside for it."""
-    missing = recognise.unrecognised()
+    missing = _unrecognised()
     return {_qualified(key): tuple(part for part, keys in PARTS.items() if key in keys) for key in missing}
 
 
 def stepping_aside(part: str) -> bool:
     """Whether ``part`` steps aside now (one of its functions is not recognised); warns once per function seen."""
-    missing = [key for key in recognise.unrecognised() if key in PARTS[part]]
+    missing = [key for key in _unrecognised() if key in PARTS[part]]
     for key in missing:
         live = recognise.snapshot((key,))[0]
         if _warned.get(key, _warned) is not live:

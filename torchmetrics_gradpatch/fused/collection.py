@@ -225,6 +225,7 @@ def _prepare(
     seen: dict[tuple[Any, ...], int] = {}
     table = [len(members)]
     placement: list[int] = []  # every member's slot references: what a proposal to reduce must agree on too
+    shared: list[int] = []  # every member's fingerprint and form: what every rank must share
     for (key, metric), code in zip(members, codes, strict=True):
         refs: list[int] = []
         mine: list[fs.Local] = []
@@ -248,10 +249,12 @@ def _prepare(
                 refs.append(index)
         needs = getattr(metric, "_computed", None) is None  # a cached result is returned without a sync
         own = forms.kind(code) == forms.OWN_PATH
-        table += [_fingerprint(key, metric), code, int(needs), forms.detail(metric) if own else 0, len(refs), *refs]
+        fingerprint = _fingerprint(key, metric)
+        table += [fingerprint, code, int(needs), forms.detail(metric) if own else 0, len(refs), *refs]
         placement += [len(refs), *refs]
+        shared += [fingerprint, code]
         states.append(mine)
-    agreed = zlib.crc32(array.array("q", [word for row in _rows(table) for word in (row.fingerprint, row.form)]))
+    agreed = zlib.crc32(array.array("q", shared))
     return slots, states, fs.outgoing(slots, table, placement), agreed
 
 
@@ -360,10 +363,15 @@ def sync_members(
             metric = members[i][1]
             refs = [tables[r][i].refs for r in range(world_size)]
             shared = [ref in given for ref in refs[rank]]
-            per_rank = [
-                [_own_copy(synced[r][ref], r != rank and keep[r][ref] and shared[s]) for s, ref in enumerate(refs[r])]
-                for r in range(world_size)
-            ]
+            per_rank = [[synced[r][ref] for ref in refs[r]] for r in range(world_size)]
+            if any(shared):
+                per_rank = [
+                    [
+                        _own_copy(pieces, r != rank and keep[r][ref] and shared[s])
+                        for s, (ref, pieces) in enumerate(zip(refs[r], row, strict=True))
+                    ]
+                    for r, row in enumerate(per_rank)
+                ]
             values = [
                 None if value is None else value.clone() if ref in given else value
                 for ref, value in ((ref, (got.reduced or {}).get(ref)) for ref in refs[rank])

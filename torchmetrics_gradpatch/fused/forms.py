@@ -23,6 +23,7 @@ torchmetrics at import time.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -92,7 +93,9 @@ OWN_METHODS = (
     "_wrap_compute",
     "_wrap_update",
     "__call__",
+    "__setattr__",  # the fused step sets a member's plain attributes as Module.__setattr__ stores them
 )
+_OWN = operator.attrgetter(*OWN_METHODS)
 _INSTANCE = ("forward", "_forward_full_state_update", "_sync_dist", "sync", "unsync", "sync_context", "reset")
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _GLOBAL_HOOKS = (
@@ -142,9 +145,9 @@ def _proven_class(metric: Any) -> int:
         return HOLDS_METRICS  # wrappers, CompositionalMetric: the Metrics inside sync themselves, in their order
     if cls._sync_dist is not Metric.__dict__["_sync_dist"]:
         return OWN_SYNC_DIST  # it may post-process (MeanAveragePrecision does)
-    if any(getattr(cls, name) is not getattr(Metric, name) for name in OWN_METHODS):
+    if _OWN(cls) != _OWN(Metric):  # functions compare by identity
         return OVERRIDES
-    if any(name in metric.__dict__ for name in _INSTANCE):
+    if any(map(metric.__dict__.__contains__, _INSTANCE)):
         return OVERRIDES
     return JOINS
 

@@ -82,15 +82,18 @@ class _Pending:
 
     @classmethod
     def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any], copies: bool) -> _Pending:
-        """torchmetrics' lines up to ``batch_val = self.compute()``."""
+        """torchmetrics' lines up to ``batch_val = self.compute()`` (attributes set through
+        :func:`~torchmetrics_gradpatch.fused.sync.put`)."""
+        from torchmetrics_gradpatch.fused.sync import put
+
         metric.update(*args, **kwargs)  # global accumulation
         update_count = metric._update_count
-        metric._to_sync = metric.dist_sync_on_step
-        metric._should_unsync = False  # the states are restored below, not by compute()'s unsync
+        put(metric, "_to_sync", metric.dist_sync_on_step)
+        put(metric, "_should_unsync", False)  # the states are restored below, not by compute()'s unsync
         compute_on_cpu = metric.compute_on_cpu
-        metric.compute_on_cpu = False
+        put(metric, "compute_on_cpu", False)
         cache = metric._copy_state_dict() if copies else {attr: getattr(metric, attr) for attr in metric._defaults}
-        metric._enable_grad = True  # allow grads for batch computation
+        put(metric, "_enable_grad", True)  # allow grads for batch computation
         metric.reset()
         metric.update(*args, **kwargs)
         return cls(metric, update_count, compute_on_cpu, cache)
@@ -103,30 +106,38 @@ class _Pending:
         them (``_is_synced``), and its ``compute()`` runs without a sync of its own. What that skips is the copy
         of the batch states ``sync()`` keeps for ``unsync()``, which ``forward`` never calls (it restores the
         accumulated states itself); else the member syncs in its ``compute()``."""
+        from torchmetrics_gradpatch.fused.sync import put
+
         if self.finished:
             return self.result
         metric = self.metric
         if self.reduce is not None:
             self.reduce()
-            metric._is_synced, metric._to_sync = True, False
+            put(metric, "_is_synced", True)
+            put(metric, "_to_sync", False)
         batch_val = metric.compute()
         self.restore()
-        metric._forward_cache = batch_val
+        put(metric, "_forward_cache", batch_val)
         self.finished, self.result = True, batch_val
         return batch_val
 
     def restore(self) -> None:
         """torchmetrics' "restore context" lines: the accumulated states, ``_update_count`` and the flags."""
+        from torchmetrics_gradpatch.fused.sync import put
+
         metric = self.metric
         for attr, val in self.cache.items():
-            setattr(metric, attr, val)
-        metric._update_count = self.update_count
-        metric._is_synced = False
-        metric._should_unsync = True
-        metric._to_sync = metric.sync_on_compute
-        metric._computed = None
-        metric._enable_grad = False
-        metric.compute_on_cpu = self.compute_on_cpu
+            put(metric, attr, val)
+        for name, value in (
+            ("_update_count", self.update_count),
+            ("_is_synced", False),
+            ("_should_unsync", True),
+            ("_to_sync", metric.sync_on_compute),
+            ("_computed", None),
+            ("_enable_grad", False),
+            ("compute_on_cpu", self.compute_on_cpu),
+        ):
+            put(metric, name, value)
         if metric.compute_on_cpu:
             metric._move_list_states_to_cpu()
 
@@ -213,7 +224,7 @@ class _Step:
         try:
             for queue in queues.values():
                 metric = queue[0].metric
-                metric.forward = functools.partial(_next, queue)  # what Module.__call__ runs for it now
+                metric.__dict__["forward"] = functools.partial(_next, queue)  # what Module.__call__ runs for it now
                 stood_in.append(queue[0])
                 for each in queue:
                     if isinstance(each, _Done):  # its hooks ran with its own forward
@@ -224,7 +235,7 @@ class _Step:
             return original(collection, *self.args, **self.kwargs)
         finally:
             for each in stood_in:
-                del each.metric.forward
+                del each.metric.__dict__["forward"]
             for each in self.steps.values():
                 if isinstance(each, _Done):
                     for name, hooks in each.hooks.items():

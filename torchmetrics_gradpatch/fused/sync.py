@@ -93,12 +93,28 @@ __all__ = [
     "payloads",
     "placeholder_rule",
     "prepare_state",
+    "put",
     "raise_failures",
     "reduce",
     "reduction_name",
     "structure_error",
     "validate",
 ]
+
+
+_PLAIN_TYPES = frozenset((torch.Tensor, bool, int, float, str, type(None), list, dict, tuple))
+
+
+def put(module: Any, name: str, value: Any) -> None:
+    """``setattr(module, name, value)`` for what torchmetrics keeps on a Metric as a plain attribute (a state, a
+    flag, a count) that it holds already: stored as ``Module.__setattr__`` stores it, without its checks (a step
+    sets hundreds). A name the instance does not hold yet, or a parameter, buffer or module, goes through
+    ``setattr``."""
+    attributes = module.__dict__
+    if name in attributes and type(value) in _PLAIN_TYPES:
+        attributes[name] = value
+    else:
+        setattr(module, name, value)
 
 
 def structure_error(metric: str, attr: str | None, rule: str, seen: dict[int, str]) -> FusedSyncError:
@@ -372,17 +388,17 @@ def payloads(
     described = first.words if first is not None else [None] * world_size
     tables: list[Sequence[int]] = []
     every: list[Sequence[fp.State]] = []
-    layouts: list[list[list[int]]] = []
+    plans: list[fp.Plan] = []
     described_words: list[tuple[int, ...]] = []
     for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
         known = described[r]
         theirs = words if r == rank else known if known is not None else fp.words_of(buffer, row[1])
         described_words.append(tuple(theirs))
-        table, states, offsets_read = fp.read(described_words[-1], tuple(skip))
+        table, states, _, plan = fp.read(described_words[-1], tuple(skip))
         tables.append(table)
         every.append(states)
-        layouts.append(offsets if r == rank else offsets_read)
-    gathered = [fp.unpack(buffer, descs, lay, skip) for buffer, descs, lay in zip(buffers, every, layouts, strict=True)]
+        plans.append(plan)
+    gathered = [fp.unpack_planned(buffer, plan) for buffer, plan in zip(buffers, plans, strict=True)]
     return Exchanged(tables, every, gathered, skip, tuple(described_words))
 
 
@@ -555,7 +571,7 @@ def reduce(
     """
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
-            setattr(metric, state.attr, reduced[s])
+            put(metric, state.attr, reduced[s])
             continue
         per_rank = [entries[r][s] for r in range(len(entries))]
         if state.described.kind == fp.KIND_TENSOR:
@@ -569,9 +585,9 @@ def reduce(
                 longest = max(len(pieces) for pieces in per_rank)
                 gathered = [pieces[i] for i in range(longest) for pieces in per_rank if i < len(pieces)]
             if not gathered:
-                setattr(metric, state.attr, [])
+                put(metric, state.attr, [])
                 continue
         reduction = state.reduction
         if not (callable(reduction) or reduction is None):
             raise TypeError("reduction_fn must be callable or None")
-        setattr(metric, state.attr, reduction(gathered) if reduction is not None else gathered)
+        put(metric, state.attr, reduction(gathered) if reduction is not None else gathered)

@@ -94,6 +94,7 @@ __all__ = [
     "read_layout",
     "sendable",
     "unpack",
+    "unpack_planned",
     "words_of",
 ]
 
@@ -203,13 +204,21 @@ def decode(words: Sequence[int]) -> tuple[list[int], list[State]]:
     return table, states
 
 
-def read(words: tuple[int, ...], skip: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[State, ...], list[list[int]]]:
-    """A rank's description read back: its table, its states and their payload offsets with ``skip`` left out.
+#: how to view one rank's pieces in its buffer: per state, ``None`` where it is left out (reduced), else per piece
+#: of a known dtype its dtype, shape, strides and offset in elements (``-1``: not in this buffer)
+Plan = tuple[tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...] | None, ...]
+
+
+def read(
+    words: tuple[int, ...], skip: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[State, ...], list[list[int]], Plan]:
+    """A rank's description read back: its table, its states, their payload offsets with ``skip`` left out, and how
+    to view them (:func:`unpack_planned`).
 
     A pure function of the words: a steady exchange, whose ranks describe what they described before, reads each
     description once (the result is shared; callers do not change it)."""
-    table, states, (offsets, _), _ = _read(words, skip)
-    return table, states, offsets
+    table, states, (offsets, _), _, plan = _read(words, skip)
+    return table, states, offsets, plan
 
 
 def read_layout(words: tuple[int, ...], skip: tuple[int, ...]) -> tuple[list[list[int]], int]:
@@ -226,11 +235,23 @@ def apart(words: tuple[int, ...]) -> tuple[bool, bool]:
 @functools.lru_cache(maxsize=128)
 def _read(
     words: tuple[int, ...], skip: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[State, ...], tuple[list[list[int]], int], tuple[bool, bool]]:
+) -> tuple[tuple[int, ...], tuple[State, ...], tuple[list[list[int]], int], tuple[bool, bool], Plan]:
     table, states = decode(words)
     pieces = [piece for state in states for piece in state.pieces]
     traits = (any(p.streamed for p in pieces), any(p.separate for p in pieces))
-    return tuple(table), tuple(states), layout(states, 8 * len(words), skip), traits
+    offsets, size = layout(states, 8 * len(words), skip)
+    left_out = set(skip)
+    plan = tuple(
+        None
+        if s in left_out
+        else tuple(
+            (p.dtype, p.shape, _strides(p.shape), o // _bytes.itemsize(p.dtype) if o >= 0 else -1)
+            for p, o in zip(state.pieces, state_offsets, strict=True)
+            if p.dtype is not None
+        )
+        for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True))
+    )
+    return tuple(table), tuple(states), (offsets, size), traits, plan
 
 
 def layout(
@@ -289,15 +310,16 @@ def pack(
     return torch.cat(parts)
 
 
-_ZEROS: dict[torch.device, torch.Tensor] = {}
+_ZEROS: dict[torch.device, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
 
 def _zeros(n: int, device: torch.device) -> torch.Tensor:
     """``n`` zero bytes on ``device`` (a view of one kept buffer; read only)."""
-    zeros = _ZEROS.get(device)
-    if zeros is None or zeros.numel() < n:
-        zeros = _ZEROS[device] = torch.zeros(max(n, 2 * _HEAD_BYTES + INLINE_MAX), dtype=torch.uint8, device=device)
-    return zeros[:n]
+    kept = _ZEROS.get(device)
+    if kept is None or kept[0].numel() < n:
+        zeros = torch.zeros(max(n, 2 * _HEAD_BYTES + INLINE_MAX), dtype=torch.uint8, device=device)
+        kept = _ZEROS[device] = (zeros, [zeros[:k] for k in range(ALIGN)])  # the pads between pieces, made once
+    return kept[1][n] if n < ALIGN else kept[0][:n]
 
 
 def unpack(
@@ -307,26 +329,39 @@ def unpack(
     into ``buffer``, no copy). A piece not in it (offset ``-1``) is an empty stand-in, for the other buffer to fill;
     a state in ``skip`` (reduced) has no pieces."""
     left_out = set(skip)
-    typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype once; each piece one view of it
+    plan = tuple(
+        None
+        if s in left_out
+        else tuple(
+            (p.dtype, p.shape, _strides(p.shape), o // _bytes.itemsize(p.dtype) if o >= 0 else -1)
+            for p, o in zip(state.pieces, state_offsets, strict=True)
+            if p.dtype is not None
+        )
+        for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True))
+    )
+    return unpack_planned(buffer, plan)
+
+
+def unpack_planned(buffer: torch.Tensor, plan: Plan) -> list[list[torch.Tensor]]:
+    """:func:`unpack` by a :data:`Plan` (:func:`read`): one view of the buffer per dtype, one strided view of that
+    per piece."""
+    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
     out: list[list[torch.Tensor]] = []
-    for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True)):
-        if s in left_out:
+    for pieces in plan:
+        if pieces is None:
             out.append([])
             continue
-        pieces = []
-        for piece, offset in zip(state.pieces, state_offsets, strict=True):
-            dtype = piece.dtype
-            if dtype is None:
+        views = []
+        for dtype, shape, strides, at in pieces:
+            if at < 0:
+                views.append(_ABSENT)
                 continue
-            if offset < 0:
-                pieces.append(_ABSENT)
-                continue
-            view = typed.get(dtype)
-            if view is None:
-                view = typed[dtype] = buffer.view(dtype)
-            size = _bytes.itemsize(dtype)
-            pieces.append(view.as_strided(piece.shape, _strides(piece.shape), view.storage_offset() + offset // size))
-        out.append(pieces)
+            found = typed.get(dtype)
+            if found is None:
+                view = buffer.view(dtype)
+                found = typed[dtype] = (view, int(view.storage_offset()))
+            views.append(found[0].as_strided(shape, strides, found[1] + at))
+        out.append(views)
     return out
 
 
