@@ -6,7 +6,10 @@ one collective per Metric when its layout is steady (two after a change) instead
 same values bit for bit, and one :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank where ranks hold
 states of different structure (where torchmetrics' own sync can hang). While it is the strategy in force,
 ``MetricCollection.compute()`` syncs every member in one exchange (:mod:`torchmetrics_gradpatch.fused.collection`),
-and so does a collection's ``forward`` for every member that syncs on step (:mod:`torchmetrics_gradpatch.fused.step`).
+and so does a collection's ``forward`` for every member that syncs on step (:mod:`torchmetrics_gradpatch.fused.step`),
+each taking over only the members in a proven form (:mod:`torchmetrics_gradpatch.fused.forms`). A part whose
+torchmetrics functions are not recognised steps aside (:mod:`torchmetrics_gradpatch.fused.aside`); in check mode each
+fused sync is compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.check`).
 
 Importing this package registers the strategy and imports neither torch nor torchmetrics; the modules that do
 (``sync``, ``wire``, ``grad``, ``collection``, ``step``) load on the first sync. Every rank of a group must use the same

@@ -11,11 +11,13 @@ with ``dist_sync_on_step=True`` takes) in two halves around one exchange:
 2. one exchange of every joining member's batch states (:func:`torchmetrics_gradpatch.fused.collection.sync_members`,
    the exchange ``compute()`` uses: the member table and every state, over the default group);
 3. torchmetrics' own collection ``forward``, with each joining member's ``forward`` standing in (an instance
-   attribute, for this one call) for the lines from ``compute()`` on: its own ``compute()`` runs, and its own
-   ``sync()`` sets the synced batch states through a ``_sync_dist`` that applies the exchange's result; then the
-   saved states, ``_update_count`` and flags are restored and ``_forward_cache`` set, as torchmetrics does.
+   attribute, for this one call) for the lines from ``compute()`` on: the exchange's synced batch states are set,
+   its own ``compute()`` runs without a sync of its own (so no copy of the batch states is kept for an ``unsync()``
+   that ``forward`` never calls), then the saved states, ``_update_count`` and flags are restored and
+   ``_forward_cache`` set, as torchmetrics does.
 
-A member that does not join runs its own ``forward`` (and its hooks) in step 1, at its place in the collection's
+A member that does not join and issues no collective (:mod:`torchmetrics_gradpatch.fused.forms`: it does not sync
+on step, or is not distributed) runs its own ``forward`` (and its hooks) in step 1, at its place in the collection's
 order, and step 3 collects its result. Every update therefore runs in torchmetrics' order, which keeps gradients
 bit for bit: backward sums the gradients an input gets from several members in the order their graphs were made.
 
@@ -26,21 +28,23 @@ are ``_copy_state_dict()`` from 1.4 on, the state objects themselves before), so
 each step, gradients (local and global mode, one backward node for the whole exchange) and the epoch-end
 ``compute()`` are torchmetrics' own, bit for bit. A member whose ``full_state_update`` is false takes this path
 too when it syncs on step (torchmetrics sends every ``dist_sync_on_step`` member through
-``_forward_full_state_update``); one that does not sync on step runs its own ``forward``, either path, unchanged.
+``_forward_full_state_update``).
 
-A member opts out, and runs its own ``forward`` as today (where it syncs through torchmetrics' gather, the fused
-sync of one Metric), when it does not sync on step (``dist_sync_on_step=False``), overrides ``forward`` or
-``_forward_full_state_update``, has forward pre-hooks, syncs with a ``dist_sync_fn`` or process group of its own,
-overrides ``_sync_dist``, is not distributed (its ``distributed_available_fn``) or is synced already (its
-``forward`` raises). The decision travels in the exchange's member table: ranks that disagree, or hold other
-members, raise the same :class:`~torchmetrics_gradpatch.FusedSyncError` after the same collectives, and every
-joining member is put back as after its update of this batch (its accumulated states kept, no batch value). A rank
-where no member joins runs no exchange, as torchmetrics' own ``forward`` issues no collective there; ranks of which
-some have a member to sync and others none wait on each other, as they do under torchmetrics' own sync.
+A rank holding any other member (one not taken over that may issue collectives: a wrapper, hooks, its own
+``dist_sync_fn`` or group, a synced member) runs no member first: it sends its member table alone in the exchange's
+first collective, which its peers issue after their first halves (they issue none before it). From every rank's
+table, alike on every rank: where every rank ran its first halves, the exchange completes as above; else every rank
+runs each member in order (the ones taken over on every rank up to their ``compute()``, the others whole, with
+torchmetrics' own ``_sync_dist`` where the ranks' forms differ), then a second exchange syncs the ones taken over.
+Ranks whose forms differ so that torchmetrics' own sync would wait raise the same
+:class:`~torchmetrics_gradpatch.FusedSyncError` after the same collectives, every member begun put back as after
+its update of this batch. A rank where no member syncs on step runs no exchange, as torchmetrics' own ``forward``
+issues no collective there.
 
-Compute groups: ``forward``'s ``reset()`` gives each member states of its own for the batch, so members of a
-compute group send their batch states apart (a group's shared state crosses once in ``compute()`` only). Under
-``torch.compile`` the whole of it runs behind one graph break.
+Compute groups: ``forward``'s ``reset()`` gives each member states of its own for the batch (a group's shared state
+crosses once in ``compute()`` only); a list state that members share is taken apart after each first half, since
+torchmetrics 1.4 on clears a list in place in ``reset()``. Under ``torch.compile`` the whole of it runs behind one
+graph break. In check mode the step is compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.check`).
 """
 
 from __future__ import annotations
