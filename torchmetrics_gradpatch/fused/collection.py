@@ -42,7 +42,7 @@ import array
 import collections
 import functools
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,13 +194,8 @@ _SETTLED: dict[tuple[tuple[int, ...], ...], list[int]] = {}
 
 
 @functools.lru_cache(maxsize=256)
-def _rows_of(table: tuple[int, ...]) -> list[_Row]:
-    """:func:`_rows`, once per table (callers do not change the rows)."""
-    return _rows(table)
-
-
-def _rows(table: Sequence[int]) -> list[_Row]:
-    """A member table read back."""
+def _rows(table: tuple[int, ...]) -> list[_Row]:
+    """A member table read back (once per table: callers do not change the rows)."""
     rows = []
     at = 1
     for _ in range(table[0]):
@@ -320,7 +315,7 @@ def sync_members(
         rows = fs.headers(out, flags, agreed, group, world_size, device)
         fs.raise_failures(name, rows, failure, group, world_size, device)
         got = fs.payloads(out, rows, rank, group, world_size, device)
-        tables = [_rows_of(tuple(t)) for t in got.tables]
+        tables = [_rows(tuple(t)) for t in got.tables]
         # what the checks below find depends on the descriptions alone: a steady exchange checks them once
         settled = _SETTLED.get(got.words)
         if settled is None:

@@ -240,8 +240,13 @@ def _read(
     pieces = [piece for state in states for piece in state.pieces]
     traits = (any(p.streamed for p in pieces), any(p.separate for p in pieces))
     offsets, size = layout(states, 8 * len(words), skip)
+    return tuple(table), tuple(states), (offsets, size), traits, _plan(states, offsets, skip)
+
+
+def _plan(states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Sequence[int]) -> Plan:
+    """How to view each piece of a buffer laid out by ``offsets`` (:func:`layout`)."""
     left_out = set(skip)
-    plan = tuple(
+    return tuple(
         None
         if s in left_out
         else tuple(
@@ -251,7 +256,6 @@ def _read(
         )
         for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True))
     )
-    return tuple(table), tuple(states), (offsets, size), traits, plan
 
 
 def layout(
@@ -328,18 +332,7 @@ def unpack(
     """Every piece of one rank's ``buffer`` (its payload, or its stream) viewed back as its dtype and shape (views
     into ``buffer``, no copy). A piece not in it (offset ``-1``) is an empty stand-in, for the other buffer to fill;
     a state in ``skip`` (reduced) has no pieces."""
-    left_out = set(skip)
-    plan = tuple(
-        None
-        if s in left_out
-        else tuple(
-            (p.dtype, p.shape, _strides(p.shape), o // _bytes.itemsize(p.dtype) if o >= 0 else -1)
-            for p, o in zip(state.pieces, state_offsets, strict=True)
-            if p.dtype is not None
-        )
-        for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True))
-    )
-    return unpack_planned(buffer, plan)
+    return unpack_planned(buffer, _plan(states, offsets, skip))
 
 
 def unpack_planned(buffer: torch.Tensor, plan: Plan) -> list[list[torch.Tensor]]:
