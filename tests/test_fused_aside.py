@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from torchmetrics import MeanSquaredError, MetricCollection
 
 import torchmetrics_gradpatch as tg
@@ -141,5 +140,5 @@ def test_every_part_relies_on_what_it_re_implements() -> None:
 
 
 def test_everything_recognised_steps_aside_from_nothing() -> None:
+    assert "torchmetrics.metric" in sys.modules  # the look is at torchmetrics' live functions
     assert tg.status().stepped_aside == {} and not any(aside.stepping_aside(part) for part in aside.PARTS)
-    assert torch.__version__  # torch is imported: the check ran against torchmetrics' live functions
