@@ -20,6 +20,12 @@ arm when timed). Arms, in rotating order from round to round, each ``--steps`` s
   moves in its one collective: ``80 + wire.capacity(group).data`` bytes per rank, the capacity read after the warm-up
   of ``one exchange`` (and checked again at the end). Its forward and the loss's backward count, as in every arm;
   in global mode the floor has no backward collective;
+* ``floor, synced``: the floor with what a sync gives each member computed on: each member's ``_sync_dist`` stands
+  in (an instance attribute) for torchmetrics' own without communication, every other rank's copy of a state this
+  rank's, detached, stacked, flattened and reduced as torchmetrics does. It costs what torchmetrics' own path
+  does beside the communication: ``sync()``'s copy of the states, the reductions, and ``compute()`` and its backward
+  on the synced states (``PearsonCorrCoef`` aggregates every rank's moments), which the floor leaves out; plus the
+  floor's collective;
 * ``torchmetrics``: torchmetrics' own sync (``patched(sync="torchmetrics")``; in global mode with this package's
   global gather);
 * ``per-member fused``: the fused sync with torchmetrics' own ``MetricCollection.forward`` (each member's forward
@@ -37,12 +43,13 @@ Reported per arm: the collectives per timed step on the arm's metrics' group (it
 backward; a range where steps differ), the median step time (per round, each rank's median, the slowest rank's),
 the thread CPU time per step (``time.thread_time()``: the rank's calling thread, which collectives leave blocked,
 not busy; the largest rank's), the CPU over the floor (per round and rank, the arm's median thread CPU per step
-less the floor's, the largest rank's; for the fused arms, the package's own CPU per steady step, collectives
-excluded), the median of the per-round ratios of the step time to the floor's with a distribution-free 95%
-confidence interval, and the same for the metrics' time (the step less the ``no metrics`` step) against
-torchmetrics' arm. Then, per world and mode: the floor's bytes per rank, its collective's time inside the step and
-the bare collective's. ``--plot`` draws the step / floor ratio against the world size, a panel per mode, with the
-1.3x line (matplotlib). It imports nothing from ``tests/``.
+less the floor's, the largest rank's; for the fused arms, what the sync adds, collectives excluded: the package's
+own CPU and torchmetrics' work on the synced states, which ``floor, synced``'s figure gives alone), the median of
+the per-round ratios of the step time to the floor's with a distribution-free 95% confidence interval, the same
+against ``floor, synced`` for the arms that sync, and the same for the metrics' time (the step less the ``no
+metrics`` step) against torchmetrics' arm. Then, per world and mode: the floor's bytes per rank, its collective's
+time inside the step and the bare collective's. ``--plot`` draws the step / floor ratio against the world size, a
+panel per mode, with the 1.3x line (matplotlib). It imports nothing from ``tests/``.
 """
 
 from __future__ import annotations
@@ -60,9 +67,19 @@ else:  # run as a script: its own directory is on sys.path, here and in the spaw
     import _report  # type: ignore[no-redef]
     from _stats import spread  # type: ignore[no-redef]
 
-ARMS = ("no metrics", "floor", "torchmetrics", "per-member fused", "one exchange", "one exchange, check")
-#: the order of the warm-up: ``one exchange`` settles the default group's inline capacity, which the floor reads
-WARM_UP = ("no metrics", "torchmetrics", "per-member fused", "one exchange, check", "one exchange", "floor")
+ARMS = (
+    "no metrics",
+    "floor",
+    "floor, synced",
+    "torchmetrics",
+    "per-member fused",
+    "one exchange",
+    "one exchange, check",
+)
+#: the arms whose step issues the floor's collective in place of a sync
+FLOORS = ("floor", "floor, synced")
+#: the order of the warm-up: ``one exchange`` settles the default group's inline capacity, which the floors read
+WARM_UP = ("no metrics", "torchmetrics", "per-member fused", "one exchange, check", "one exchange", *FLOORS)
 FEATURES = 16
 TICKS = (0.1, 0.2, 0.5, 1, 1.3, 2, 5, 10, 20, 50, 100)  # the plot's ratio axis (logarithmic)
 
@@ -74,6 +91,30 @@ def _batch(rank: int, step: int) -> tuple[Any, Any]:
     n = 64 + 16 * rank + 4 * (step % 2)
     x = torch.randn(n, FEATURES, dtype=torch.float64, generator=generator)
     return x, x[:, :4].sum(-1) + 0.1 * torch.randn(n, dtype=torch.float64, generator=generator)
+
+
+def _stand_in_sync(metric: Any, world_size: int) -> None:
+    """Give ``metric`` a ``_sync_dist`` that sets what torchmetrics' own sets, without communication: every other
+    rank's copy of a state is this rank's, detached (as a gathered copy, it has no graph; as the fused sync's views
+    of its receive buffer, it costs no copy; see ``floor, synced`` in the module docstring)."""
+    import torch
+    from torchmetrics.utilities.data import dim_zero_cat
+
+    def _sync_dist(dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        for attr, reduction in metric._reductions.items():
+            value = getattr(metric, attr)
+            if isinstance(value, torch.Tensor):
+                gathered: Any = torch.stack([value] + [value.detach()] * (world_size - 1))
+            else:
+                if reduction == dim_zero_cat and len(value) > 1:
+                    value = [dim_zero_cat(value)]
+                gathered = [each for item in value for each in [item] + [item.detach()] * (world_size - 1)]
+                if not gathered:
+                    setattr(metric, attr, [])
+                    continue
+            setattr(metric, attr, reduction(gathered) if reduction is not None else gathered)
+
+    metric._sync_dist = _sync_dist
 
 
 def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
@@ -113,6 +154,9 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
     metrics = {arm: collection() for arm in ARMS[2:]}
     metrics["per-member fused"] = collection(process_group=apart)
     metrics["floor"] = collection(distributed_available_fn=lambda: False)
+    metrics["floor, synced"] = collection(distributed_available_fn=lambda: True)
+    for member in metrics["floor, synced"].values():
+        _stand_in_sync(member, world_size)
     groups = {arm: apart if arm == "per-member fused" else default for arm in ARMS}
     floor: list[Any] = []  # the floor's collective, made once the capacity has settled
 
@@ -131,7 +175,7 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
             loss = torch.nn.functional.mse_loss(preds, y)
         else:
             values = own_forward(preds, y) if arm == "per-member fused" else metrics[arm](preds, y)
-            if arm == "floor":
+            if arm in FLOORS:
                 issued = time.perf_counter()
                 floor[0]()
                 collective = time.perf_counter() - issued
@@ -144,13 +188,13 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
         return time.perf_counter() - started, time.thread_time() - cpu, middle - before, after - middle, collective
 
     def run(arm: str, first: int, count: int) -> list[tuple[float, float, int, int, float]]:
-        sync = "torchmetrics" if arm in ("no metrics", "floor", "torchmetrics") else "fused"
+        sync = "torchmetrics" if arm in ("no metrics", *FLOORS, "torchmetrics") else "fused"
         with tg.patched(sync=sync, mode=mode, check=arm == "one exchange, check"):
             return [step(arm, first + k) for k in range(count)]
 
     nbytes = 0
     for arm in WARM_UP:
-        if arm == "floor":
+        if arm == "floor":  # the first of the floors
             nbytes = _floor.exchange_bytes(default)
             floor.append(_floor.collective(nbytes, default))
         run(arm, 0, 2)
@@ -226,21 +270,23 @@ def as_text(result: dict[str, Any]) -> str:
         f"rounds of {result['steps']} steps, load {result['load_at_start']} -> {result['load_at_end']})",
         "collectives: per step on the arm's metrics' group, forward + backward. step: median, slowest rank.",
         "CPU: thread CPU per step (time.thread_time(): a collective blocks the thread without using it), largest rank.",
-        "CPU-floor: per round and rank, the arm's CPU less the floor's, largest rank (fused arms: the package's CPU).",
-        "ratios: median of the per-round ratios [95% CI]: step / floor's; metrics' time (step less 'no metrics') / "
-        "torchmetrics'.",
+        "CPU-floor: per round and rank, the arm's CPU less the floor's, largest rank.",
+        "ratios: median of the per-round ratios [95% CI]: step / floor's; step / 'floor, synced''s; metrics' time "
+        "(step less 'no metrics') / torchmetrics'.",
         f"{'ranks':>5} {'mode':6} {'arm':19} {'collectives':>11} {'step ms':>8} {'CPU ms':>7} {'CPU-floor ms':>12} "
-        f"{'step / floor':>19} {'metrics / tm':>19}",
+        f"{'step / floor':>19} {'step / synced':>19} {'metrics / tm':>19}",
     ]
     notes = []
     for key, row in result["runs"].items():
         world_size, mode = key.split("/")
-        base, floor = row["times"]["no metrics"], row["times"]["floor"]
+        base, floor, synced = row["times"]["no metrics"], row["times"]["floor"], row["times"]["floor, synced"]
         reference = [t - b for t, b in zip(row["times"]["torchmetrics"], base, strict=True)]
         for arm in ARMS:
             times = row["times"][arm]
             over_floor = _ratio_text([t / f for t, f in zip(times, floor, strict=True)])
-            if arm in ("no metrics", "floor"):
+            syncs = arm not in ("no metrics", *FLOORS)
+            over_synced = _ratio_text([t / f for t, f in zip(times, synced, strict=True)]) if syncs else ""
+            if arm in ("no metrics", *FLOORS):
                 versus_tm = ""
             else:
                 spent = [t - b for t, b in zip(times, base, strict=True)]
@@ -251,7 +297,7 @@ def as_text(result: dict[str, Any]) -> str:
             lines.append(
                 f"{world_size:>5} {mode:6} {arm:19} {_counts_text(row['counts'][arm]):>11} "
                 f"{1e3 * statistics.median(times):>8.2f} {1e3 * statistics.median(row['cpu'][arm]):>7.2f} "
-                f"{cpu_over:>12} {over_floor:>19} {versus_tm:>19}"
+                f"{cpu_over:>12} {over_floor:>19} {over_synced:>19} {versus_tm:>19}"
             )
         nbytes = " then ".join(str(n) for n in row["floor_bytes"])
         notes.append(
@@ -274,7 +320,7 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     arms = [arm for arm in ARMS if arm != "floor"]
     for axis, mode in zip(axes[0], modes, strict=True):
         plotted: list[float] = []
-        for arm, style in zip(arms, ("x:", "o-", "s--", "^-", "v-."), strict=True):
+        for arm, style in zip(arms, ("x:", "d:", "o-", "s--", "^-", "v-."), strict=True):
             ratios = []
             for world_size in worlds:
                 row = result["runs"][f"{world_size}/{mode}"]["times"]

@@ -551,22 +551,32 @@ def reduction_probe(rank: int, spec: list[tuple[Any, torch.dtype, tuple[int, ...
     return metric
 
 
+#: the gathers: the fused exchange's collectives are ``all_gather_single`` where torch has it, else ``all_gather``
+GATHERS = ("all_gather", "all_gather_single")
+
+
 @contextlib.contextmanager
-def recording(name: str) -> Iterator[list[tuple[str, int]]]:
-    """Record every ``dist.<name>`` call's tensor (device type, bytes) while calling through to the real one."""
-    real = getattr(dist, name)
+def recording(*names: str) -> Iterator[list[tuple[str, int]]]:
+    """Record every ``dist.<name>`` call's tensor (device type, bytes), in call order, for each of ``names`` this
+    torch has, while calling through to the real one."""
     seen: list[tuple[str, int]] = []
+    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
-    def record(*args: Any, **kwargs: Any) -> Any:
-        tensor = args[1] if name == "all_gather" else args[0]
-        seen.append((tensor.device.type, tensor.numel() * tensor.element_size()))
-        return real(*args, **kwargs)
+    def recorder(name: str) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[1] if name in GATHERS else args[0]
+            seen.append((tensor.device.type, tensor.numel() * tensor.element_size()))
+            return real[name](*args, **kwargs)
 
-    setattr(dist, name, record)
+        return record
+
+    for name in real:
+        setattr(dist, name, recorder(name))
     try:
         yield seen
     finally:
-        setattr(dist, name, real)
+        for name, function in real.items():
+            setattr(dist, name, function)
 
 
 def _exact_reductions(rank: int, world_size: int, case: str) -> None:
@@ -714,7 +724,7 @@ def _cpu_states_cross_in_chunks(rank: int, world_size: int, chunk: int) -> None:
     streams = [sum(-(-n // 16) * 16 for n in (2 * (3 + r) * 5 * 4, (7 + r) * 8, 3 * 4)) for r in range(world_size)]
     stream_chunks = -(-max(streams) // chunk)
     reduce_chunks = -(-big * 8 // chunk)
-    with device_path(chunk), recording("all_gather") as gathers, recording("all_reduce") as reductions:
+    with device_path(chunk), recording(*GATHERS) as gathers, recording("all_reduce") as reductions:
         before = calls()
         _fused.fused_sync(fused)
         count = calls() - before
@@ -739,7 +749,7 @@ def _patched_gather_crosses_in_chunks(rank: int, world_size: int, shape: tuple[i
     x = values(rank, 7, own, torch.float64)
     reference = gather_all_tensors(x)
     chunk = 1000
-    with device_path(chunk), recording("all_gather") as gathers:
+    with device_path(chunk), recording(*GATHERS) as gathers:
         before = calls()
         got = _gather.gather_local(x)
         count = calls() - before

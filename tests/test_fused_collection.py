@@ -24,7 +24,7 @@ import torchmetrics_gradpatch as tg
 from benchmarks.workloads import classification_collection, scale_batches, scale_collection
 from tests._rank_tools import calls, destroy_subgroup, dynamo_refusal, every_rank
 from tests._ranks import run_ranks
-from tests.test_fused import Probe, device_path, recording, same, values, worlds
+from tests.test_fused import GATHERS, Probe, device_path, recording, same, values, worlds
 from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch.fused import collection, step
 
@@ -585,7 +585,7 @@ def _collection_on_the_device_path(rank: int, world_size: int) -> None:
     expected, fused = scaled(rank, 300), scaled(rank, 300)  # a 720 kB confusion matrix
     reference, _ = compute_counted(expected, "torchmetrics")
     chunk = 64 * 1024
-    with device_path(chunk), recording("all_gather") as gathers, recording("all_reduce") as reductions:
+    with device_path(chunk), recording(*GATHERS) as gathers, recording("all_reduce") as reductions:
         result, count = compute_counted(fused, "fused")
     # the stat scores (4 x [300] int64) are streamed in one chunk; the confusion matrix reduced in 11 chunks
     assert count == 2 + 1 + 11 and len(reductions) == 11, (count, reductions)

@@ -12,6 +12,7 @@ Cost while everything is recognised: one look at the live objects per call (:fun
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from typing import Any
@@ -72,11 +73,11 @@ def _unrecognised() -> tuple[str, ...]:
             if holder is None:
                 return tuple(recognise.unrecognised())  # not imported yet: nothing to keep
             _places.append((vars(holder), target.name))
-    live = tuple(namespace.get(name) for namespace, name in _places)
-    codes = tuple(getattr(obj, "__code__", None) for obj in live)
+    live = [namespace.get(name) for namespace, name in _places]
+    live += [getattr(obj, "__code__", None) for obj in live]
     last = _last[0]
-    if last is None or not all(a is b for a, b in zip((*live, *codes), last, strict=True)):
-        _last[:] = [(*live, *codes), tuple(recognise.unrecognised())]
+    if last is None or not all(map(operator.is_, live, last)):  # the same objects: nothing to look up
+        _last[:] = [live, tuple(recognise.unrecognised())]
     return _last[1]  # type: ignore[no-any-return]
 
 

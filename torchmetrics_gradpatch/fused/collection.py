@@ -76,16 +76,6 @@ def syncs_here(members: list[tuple[str, Any]], codes: list[int], on_step: bool =
     )
 
 
-def _reduction_key(reduction: Any) -> Any:
-    """``reduction`` as a slot's key: the object itself where it is hashable (torchmetrics' own functions), else its
-    identity (the member keeps it alive for the whole exchange)."""
-    try:
-        hash(reduction)
-    except TypeError:
-        return ("id", id(reduction))
-    return reduction
-
-
 def _member_name(key: str, metric: Any) -> str:
     return f"{type(metric).__name__} (MetricCollection member {key!r})"
 
@@ -188,9 +178,54 @@ class _Row:
     refs: list[int]
 
 
-#: every rank's description words -> the members every rank syncs with torchmetrics' own sync, for exchanges whose
+@dataclass
+class _Plan:
+    """What one exchange's descriptions settle, alike on every rank: the members every rank syncs with torchmetrics'
+    own sync (``own``), the members that join on every rank (``joins``) and those the exchange syncs (``joined``),
+    the members whose cached result is dropped (``recompute``), and per joined member every rank's slots
+    (``refs[i][r]``), descriptions (``views[i][r]``) and which of this rank's slots an earlier member holds
+    already (``shared[i]``: that member gets copies)."""
+
+    own: list[int]
+    joins: list[int]
+    joined: list[int]
+    recompute: list[int]
+    refs: dict[int, list[list[int]]] = field(default_factory=dict)
+    views: dict[int, list[list[Any]]] = field(default_factory=dict)
+    shared: dict[int, list[bool]] = field(default_factory=dict)
+
+    @classmethod
+    def make(
+        cls,
+        members: list[tuple[str, Any]],
+        tables: list[list[_Row]],
+        own: list[int],
+        codes: list[int],
+        everywhere: bool,
+        rank: int,
+        world_size: int,
+        got: Any,
+    ) -> _Plan:
+        needed = [any(t[i].needs for t in tables) for i in range(len(members))]
+        joins = [i for i, code in enumerate(codes) if code == forms.JOINS and i not in own]
+        plan = cls(
+            own,
+            joins,
+            [i for i in joins if everywhere and needed[i]],
+            [i for i in range(len(members)) if needed[i] and (i in own or forms.kind(codes[i]) == forms.OWN_PATH)],
+        )
+        given: set[int] = set()  # slots whose tensors a member already holds: the next member of its group gets copies
+        for i in plan.joined:
+            plan.refs[i] = [tables[r][i].refs for r in range(world_size)]
+            plan.views[i] = [[got.slots[r][ref] for ref in plan.refs[i][r]] for r in range(world_size)]
+            plan.shared[i] = [ref in given for ref in plan.refs[i][rank]]
+            given.update(plan.refs[i][rank])
+        return plan
+
+
+#: (every rank's description words, whether every rank sent its states, this rank) -> the plan, for exchanges whose
 #: checks passed (the newest 64)
-_SETTLED: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
 
 
 @functools.lru_cache(maxsize=256)
@@ -232,8 +267,12 @@ def _prepare(
                 # what step 1 makes of a state, and what a reduced slot is reduced with, depend on these alone: one
                 # slot for a compute group's shared state, one per reduction where grouped members reduce it apart
                 # (the placeholder, made from the Metric's dtype and device, exists from torchmetrics 1.4 on only)
-                slot_key = (id(value), _reduction_key(reduction), made)
-                index = seen.get(slot_key)
+                slot_key = (id(value), reduction, made)
+                try:
+                    index = seen.get(slot_key)
+                except TypeError:  # a reduction that cannot be hashed: by its identity (the member keeps it alive)
+                    slot_key = (id(value), ("id", id(reduction)), made)
+                    index = seen.get(slot_key)
                 if index is None:
                     index = seen[slot_key] = len(slots)
                     slots.append(fs.prepare_state(metric, attr, reduction, rule, stream_cpu))
@@ -316,48 +355,42 @@ def sync_members(
         fs.raise_failures(name, rows, failure, group, world_size, device)
         got = fs.payloads(out, rows, rank, group, world_size, device)
         tables = [_rows(tuple(t)) for t in got.tables]
-        # what the checks below find depends on the descriptions alone: a steady exchange checks them once
-        settled = _SETTLED.get(got.words)
-        if settled is None:
+        everywhere = not any(row[fp.FLAGS] & fp.FLAG_UNSTAGED for row in rows)
+        # what the checks below find, and the plan, depend on the descriptions alone: a steady exchange makes them once
+        key = (got.words, everywhere, rank)
+        plan = _PLANS.get(key)
+        if plan is None:
             error = _structure_error(members, tables, lambda text: fs.gather_texts(text, group, world_size, device))
             if error is not None:
                 raise error
-        own = _own_sync(members, tables) if settled is None else settled
-        everywhere = not any(row[fp.FLAGS] & fp.FLAG_UNSTAGED for row in rows)
-        joins = [i for i, code in enumerate(codes) if code == forms.JOINS and i not in own]
-        joined = [i for i in joins if everywhere and any(t[i].needs for t in tables)]
-        for i, (_, metric) in enumerate(members):
-            if any(t[i].needs for t in tables) and (i in own or forms.kind(codes[i]) == forms.OWN_PATH):
-                metric._computed = None  # a peer syncs it: this rank computes from the same states, not its cache
-        if joined:
+            plan = _Plan.make(members, tables, _own_sync(members, tables), codes, everywhere, rank, world_size, got)
+        for i in plan.recompute:
+            members[i][1]._computed = None  # a peer syncs it: this rank computes from the same states, not its cache
+        if plan.joined:
             fs.check_grad_modes(name, rows, mode)
-        views: dict[int, list[list[fp.State]]] = {}
-        for i in joined:
-            views[i] = [[got.slots[r][ref] for ref in tables[r][i].refs] for r in range(world_size)]
-            if settled is None:
-                fs.validate(_member_name(*members[i]), states[i], views[i])
-        if settled is None:
-            _SETTLED[got.words] = own
-            while len(_SETTLED) > 64:
-                _SETTLED.pop(next(iter(_SETTLED)))
+        if key not in _PLANS:
+            for i in plan.joined:
+                fs.validate(_member_name(*members[i]), states[i], plan.views[i])
+            _PLANS[key] = plan
+            while len(_PLANS) > 64:
+                _PLANS.pop(next(iter(_PLANS)))
         if everywhere:
             fs.complete(got, out, slots, rows, rank, group, device, staging)
-    outcome = Outcome(everywhere, joins, own_sync=[members[i][1] for i in own])
-    if not joined:
+    outcome = Outcome(everywhere, plan.joins, own_sync=[members[i][1] for i in plan.own])
+    if not plan.joined:
         return outcome
     keep = [[False] * len(got.slots[r]) for r in range(world_size)]
-    for i in joined:
+    for i in plan.joined:
         for s, state in enumerate(states[i]):
             if state.described.kind == fp.KIND_LIST and not state.is_cat:
                 for r in range(world_size):
-                    keep[r][tables[r][i].refs[s]] = True
+                    keep[r][plan.refs[i][r][s]] = True
     synced = fs.entries(slots, got, keep, rank, world_size, None, fs.node_wanted(rows, mode), device)
-    given: set[int] = set()  # slots whose tensors a member already holds: the next member of its group gets copies
+    reduced = got.reduced
     try:
-        for i in joined:
+        for i in plan.joined:
             metric = members[i][1]
-            refs = [tables[r][i].refs for r in range(world_size)]
-            shared = [ref in given for ref in refs[rank]]
+            refs, shared = plan.refs[i], plan.shared[i]
             per_rank = [[synced[r][ref] for ref in refs[r]] for r in range(world_size)]
             if any(shared):
                 per_rank = [
@@ -367,13 +400,16 @@ def sync_members(
                     ]
                     for r, row in enumerate(per_rank)
                 ]
-            values = [
-                None if value is None else value.clone() if ref in given else value
-                for ref, value in ((ref, (got.reduced or {}).get(ref)) for ref in refs[rank])
-            ]
-            given.update(refs[rank])
-            set_states = functools.partial(fs.reduce, metric, states[i], views[i], per_rank, values)
-            moved = large.joined_in_place(states[i], values)
+            values = (
+                [
+                    None if value is None else value.clone() if twice else value
+                    for value, twice in zip((reduced.get(ref) for ref in refs[rank]), shared, strict=True)
+                ]
+                if reduced
+                else None
+            )
+            set_states = functools.partial(fs.reduce, metric, states[i], plan.views[i], per_rank, values)
+            moved = large.joined_in_place(states[i], values) if values is not None else None
             if moved:  # sync()'s copies of the cat states joined in place would add to the buffer's peak: none made
                 with large.uncopied(metric, moved):
                     apply(metric, set_states)

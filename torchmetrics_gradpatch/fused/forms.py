@@ -23,6 +23,7 @@ torchmetrics at import time.
 
 from __future__ import annotations
 
+import functools
 import operator
 import zlib
 from collections.abc import Iterator
@@ -98,6 +99,7 @@ OWN_METHODS = (
 _OWN = operator.attrgetter(*OWN_METHODS)
 _INSTANCE = ("forward", "_forward_full_state_update", "_sync_dist", "sync", "unsync", "sync_context", "reset")
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOKED = operator.attrgetter(*_HOOKS)
 _GLOBAL_HOOKS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",
@@ -136,9 +138,20 @@ def inside(module: Any) -> Iterator[Any]:
             stack.extend(each._modules.values())
 
 
+@functools.cache
+def _torch_and_torchmetrics() -> tuple[Any, Any, Any]:
+    """``torch.distributed``, ``torchmetrics.Metric`` and ``torchmetrics.utilities.distributed``, imported at the
+    first call (a form is asked for every member at every sync)."""
+    import torch.distributed as dist
+    import torchmetrics.utilities.distributed as tm_distributed
+    from torchmetrics import Metric
+
+    return dist, Metric, tm_distributed
+
+
 def _proven_class(metric: Any) -> int:
     """JOINS where the member's class and instance replace nothing the fused path relies on, else the reason."""
-    from torchmetrics import Metric
+    Metric = _torch_and_torchmetrics()[1]  # noqa: N806 (the class)
 
     cls = type(metric)
     if metric._modules and any(isinstance(inner, Metric) for inner in inside(metric)):
@@ -159,9 +172,7 @@ def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bo
     ``duplicate``: the collection holds this object under an earlier key too; ``hooked``: global module hooks are
     registered (default: looked up).
     """
-    import torch.distributed as dist
-    import torchmetrics.utilities.distributed as tm_distributed
-    from torchmetrics import Metric
+    dist, Metric, tm_distributed = _torch_and_torchmetrics()  # noqa: N806 (the class)
 
     if not isinstance(metric, Metric):
         return NOT_A_METRIC
@@ -187,7 +198,7 @@ def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bo
         return OWN_SYNC_FN
     if metric.process_group not in (None, dist.group.WORLD):
         return OWN_GROUP
-    if any(getattr(metric, name) for name in _HOOKS):
+    if any(_HOOKED(metric)):
         return MODULE_HOOKS
     if global_hooks() if hooked is None else hooked:
         return GLOBAL_HOOKS

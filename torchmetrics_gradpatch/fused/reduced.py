@@ -129,12 +129,15 @@ def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Plan:
     ops = _ops()
     entries = []
     for index, slot in enumerate(slots):
-        op = ops.get(slot.reduction) if _hashable(slot.reduction) else None
         described = slot.described
-        if op is None or described.kind != fp.KIND_TENSOR or len(slot.tensors) != 1:
+        # the cheap tests first: a steady sync's many small states are none of these
+        if described.kind != fp.KIND_TENSOR or len(slot.tensors) != 1:
             continue
         tensor, piece = slot.tensors[0], described.pieces[0]
         if piece.dtype is None or piece.requires_grad or piece.nbytes < REDUCE_MIN_BYTES:
+            continue
+        op = ops.get(slot.reduction) if _hashable(slot.reduction) else None
+        if op is None:
             continue
         transport = _transport(op, piece.dtype)
         result = _result_dtype(slot.reduction, piece.dtype)

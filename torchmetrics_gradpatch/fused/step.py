@@ -64,6 +64,14 @@ _MARK = "__torchmetrics_gradpatch_step__"  # set on our replacement, so it is to
 
 
 @functools.cache
+def _sync() -> Any:
+    """:mod:`torchmetrics_gradpatch.fused.sync` (it imports torch), imported at the first step."""
+    from torchmetrics_gradpatch.fused import sync
+
+    return sync
+
+
+@functools.cache
 def _copies_states() -> bool:
     """Whether this torchmetrics' forward saves the accumulated states as copies (``_copy_state_dict``, 1.4 on)."""
     import torchmetrics
@@ -88,14 +96,13 @@ class _Pending:
     def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any], copies: bool) -> _Pending:
         """torchmetrics' lines up to ``batch_val = self.compute()`` (attributes set through
         :func:`~torchmetrics_gradpatch.fused.sync.put`)."""
-        from torchmetrics_gradpatch.fused.sync import put
-
+        put = _sync().put
         metric.update(*args, **kwargs)  # global accumulation
         update_count = metric._update_count
-        put(metric, "_to_sync", metric.dist_sync_on_step)
-        put(metric, "_should_unsync", False)  # the states are restored below, not by compute()'s unsync
         compute_on_cpu = metric.compute_on_cpu
-        put(metric, "compute_on_cpu", False)
+        # _should_unsync: the states are restored below, not by compute()'s unsync
+        flags = {"_to_sync": metric.dist_sync_on_step, "_should_unsync": False, "compute_on_cpu": False}
+        _sync().put_all(metric, flags)
         cache = metric._copy_state_dict() if copies else {attr: getattr(metric, attr) for attr in metric._defaults}
         put(metric, "_enable_grad", True)  # allow grads for batch computation
         metric.reset()
@@ -110,38 +117,35 @@ class _Pending:
         them (``_is_synced``), and its ``compute()`` runs without a sync of its own. What that skips is the copy
         of the batch states ``sync()`` keeps for ``unsync()``, which ``forward`` never calls (it restores the
         accumulated states itself); else the member syncs in its ``compute()``."""
-        from torchmetrics_gradpatch.fused.sync import put
-
         if self.finished:
             return self.result
         metric = self.metric
         if self.reduce is not None:
             self.reduce()
-            put(metric, "_is_synced", True)
-            put(metric, "_to_sync", False)
+            _sync().put_all(metric, {"_is_synced": True, "_to_sync": False})
         batch_val = metric.compute()
         self.restore()
-        put(metric, "_forward_cache", batch_val)
+        _sync().put(metric, "_forward_cache", batch_val)
         self.finished, self.result = True, batch_val
         return batch_val
 
     def restore(self) -> None:
         """torchmetrics' "restore context" lines: the accumulated states, ``_update_count`` and the flags."""
-        from torchmetrics_gradpatch.fused.sync import put
-
         metric = self.metric
-        for attr, val in self.cache.items():
-            put(metric, attr, val)
-        for name, value in (
-            ("_update_count", self.update_count),
-            ("_is_synced", False),
-            ("_should_unsync", True),
-            ("_to_sync", metric.sync_on_compute),
-            ("_computed", None),
-            ("_enable_grad", False),
-            ("compute_on_cpu", self.compute_on_cpu),
-        ):
-            put(metric, name, value)
+        put_all = _sync().put_all
+        put_all(metric, self.cache)
+        put_all(
+            metric,
+            {
+                "_update_count": self.update_count,
+                "_is_synced": False,
+                "_should_unsync": True,
+                "_to_sync": metric.sync_on_compute,
+                "_computed": None,
+                "_enable_grad": False,
+                "compute_on_cpu": self.compute_on_cpu,
+            },
+        )
         if metric.compute_on_cpu:
             metric._move_list_states_to_cpu()
 
@@ -167,10 +171,11 @@ def _shared_lists(members: list[tuple[str, Any]]) -> set[int]:
     seen: set[int] = set()
     shared: set[int] = set()
     for _, metric in members:
-        for attr in getattr(metric, "_defaults", {}):
-            value = getattr(metric, attr)
-            if isinstance(value, list):
-                (shared if id(value) in seen else seen).add(id(value))
+        for attr, default in getattr(metric, "_defaults", {}).items():
+            if isinstance(default, list):  # a list state (one whose default is a tensor never holds a list)
+                value = getattr(metric, attr)
+                if isinstance(value, list):
+                    (shared if id(value) in seen else seen).add(id(value))
     return shared
 
 
@@ -201,7 +206,8 @@ class _Step:
         """The first half of member ``i``'s ``forward``, which joins an exchange."""
         metric = self.members[i][1]
         begun = _Pending.begin(metric, self.args, metric._filter_kwargs(**self.kwargs), self.copies)
-        _own_lists(metric, self.shared)
+        if self.shared:
+            _own_lists(metric, self.shared)
         self.pending[id(metric)] = self.steps[i] = begun
 
     def run(self, i: int) -> None:

@@ -94,6 +94,7 @@ __all__ = [
     "placeholder_rule",
     "prepare_state",
     "put",
+    "put_all",
     "raise_failures",
     "reduce",
     "reduction_name",
@@ -115,6 +116,16 @@ def put(module: Any, name: str, value: Any) -> None:
         attributes[name] = value
     else:
         setattr(module, name, value)
+
+
+def put_all(module: Any, values: dict[str, Any]) -> None:
+    """:func:`put` for each of ``values`` in turn."""
+    attributes = module.__dict__
+    for name, value in values.items():
+        if name in attributes and type(value) in _PLAIN_TYPES:
+            attributes[name] = value
+        else:
+            setattr(module, name, value)
 
 
 def structure_error(metric: str, attr: str | None, rule: str, seen: dict[int, str]) -> FusedSyncError:
@@ -174,7 +185,12 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     (``stream_cpu``: its tensors held on the CPU are described as streamed)."""
     dim_zero_cat = _dim_zero_cat()
     value = getattr(metric, attr)
-    cat = is_cat(reduction)
+    cat = reduction is dim_zero_cat or reduction == dim_zero_cat  # as torchmetrics.metric compares it
+    # a conjugate or negative view is sent as the values it reads as (torchmetrics' torch.cat, pad or stack
+    # resolves it), resolved here, before the header: a byte view of it would raise on this rank alone
+    if isinstance(value, torch.Tensor):  # the common case first: a tensor state (a steady sync's, many of them)
+        tensor = (_bytes.resolved(value) if value.is_conj() or value.is_neg() else value).contiguous()
+        return Local(attr, reduction, cat, value, [tensor], fp.tensor_state(tensor, stream_cpu and tensor.is_cpu))
     placeholder = False
     if cat and isinstance(value, list):
         value = list(value)  # this sync's own list: the large path empties it once it wrote the tensors (large.run)
@@ -187,12 +203,7 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     if rule and cat and isinstance(value, list) and len(value) == 0:
         value = [torch.tensor([], device=metric.device, dtype=metric.dtype)]
         placeholder = True
-    # a conjugate or negative view is sent as the values it reads as (torchmetrics' torch.cat, pad or stack
-    # resolves it), resolved here, before the header: a byte view of it would raise on this rank alone
-    if isinstance(value, torch.Tensor):
-        tensors = [_bytes.resolved(value).contiguous()]
-        described = fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0], stream_cpu and value.device.type == "cpu"),))
-    elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+    if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
         tensors = [_bytes.resolved(v).contiguous() for v in value]
         pieces = tuple(fp.piece_of(t, stream_cpu and t.device.type == "cpu") for t in tensors)
         described = fp.State(fp.KIND_LIST, pieces, placeholder)
@@ -251,9 +262,12 @@ def outgoing(slots: list[Local], table: list[int] | None = None, placement: list
     plan = _reduced.propose(slots, placement or ())
     offsets, size = fp.read_layout(tuple(words), ())
     offsets_reduced, size_reduced = fp.read_layout(tuple(words), tuple(plan.slots)) if plan.slots else (offsets, size)
-    # a separate piece is never packed: its stand-in keeps no reference to the local tensor (large.recopy)
+    # a separate piece is never packed: its stand-in keeps no reference to the local tensor (large.recopy); a piece
+    # of a dtype the format does not know (described with none) is never sent
     sent = [
-        [_NOT_SENT if p.separate else fp.sendable(t) for t, p in zip(s.tensors, s.described.pieces, strict=True)]
+        s.tensors
+        if len(s.tensors) == 1 and not s.described.pieces[0].separate and s.described.pieces[0].dtype is not None
+        else [_NOT_SENT if p.separate else fp.sendable(t) for t, p in zip(s.tensors, s.described.pieces, strict=True)]
         for s in slots
     ]
     return Outgoing(words, offsets, size, offsets_reduced, size_reduced, plan, sent)
@@ -355,6 +369,7 @@ class Exchanged:
     skip: tuple[int, ...] = ()
     words: tuple[tuple[int, ...], ...] = ()  # every rank's description: what everything read from it depends on
     reduced: dict[int, torch.Tensor] | None = None
+    own: tuple[torch.Tensor, fp.Plan] | None = None  # this rank's buffer and plan: its pieces are not viewed back
 
 
 def payloads(
@@ -398,8 +413,12 @@ def payloads(
         tables.append(table)
         every.append(states)
         plans.append(plan)
-    gathered = [fp.unpack_planned(buffer, plan) for buffer, plan in zip(buffers, plans, strict=True)]
-    return Exchanged(tables, every, gathered, skip, tuple(described_words))
+    # this rank's own pieces are its own tensors (entries): viewed back only where global mode's node needs them
+    gathered = [
+        fp.absent(plan) if r == rank else fp.unpack_planned(buffer, plan)
+        for r, (buffer, plan) in enumerate(zip(buffers, plans, strict=True))
+    ]
+    return Exchanged(tables, every, gathered, skip, tuple(described_words), own=(buffers[rank], plans[rank]))
 
 
 def complete(
@@ -538,11 +557,15 @@ def entries(
     if node:
         plan = _fused_grad.Plan([], rank, world_size, group, device)
         places, inputs = [], []
+        viewed = fp.unpack_planned(*got.own) if got.own is not None else gathered[rank]
         for r in range(world_size):
             for s, described in enumerate(got.slots[r]):
                 for i, piece in enumerate(described.pieces):
                     if piece.requires_grad:
-                        plan.entries.append(_fused_grad.Entry(r, gathered[r][s][i], keep[r][s]))
+                        value = gathered[r][s][i]
+                        if r == rank and value is fp.ABSENT:  # not sent apart nor streamed: in the buffer
+                            value = viewed[s][i]
+                        plan.entries.append(_fused_grad.Entry(r, value, keep[r][s]))
                         places.append((r, s, i))
                         if r == rank:
                             inputs.append(own[s].tensors[i])
@@ -569,14 +592,16 @@ def reduce(
     ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
     ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
+    ranks = range(len(entries))
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
             put(metric, state.attr, reduced[s])
             continue
-        per_rank = [entries[r][s] for r in range(len(entries))]
+        reduction = state.reduction
         if state.described.kind == fp.KIND_TENSOR:
-            gathered: Any = torch.stack([pieces[0] for pieces in per_rank])
+            gathered: Any = torch.stack([entries[r][s][0] for r in ranks])
         else:
+            per_rank = [entries[r][s] for r in ranks]
             if state.is_cat:
                 real = [r for r, descs in enumerate(every) if descs[s].pieces and not descs[s].placeholder]
                 holders = real or [r for r, descs in enumerate(every) if descs[s].pieces]
@@ -587,7 +612,9 @@ def reduce(
             if not gathered:
                 put(metric, state.attr, [])
                 continue
-        reduction = state.reduction
-        if not (callable(reduction) or reduction is None):
+        if reduction is None:
+            put(metric, state.attr, gathered)
+        elif callable(reduction):
+            put(metric, state.attr, reduction(gathered))
+        else:
             raise TypeError("reduction_fn must be callable or None")
-        put(metric, state.attr, reduction(gathered) if reduction is not None else gathered)

@@ -62,9 +62,10 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
-from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
+from torchmetrics_gradpatch._bytes import ALIGN
 
 __all__ = [
+    "ABSENT",
     "ALIGN",
     "FLAG_FAILED",
     "FLAG_INLINE",
@@ -80,6 +81,7 @@ __all__ = [
     "First",
     "Piece",
     "State",
+    "absent",
     "agree",
     "apart",
     "capacity",
@@ -93,6 +95,7 @@ __all__ = [
     "read",
     "read_layout",
     "sendable",
+    "tensor_state",
     "unpack",
     "unpack_planned",
     "words_of",
@@ -148,6 +151,16 @@ class State:
     pieces: tuple[Piece, ...]
     placeholder: bool = False
 
+    @functools.cached_property
+    def words(self) -> tuple[int, ...]:
+        """This state's words in a description (:func:`encode`); a steady exchange describes the same objects."""
+        words = [self.kind, int(self.placeholder), len(self.pieces)]
+        for piece in self.pieces:
+            code = UNKNOWN_DTYPE if piece.dtype is None else _bytes.code(piece.dtype)
+            flags = int(piece.requires_grad) | 2 * int(piece.streamed) | 4 * int(piece.separate)
+            words += [code, flags, len(piece.shape), *piece.shape]
+        return tuple(words)
+
 
 def sendable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or an empty stand-in when its dtype is unknown to the format (described, refused, never sent)."""
@@ -157,6 +170,17 @@ def sendable(tensor: torch.Tensor) -> torch.Tensor:
 def piece_of(tensor: torch.Tensor, streamed: bool = False) -> Piece:
     """The description of ``tensor``."""
     return _piece(tensor.dtype, tuple(tensor.shape), tensor.requires_grad, streamed)
+
+
+def tensor_state(tensor: torch.Tensor, streamed: bool = False) -> State:
+    """The description of a tensor state holding ``tensor``."""
+    return _tensor_state(tensor.dtype, tuple(tensor.shape), tensor.requires_grad, streamed)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_state(dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, streamed: bool) -> State:
+    # one object per description, as _piece: its words (State.words) are made once
+    return State(KIND_TENSOR, (_piece(dtype, shape, requires_grad, streamed),))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -172,11 +196,7 @@ def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
     """
     words = [len(table), *table, len(states)]
     for state in states:
-        words += [state.kind, int(state.placeholder), len(state.pieces)]
-        for piece in state.pieces:
-            code = UNKNOWN_DTYPE if piece.dtype is None else _bytes.code(piece.dtype)
-            flags = int(piece.requires_grad) | 2 * int(piece.streamed) | 4 * int(piece.separate)
-            words += [code, flags, len(piece.shape), *piece.shape]
+        words += state.words
     if len(words) % 2:
         words.append(0)
     return words
@@ -289,32 +309,48 @@ def pack(
     offsets: Sequence[Sequence[int]],
     size: int,
     device: torch.device,
+    base: int = 0,
 ) -> torch.Tensor:
-    """This rank's payload in a buffer of ``size`` bytes: its description, then each tensor's bytes at its offset.
+    """This rank's payload in a buffer of ``size`` bytes: its description, then each tensor's bytes at its offset
+    (plus ``base``: where the payload starts after words of another kind, a header).
 
-    The one copy of the local states' bytes that the fused sync makes (one ``torch.cat``); padding bytes are zeros,
-    not left uninitialised, so nothing of this process's memory travels.
+    ``tensors`` are resolved (no conjugate or negative view), as the fused sync prepares them. The one copy of the
+    local states' bytes that the fused sync makes (one ``torch.cat``); padding bytes are zeros, not left
+    uninitialised, so nothing of this process's memory travels.
     """
     head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
     if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
         head = head.pin_memory().to(device, non_blocking=True)
+    pads = _pads(device)
     parts = [head]
     end = head.numel()
     for state_tensors, state_offsets in zip(tensors, offsets, strict=True):
         for tensor, offset in zip(state_tensors, state_offsets, strict=True):
             if offset < 0:
                 continue  # reduced, or streamed
+            offset += base
             if offset > end:
-                parts.append(_zeros(offset - end, device))
-            data = as_bytes(tensor)
-            parts.append(data)
-            end = offset + data.numel()
+                parts.append(pads[offset - end] if offset - end < ALIGN else _zeros(offset - end, device))
+            flat = tensor.detach().reshape(-1)
+            if flat.stride(0) != 1 and flat.numel():  # expanded (stride 0) passes is_contiguous at one element
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            parts.append(flat.view(torch.uint8))
+            end = offset + parts[-1].numel()
     if size > end:
         parts.append(_zeros(size - end, device))
     return torch.cat(parts)
 
 
 _ZEROS: dict[torch.device, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+
+def _pads(device: torch.device) -> list[torch.Tensor]:
+    """Views of ``0`` to ``ALIGN - 1`` zero bytes on ``device`` (the pads between pieces, made once)."""
+    kept = _ZEROS.get(device)
+    if kept is None:
+        _zeros(0, device)
+        kept = _ZEROS[device]
+    return kept[1]
 
 
 def _zeros(n: int, device: torch.device) -> torch.Tensor:
@@ -347,7 +383,7 @@ def unpack_planned(buffer: torch.Tensor, plan: Plan) -> list[list[torch.Tensor]]
         views = []
         for dtype, shape, strides, at in pieces:
             if at < 0:
-                views.append(_ABSENT)
+                views.append(ABSENT)
                 continue
             found = typed.get(dtype)
             if found is None:
@@ -356,6 +392,11 @@ def unpack_planned(buffer: torch.Tensor, plan: Plan) -> list[list[torch.Tensor]]
             views.append(found[0].as_strided(shape, strides, found[1] + at))
         out.append(views)
     return out
+
+
+def absent(plan: Plan) -> list[list[torch.Tensor]]:
+    """What :func:`unpack_planned` gives for a buffer holding none of its pieces: an empty stand-in for each."""
+    return [[] if pieces is None else [ABSENT] * len(pieces) for pieces in plan]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -368,7 +409,8 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-_ABSENT = torch.empty(0)
+#: the stand-in for a piece a buffer does not hold (see :func:`unpack_planned`)
+ABSENT = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -387,6 +429,8 @@ class _Record:
 
     needs: deque[tuple[int, int] | None] = field(default_factory=lambda: deque(maxlen=WINDOW))
     capacity: Capacity = field(default_factory=Capacity)
+    last: tuple[int, int] | None = None  # the newest need, and how many exchanges in a row met it
+    same: int = 0
 
 
 _RECORDS: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
@@ -416,8 +460,15 @@ def capacity(group: Any) -> Capacity:
 def agree(group: Any, rows: Sequence[Sequence[int]]) -> None:
     """Record one exchange of ``group`` from its gathered header ``rows``: run on every rank after collective 1."""
     record = _record(group)
-    size = max(row[SIZE_REDUCED] for row in rows)
-    record.needs.append((size, max(row[1] for row in rows)) if size <= INLINE_MAX else None)
+    size = max([row[SIZE_REDUCED] for row in rows])
+    need = (size, max([row[1] for row in rows])) if size <= INLINE_MAX else None
+    record.needs.append(need)
+    # a steady group meets the same need exchange after exchange: once the window holds nothing else, the capacity
+    # it gives is the one already recorded
+    record.same = record.same + 1 if need == record.last else 1
+    record.last = need
+    if record.same > WINDOW:
+        return
     needs = [need for need in record.needs if need is not None]
     if not needs:
         record.capacity = Capacity()
@@ -458,13 +509,11 @@ def gather_first(
     row += [0] * (HEADER_WORDS - len(row))
     total = _HEAD_BYTES + agreed.data
     if inline:
-        shifted = [[o + _HEAD_BYTES if o >= 0 else -1 for o in state] for state in offsets]
-        mine = pack([*row, *words], tensors, shifted, total, device)
+        mine = pack([*row, *words], tensors, offsets, total, device, _HEAD_BYTES)
     else:
         mine = pack(row, [], [], total, device)
     flat = torch.empty((world_size, total), dtype=torch.uint8, device=mine.device)
-    received = list(flat)
-    dist.all_gather(received, mine, group)
+    _gather_rows(flat, mine, group)
     del mine
     read = _HEAD_BYTES + 8 * agreed.words
     # the exchange's one device-to-host read: every header and every inline description at once
@@ -474,14 +523,27 @@ def gather_first(
         list(t[HEADER_WORDS : HEADER_WORDS + r[1]]) if r[FLAGS] & FLAG_INLINE else None
         for t, r in zip(table, rows, strict=True)
     ]
-    return First(rows, described, [buffer[_HEAD_BYTES:] for buffer in received])
+    return First(rows, described, list(flat[:, _HEAD_BYTES:]))
+
+
+def _gather_rows(flat: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
+    """Every rank's ``mine`` into its row of ``flat``: into the one tensor where the backend takes it (on the CPU
+    from torch 2.13's ``all_gather_single`` on, which saves ``all_gather``'s copy and list checks), else into the
+    rows through ``all_gather``."""
+    into = getattr(dist, "all_gather_single", None)
+    if into is None and flat.device.type == "cuda":
+        into = dist.all_gather_into_tensor
+    if into is not None:
+        into(flat.view(-1), mine, group=group)
+    else:
+        dist.all_gather(list(flat), mine, group)
 
 
 def gather_payloads(buffer: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:
     """Collective 2: every rank's payload (all padded to the same size), in group-rank order."""
-    received = [torch.empty_like(buffer) for _ in range(world_size)]
-    dist.all_gather(received, buffer, group)
-    return received
+    flat = torch.empty((world_size, buffer.numel()), dtype=buffer.dtype, device=buffer.device)
+    _gather_rows(flat, buffer, group)
+    return list(flat)
 
 
 def words_of(buffer: torch.Tensor, count: int) -> list[int]:
