@@ -1,4 +1,4 @@
-"""How a MetricCollection's sync grows with the world: torchmetrics' own, per-member fused, one exchange, floor.
+"""How a MetricCollection's sync grows with the world: torchmetrics' own, per-member fused, one exchange, floors.
 
     python benchmarks/bench_collection.py [--world-sizes 2 4 8] [--rounds 5] [--classes 1000] [--plot PATH]
     python benchmarks/bench_collection.py --quick     # a smoke test of the script (the figures mean nothing)
@@ -18,13 +18,17 @@ the arms' order rotating from round to round (every member's cached result is dr
   without it) on the default group of the bytes a steady fused exchange moves in its collective 1:
   ``80 + wire.capacity(group).data`` bytes per rank, the capacity read after the warm-up of ``fused`` (and checked
   again at the end). The collectives the fused exchange issues beside that one (the reduced states' ``all_reduce``)
-  are not in the floor.
+  are not in the floor;
+* ``floor, synced``: ``compute()`` with torchmetrics' own sync, every member's ``_sync_dist`` standing in for
+  torchmetrics' own without communication (every other rank's copy of a state this rank's, detached, stacked and
+  reduced as torchmetrics does: ``_floor.stand_in``), then the floor's collective: what torchmetrics' path costs
+  beside its communication.
 
 Reported per arm: collectives per ``compute()`` (the default group's sequence number), the bytes of the buffers the
 collectives fill on one rank (what ``all_gather`` receives into, what ``all_reduce`` reduces in place), the median
-``compute()`` time (the slowest rank's) and the medians of the per-round ratios to torchmetrics' arm and to the
-floor with a distribution-free 95% confidence interval, then the floor's bytes per rank. ``--plot`` draws bytes
-and time against the world size (matplotlib). It imports nothing from ``tests/``.
+``compute()`` time (the slowest rank's) and the medians of the per-round ratios to torchmetrics' arm, to the
+floor and to ``floor, synced``, with a distribution-free 95% confidence interval, then the floor's bytes per rank.
+``--plot`` draws bytes and time against the world size (matplotlib). It imports nothing from ``tests/``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ else:  # run as a script: its own directory is on sys.path, here and in the spaw
     import workloads  # type: ignore[no-redef]
     from _stats import spread  # type: ignore[no-redef]
 
-ARMS = ("torchmetrics", "per-member fused", "fused", "floor")
+ARMS = ("torchmetrics", "per-member fused", "fused", "floor", "floor, synced")
 _FILLING = ("all_gather", "all_reduce", "all_gather_into_tensor", "all_gather_single")
 
 
@@ -93,6 +97,7 @@ def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, resu
     _count_bytes(filled)
     floor: list[Any] = []  # the floor's collective, made once the capacity has settled
     available = [metric.distributed_available_fn for metric in members]
+    stand_ins = [_floor.stand_in(metric, world_size) for metric in members]
 
     def compute(arm: str) -> None:
         for metric in members:
@@ -109,6 +114,16 @@ def _rank(rank: int, world_size: int, port: int, classes: int, rounds: int, resu
             finally:
                 for metric, fn in zip(members, available, strict=True):
                     metric.distributed_available_fn = fn
+            floor[0]()
+        elif arm == "floor, synced":
+            for metric, stand_in in zip(members, stand_ins, strict=True):
+                metric._sync_dist = stand_in  # an instance attribute, over the class's, for this call
+            try:
+                with tg.patched(sync="torchmetrics"):
+                    metrics.compute()
+            finally:
+                for metric in members:
+                    del metric._sync_dist
             floor[0]()
         else:
             with tg.patched(sync="fused"):
@@ -171,7 +186,7 @@ def as_text(result: dict[str, Any]) -> str:
         "bytes: what the collectives fill on one rank; compute(): medians, slowest rank; ratios: median of the "
         "per-round compute() ratios [95% CI]",
         f"{'ranks':>5} {'arm':18} {'collectives':>11} {'MiB filled':>10} {'compute() ms':>12} "
-        f"{'/ torchmetrics':>20} {'/ floor':>20}",
+        f"{'/ torchmetrics':>20} {'/ floor':>20} {'/ floor, synced':>20}",
     ]
 
     def ratio(times: list[float], reference: list[float]) -> str:
@@ -185,7 +200,7 @@ def as_text(result: dict[str, Any]) -> str:
             lines.append(
                 f"{world_size:>5} {arm:18} {count['collectives']:>11} {count['bytes'] / 2**20:>10.2f} "
                 f"{1e3 * statistics.median(times):>12.1f} {ratio(times, row['times']['torchmetrics']):>20} "
-                f"{ratio(times, row['times']['floor']):>20}"
+                f"{ratio(times, row['times']['floor']):>20} {ratio(times, row['times']['floor, synced']):>20}"
             )
         start, end = row["floor_bytes"]
         beyond = row["counts"]["fused"]["collectives"] - row["counts"]["floor"]["collectives"]
@@ -206,7 +221,7 @@ def plot(result: dict[str, Any], plt: Any) -> Any:
     """Bytes filled per rank and compute() time against the world size, one line per arm."""
     worlds = sorted(int(w) for w in result["worlds"])
     figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for arm, style in zip(ARMS, ("o-", "s--", "^-", "x:"), strict=True):
+    for arm, style in zip(ARMS, ("o-", "s--", "^-", "x:", "d:"), strict=True):
         rows = [result["worlds"][str(w)] for w in worlds]
         left.plot(worlds, [r["counts"][arm]["bytes"] / 2**20 for r in rows], style, label=arm)
         right.plot(worlds, [1e3 * statistics.median(r["times"][arm]) for r in rows], style, label=arm)

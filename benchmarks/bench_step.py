@@ -93,30 +93,6 @@ def _batch(rank: int, step: int) -> tuple[Any, Any]:
     return x, x[:, :4].sum(-1) + 0.1 * torch.randn(n, dtype=torch.float64, generator=generator)
 
 
-def _stand_in_sync(metric: Any, world_size: int) -> None:
-    """Give ``metric`` a ``_sync_dist`` that sets what torchmetrics' own sets, without communication: every other
-    rank's copy of a state is this rank's, detached (as a gathered copy, it has no graph; as the fused sync's views
-    of its receive buffer, it costs no copy; see ``floor, synced`` in the module docstring)."""
-    import torch
-    from torchmetrics.utilities.data import dim_zero_cat
-
-    def _sync_dist(dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        for attr, reduction in metric._reductions.items():
-            value = getattr(metric, attr)
-            if isinstance(value, torch.Tensor):
-                gathered: Any = torch.stack([value] + [value.detach()] * (world_size - 1))
-            else:
-                if reduction == dim_zero_cat and len(value) > 1:
-                    value = [dim_zero_cat(value)]
-                gathered = [each for item in value for each in [item] + [item.detach()] * (world_size - 1)]
-                if not gathered:
-                    setattr(metric, attr, [])
-                    continue
-            setattr(metric, attr, reduction(gathered) if reduction is not None else gathered)
-
-    metric._sync_dist = _sync_dist
-
-
 def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
     """One rank's loop (see the module docstring): per arm and round its medians, per arm the collectives seen."""
     import time
@@ -156,7 +132,7 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
     metrics["floor"] = collection(distributed_available_fn=lambda: False)
     metrics["floor, synced"] = collection(distributed_available_fn=lambda: True)
     for member in metrics["floor, synced"].values():
-        _stand_in_sync(member, world_size)
+        member._sync_dist = _floor.stand_in(member, world_size)
     groups = {arm: apart if arm == "per-member fused" else default for arm in ARMS}
     floor: list[Any] = []  # the floor's collective, made once the capacity has settled
 

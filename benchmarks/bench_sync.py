@@ -14,7 +14,10 @@ rotating from round to round:
   group of the bytes a steady fused exchange moves in its collective 1: ``80 + wire.capacity(group).data`` bytes
   per rank, the capacity read after the warm-up fused syncs of the case (and checked again at the end). Where the
   fused sync issues more collectives than that one (a large ``cat`` state's, a reduced state's), the floor leaves
-  them out, and its ratio is marked ``*``.
+  them out, and its ratio is marked ``*``;
+* ``floor, synced``: per Metric, torchmetrics' own ``_sync_dist`` without its communication (every other rank's copy
+  of a state this rank's, detached; ``_floor.stand_in``): the stacking, flattening, reductions and setting of the
+  states that any sync with torchmetrics' result does, then the floor's collective.
 
 The states are put back after each sync, so every sync starts from the same local states. Ranks meet at a barrier
 before each block, and a block's time is the slowest rank's. Reported per case: collectives per sync (the group's
@@ -39,7 +42,7 @@ from _stats import spread
 #: syncs per timed block, per case (more for the fast ones, so that a scheduler hiccup does not decide a block)
 CASES = {"MeanSquaredError": 40, "MulticlassAccuracy macro (4 [C] states)": 30, "10-member MetricCollection": 4,
          "1M-element cat state": 4}  # fmt: skip
-METHODS = ("torchmetrics", "fused", "floor")
+METHODS = ("torchmetrics", "fused", "floor", "floor, synced")
 
 
 def _metrics(case: str, rank: int, group: Any) -> list[Any]:
@@ -92,11 +95,20 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
     original = Metric.__dict__["_sync_dist"]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     floor: list[Any] = []  # the case's floor collective, made once its capacity has settled
+    stand_ins: list[Any] = []  # the case's stand-ins for torchmetrics' _sync_dist, without communication
 
     def sync(method: str, metrics: list[Any]) -> None:
         if method == "floor":
             for _ in metrics:
                 floor[0]()
+            return
+        if method == "floor, synced":
+            for metric, stand_in in zip(metrics, stand_ins, strict=True):
+                saved = {attr: getattr(metric, attr) for attr in metric._reductions}
+                stand_in()
+                floor[0]()
+                for attr, value in saved.items():
+                    setattr(metric, attr, value)
             return
         for metric in metrics:
             saved = {attr: getattr(metric, attr) for attr in metric._reductions}
@@ -116,6 +128,7 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
     for case, syncs in cases.items():
         group = dist.new_group(list(range(world_size)))
         metrics = _metrics(case, rank, group)
+        stand_ins[:] = [_floor.stand_in(metric, world_size) for metric in metrics]
         collectives, floor_bytes = {}, 0
         for method in METHODS:
             if method == "floor":  # after the fused sync's warm-up: the capacity its steady exchanges use
@@ -140,7 +153,7 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
             described = [_fused_pack.State(0, tuple(_fused_pack.piece_of(t) for t in p)) for p in pieces]
             packed += _fused_pack.layout(described, 8 * len(_fused_pack.encode(described)))[1]
         times: dict[str, list[float]] = {m: [] for m in METHODS}
-        ratios: dict[str, list[float]] = {"torchmetrics": [], "floor": []}
+        ratios: dict[str, list[float]] = {"torchmetrics": [], "floor": [], "floor, synced": []}
         for round_ in range(rounds):
             order = METHODS[round_ % len(METHODS) :] + METHODS[: round_ % len(METHODS)]
             block = {}
@@ -159,6 +172,7 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
             "seconds_per_sync": {m: spread(v) for m, v in times.items()},
             "ratio_fused_over_torchmetrics": spread(ratios["torchmetrics"]),
             "ratio_fused_over_floor": spread(ratios["floor"]),
+            "ratio_fused_over_synced_floor": spread(ratios["floor, synced"]),
             "floor_bytes_per_rank": floor_bytes,
             "floor_bytes_at_end": _floor.exchange_bytes(group),
             "local_state_bytes": state_bytes,
@@ -196,7 +210,8 @@ def as_text(result: dict[str, Any]) -> str:
         f"{result['torchmetrics']}, {result['package']}, load {result['load_at_start']} -> {result['load_at_end']}, "
         f"{result['rounds']} rounds)",
         "A 'sync' is one Metric's (the collection: every member's, one after another); the floor: one collective of "
-        "the fused exchange's collective-1 bytes per Metric.",
+        "the fused exchange's collective-1 bytes per Metric; the synced floor: the same after torchmetrics' own "
+        "_sync_dist without its communication.",
         "ms: median per sync, slowest rank; ratios: median of the per-round ratios [95% CI].",
     ]
 
@@ -207,17 +222,19 @@ def as_text(result: dict[str, Any]) -> str:
     for world_size, cases in result["worlds"].items():
         lines.append(f"\n{world_size} gloo ranks")
         lines.append(
-            f"{'case':39} {'collectives tm/fused/floor':>26} {'ms tm':>7} {'ms fused':>8} {'ms floor':>8} "
-            f"{'fused / tm':>18} {'fused / floor':>20}"
+            f"{'case':39} {'collectives tm/fused/floors':>27} {'ms tm':>7} {'ms fused':>8} {'ms floor':>8} "
+            f"{'ms synced':>9} {'fused / tm':>18} {'fused / floor':>20} {'fused / synced':>20}"
         )
         for case, row in cases.items():
             c, k, t = row["collectives_per_metric_sync"], row["metrics_per_sync"], row["seconds_per_sync"]
             counts = " / ".join(f"{c[m] * k:.0f}" for m in METHODS)
-            beyond = c["fused"] > c["floor"]  # collectives the floor leaves out
+            beyond = c["fused"] > c["floor"]  # collectives the floors leave out
             marked = ratio(row["ratio_fused_over_floor"]) + (" *" if beyond else "  ")
+            synced = ratio(row["ratio_fused_over_synced_floor"]) + (" *" if beyond else "  ")
             lines.append(
-                f"{case:39} {counts:>26} {1e3 * t['torchmetrics']['median']:>7.3f} {1e3 * t['fused']['median']:>8.3f} "
-                f"{1e3 * t['floor']['median']:>8.3f} {ratio(row['ratio_fused_over_torchmetrics']):>18} {marked:>20}"
+                f"{case:39} {counts:>27} {1e3 * t['torchmetrics']['median']:>7.3f} {1e3 * t['fused']['median']:>8.3f} "
+                f"{1e3 * t['floor']['median']:>8.3f} {1e3 * t['floor, synced']['median']:>9.3f} "
+                f"{ratio(row['ratio_fused_over_torchmetrics']):>18} {marked:>20} {synced:>20}"
             )
             notes += beyond
         lines.append(f"{'case':39} {'floor bytes per rank':>26} {'pack/state bytes':>17}")
@@ -230,7 +247,7 @@ def as_text(result: dict[str, Any]) -> str:
             )
     if notes:
         lines.append(
-            "* the fused sync issues collectives the floor leaves out (a large cat state's, a reduced state's): "
+            "* the fused sync issues collectives the floors leave out (a large cat state's, a reduced state's): "
             "fused / floor is not against its whole exchange"
         )
     return "\n".join(lines) + "\n"
