@@ -10,6 +10,7 @@ Each benchmark is also one command of its own (docs/performance.md names them):
     python benchmarks/bench_sync.py         # the fused sync against torchmetrics' own sync and its floor
     python benchmarks/bench_collection.py   # the sync inside MetricCollection.compute(): fused, torchmetrics', floor
     python benchmarks/bench_step.py         # a DDP step with a MetricCollection loss: the syncs against the floor
+    python benchmarks/bench_step_parts.py   # where a fused step's time goes, part by part, beside the floor's
     python benchmarks/bench_memory.py       # the peak memory of one sync against the gathered states' size
     python benchmarks/bench_global.py       # global mode against local mode and torch's differentiable all_gather
     python benchmarks/bench_compile.py      # what torch.compile support costs the eager path
@@ -29,6 +30,7 @@ BENCHMARKS = (
     "bench_sync",
     "bench_collection",
     "bench_step",
+    "bench_step_parts",
     "bench_memory",
     "bench_global",
     "bench_compile",
@@ -41,6 +43,7 @@ QUICK = {
     "bench_sync": ["--quick"],
     "bench_collection": ["--quick"],
     "bench_step": ["--quick"],
+    "bench_step_parts": ["--quick"],
     "bench_memory": ["--quick"],
     "bench_global": ["--quick"],
     "bench_compile": ["--rounds", "3", "--calls", "200"],

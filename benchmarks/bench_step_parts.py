@@ -1,0 +1,178 @@
+"""Where a fused collection step's time goes, part by part, beside the floor's.
+
+    python benchmarks/bench_step_parts.py [--world-sizes 2 4] [--rounds 10] [--steps 20]
+    python benchmarks/bench_step_parts.py --quick     # a smoke test of the script (the figures mean nothing)
+
+The collection and batches of ``bench_step.py`` (five regression members whose outputs make the loss, a
+``SpearmanCorrCoef`` riding along, all ``dist_sync_on_step=True``; uneven batches from its ``_batch``), its loss from
+the outputs of a plain ``Linear(16, 1)`` (no DDP: the parts are the metrics'), on spawned gloo ranks. Two arms, in
+alternating order from round to round: ``floor`` (the collection with ``distributed_available_fn`` false, then one
+collective of the steady exchange's bytes, as in ``bench_step.py``) and ``one exchange`` (``patched(sync="fused")``).
+
+Each part is timed by a wrapper around the function that does it (``time.perf_counter``; a wrapper costs about a
+microsecond a call, a few dozen calls a step), per step, on every rank: the forward and the backward of the metric
+loss; within the fused forward, the first halves (``step._Step.begin``: torchmetrics' lines before ``compute()``),
+the exchange (``collection.sync_members``) and its collective (``wire._gather_rows``), the reductions of the gathered
+states (``sync.reduce``: torchmetrics' stacking and reductions); in both arms, torchmetrics' ``compute()`` of the
+members (each member's ``compute``), on local states in the floor and on synced states in the fused step. Reported
+per part: the median per step over all steps of a rank, the largest rank's. It imports nothing from ``tests/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+if __package__:
+    from benchmarks import _floor, _ranks
+    from benchmarks.bench_step import FEATURES, _batch
+else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
+    import _floor  # type: ignore[no-redef]
+    import _ranks  # type: ignore[no-redef]
+    from bench_step import FEATURES, _batch  # type: ignore[no-redef]
+
+ARMS = ("floor", "one exchange")
+PARTS = (
+    ("step", "the step: forward and backward of the metric loss"),
+    ("forward", "  forward"),
+    ("begin", "    first halves: torchmetrics' lines before compute()"),
+    ("exchange", "    the exchange"),
+    ("collective", "      its collective (the floor's: after the forward)"),
+    ("exchange_rest", "      the rest: describe, pack, read back, plan"),
+    ("reduce", "    torchmetrics' reductions of the gathered states"),
+    ("compute", "    torchmetrics' compute() of the members"),
+    ("forward_rest", "    the rest of the forward"),
+    ("backward", "  backward"),
+)
+
+
+def _never() -> bool:
+    return False
+
+
+def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """One rank: per arm and part, the median per step."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torchmetrics import MetricCollection
+    from torchmetrics.regression import (
+        ExplainedVariance,
+        MeanAbsoluteError,
+        MeanSquaredError,
+        PearsonCorrCoef,
+        R2Score,
+        SpearmanCorrCoef,
+    )
+
+    import torchmetrics_gradpatch as tg
+    from torchmetrics_gradpatch.fused import collection, step, sync, wire
+
+    warnings.filterwarnings("ignore")  # SpearmanCorrCoef's note on its buffer
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(FEATURES, 1).double()
+    kinds = (MeanSquaredError, MeanAbsoluteError, ExplainedVariance, R2Score, PearsonCorrCoef, SpearmanCorrCoef)
+    metrics = {
+        "floor": MetricCollection([kind(dist_sync_on_step=True, distributed_available_fn=_never) for kind in kinds]),
+        "one exchange": MetricCollection([kind(dist_sync_on_step=True) for kind in kinds]),
+    }
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(function: Callable[..., Any], part: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - started
+
+        return wrapper
+
+    for members in metrics.values():
+        for member in members.values():
+            member.compute = timed(member.compute, "compute")  # the instance's wrapped compute, as forward calls it
+    places = [(step._Step, "begin", "begin"), (collection, "sync_members", "exchange"), (sync, "reduce", "reduce")]
+    places.append((wire, "_gather_rows", "collective"))
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in places]
+    for owner, name, part in places:
+        setattr(owner, name, timed(getattr(owner, name), part))
+    gather: list[Callable[[], None]] = []  # the floor's collective, made once the capacity has settled
+
+    def one(arm: str, index: int) -> dict[str, float]:
+        x, y = _batch(rank, index)
+        spent.clear()
+        started = time.perf_counter()
+        values = metrics[arm](model(x).squeeze(-1), y)
+        if arm == "floor":
+            issued = time.perf_counter()
+            gather[0]()
+            spent["collective"] += time.perf_counter() - issued
+        middle = time.perf_counter()
+        loss = values["MeanSquaredError"] + values["MeanAbsoluteError"] + (1 - values["R2Score"])
+        loss = loss + (1 - values["ExplainedVariance"]) + (1 - values["PearsonCorrCoef"])
+        loss.backward()
+        ended = time.perf_counter()
+        found = {"step": ended - started, "forward": middle - started, "backward": ended - middle, **spent}
+        if arm == "one exchange":
+            found["exchange_rest"] = found["exchange"] - found["collective"]
+        inside = ("begin", "exchange", "reduce", "compute") if arm == "one exchange" else ("collective", "compute")
+        found["forward_rest"] = found["forward"] - sum(found.get(part, 0.0) for part in inside)
+        return found
+
+    try:
+        with tg.patched(sync="fused"):
+            for index in range(3):
+                one("one exchange", index)
+            gather.append(_floor.collective(_floor.exchange_bytes(dist.group.WORLD), dist.group.WORLD))
+        seen: dict[str, dict[str, list[float]]] = {arm: defaultdict(list) for arm in ARMS}
+        for round_ in range(rounds):
+            for arm in ARMS if round_ % 2 else ARMS[::-1]:
+                metrics[arm].reset()
+                dist.barrier()
+                with tg.patched(sync="fused" if arm == "one exchange" else "torchmetrics"):
+                    for index in range(steps):
+                        for part, seconds in one(arm, 3 + round_ * steps + index).items():
+                            seen[arm][part].append(seconds)
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    return {arm: {part: statistics.median(values) for part, values in seen[arm].items()} for arm in ARMS}
+
+
+def as_text(world_size: int, ranks: list[dict[str, dict[str, float]]]) -> str:
+    lines = [f"\n{world_size} gloo ranks: ms per step (median over a rank's steps, the largest rank's)"]
+    lines.append(f"{'part':58} {'floor':>8} {'one exchange':>13}")
+    for part, label in PARTS:
+        cells = []
+        for arm in ARMS:
+            found = [r[arm][part] for r in ranks if part in r[arm]]
+            cells.append(f"{1e3 * max(found):.3f}" if found else "")
+        lines.append(f"{label:58} {cells[0]:>8} {cells[1]:>13}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.world_sizes, args.rounds, args.steps = [2], 2, 2
+    import torch
+    import torchmetrics
+
+    print(f"{_ranks.package()}, torch {torch.__version__}, torchmetrics {torchmetrics.__version__}", flush=True)
+    for world_size in args.world_sizes:
+        print(as_text(world_size, _ranks.spawn_ranks(_parts, world_size, (args.rounds, args.steps))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
