@@ -59,12 +59,13 @@ import statistics
 from typing import Any
 
 if __package__:
-    from benchmarks import _floor, _ranks, _report
+    from benchmarks import _floor, _ranks, _report, workloads
     from benchmarks._stats import spread
 else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
     import _floor  # type: ignore[no-redef]
     import _ranks  # type: ignore[no-redef]
     import _report  # type: ignore[no-redef]
+    import workloads  # type: ignore[no-redef]
     from _stats import spread  # type: ignore[no-redef]
 
 ARMS = (
@@ -102,14 +103,6 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torchmetrics import MetricCollection
-    from torchmetrics.regression import (
-        ExplainedVariance,
-        MeanAbsoluteError,
-        MeanSquaredError,
-        PearsonCorrCoef,
-        R2Score,
-        SpearmanCorrCoef,
-    )
 
     import torchmetrics_gradpatch as tg
 
@@ -122,10 +115,7 @@ def _train(mode: str, rounds: int, steps: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     default = dist.distributed_c10d._get_default_group()
     apart = dist.new_group(list(range(world_size)))  # per-member fused's metrics
-    kinds = (MeanSquaredError, MeanAbsoluteError, ExplainedVariance, R2Score, PearsonCorrCoef, SpearmanCorrCoef)
-
-    def collection(**kwargs: Any) -> Any:
-        return MetricCollection([kind(dist_sync_on_step=True, **kwargs) for kind in kinds])
+    collection = workloads.step_collection
 
     metrics = {arm: collection() for arm in ARMS[2:]}
     metrics["per-member fused"] = collection(process_group=apart)

@@ -28,11 +28,12 @@ from collections.abc import Callable
 from typing import Any
 
 if __package__:
-    from benchmarks import _floor, _ranks
+    from benchmarks import _floor, _ranks, workloads
     from benchmarks.bench_step import FEATURES, _batch
 else:  # run as a script: its own directory is on sys.path, here and in the spawned ranks
     import _floor  # type: ignore[no-redef]
     import _ranks  # type: ignore[no-redef]
+    import workloads  # type: ignore[no-redef]
     from bench_step import FEATURES, _batch  # type: ignore[no-redef]
 
 ARMS = ("floor", "one exchange")
@@ -60,15 +61,6 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
 
     import torch
     import torch.distributed as dist
-    from torchmetrics import MetricCollection
-    from torchmetrics.regression import (
-        ExplainedVariance,
-        MeanAbsoluteError,
-        MeanSquaredError,
-        PearsonCorrCoef,
-        R2Score,
-        SpearmanCorrCoef,
-    )
 
     import torchmetrics_gradpatch as tg
     from torchmetrics_gradpatch.fused import collection, step, sync, wire
@@ -77,10 +69,9 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(FEATURES, 1).double()
-    kinds = (MeanSquaredError, MeanAbsoluteError, ExplainedVariance, R2Score, PearsonCorrCoef, SpearmanCorrCoef)
     metrics = {
-        "floor": MetricCollection([kind(dist_sync_on_step=True, distributed_available_fn=_never) for kind in kinds]),
-        "one exchange": MetricCollection([kind(dist_sync_on_step=True) for kind in kinds]),
+        "floor": workloads.step_collection(distributed_available_fn=_never),
+        "one exchange": workloads.step_collection(),
     }
     spent: dict[str, float] = defaultdict(float)
 

@@ -1,4 +1,5 @@
-"""The classification collections the collection benchmark times and the fused-collection tests check.
+"""The collections the benchmarks time: the classification collections the collection benchmark times and the
+fused-collection tests check, and the regression collection of the step benchmarks.
 
 Imports only torch and torchmetrics, so ``benchmarks/bench_collection.py`` stands alone and ``tests/`` imports the
 very workload it measures from here.
@@ -10,7 +11,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["classification_collection", "scale_batches", "scale_collection"]
+__all__ = ["classification_collection", "scale_batches", "scale_collection", "step_collection"]
+
+
+def step_collection(**kwargs: Any) -> Any:
+    """The step benchmarks' collection: ``MeanSquaredError``, ``MeanAbsoluteError``, ``ExplainedVariance``,
+    ``R2Score``, ``PearsonCorrCoef`` and ``SpearmanCorrCoef``, each ``dist_sync_on_step=True`` and ``kwargs``."""
+    from torchmetrics import MetricCollection
+    from torchmetrics import regression as tr
+
+    kinds = (
+        tr.MeanSquaredError,
+        tr.MeanAbsoluteError,
+        tr.ExplainedVariance,
+        tr.R2Score,
+        tr.PearsonCorrCoef,
+        tr.SpearmanCorrCoef,
+    )
+    return MetricCollection([kind(dist_sync_on_step=True, **kwargs) for kind in kinds])
 
 
 def classification_collection(num_classes: int) -> Any:
