@@ -26,7 +26,16 @@ _TORCHMETRICS, _TORCH = Version(torchmetrics.__version__).release, Version(torch
 EMPTY_CAT_PLACEHOLDER = _TORCHMETRICS >= (1, 4) and _TORCH >= (2, 1)
 
 #: The collectives :func:`record_collectives` watches (those missing from a torch version are skipped).
-COLLECTIVES = ("barrier", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "reduce_scatter", "broadcast")
+COLLECTIVES = (
+    "barrier",
+    "all_gather",
+    "all_gather_single",  # the fused exchange's, on a torch that has it
+    "all_to_all_single",
+    "all_to_all",
+    "all_reduce",
+    "reduce_scatter",
+    "broadcast",
+)
 
 
 @contextmanager

@@ -170,8 +170,10 @@ def _nothing_to_sync(rank: int, world_size: int, empty: int) -> None:
     losses = every_rank(out["loss"])
     assert all(torch.equal(v, losses[0]) for v in losses), losses  # type: ignore[arg-type]
     # one cat state: the header, then the data; no barrier. One backward collective on every rank.
-    # The fused sync (TORCHMETRICS_GRADPATCH_SYNC=fused): its description exchange, then the payload.
-    assert len(out["fwd"]) == 2 and all(c.startswith("all_gather[") for c in out["fwd"]), out["fwd"]
+    # The fused sync (TORCHMETRICS_GRADPATCH_SYNC=fused): its description exchange, then the payload (each an
+    # all_gather_single where torch has it).
+    gather = "all_gather[" if out["sync"] == "torchmetrics" else "all_gather"
+    assert len(out["fwd"]) == 2 and all(c.startswith(gather) for c in out["fwd"]), out["fwd"]
     if out["sync"] == "torchmetrics":
         assert out["fwd"][0].startswith("all_gather[(10,)"), out["fwd"]
     assert out["bwd"] == ["all_to_all_single"], f"rank {rank}"
