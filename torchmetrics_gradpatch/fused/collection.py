@@ -371,9 +371,7 @@ def sync_members(
         if key not in _PLANS:
             for i in plan.joined:
                 fs.validate(_member_name(*members[i]), states[i], plan.views[i])
-            _PLANS[key] = plan
-            while len(_PLANS) > 64:
-                _PLANS.pop(next(iter(_PLANS)))
+            fs.remember(_PLANS, key, plan)
         if everywhere:
             fs.complete(got, out, slots, rows, rank, group, device, staging)
     outcome = Outcome(everywhere, plan.joins, own_sync=[members[i][1] for i in plan.own])

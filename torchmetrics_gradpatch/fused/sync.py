@@ -98,6 +98,7 @@ __all__ = [
     "raise_failures",
     "reduce",
     "reduction_name",
+    "remember",
     "structure_error",
     "validate",
 ]
@@ -111,11 +112,7 @@ def put(module: Any, name: str, value: Any) -> None:
     flag, a count) that it holds already: stored as ``Module.__setattr__`` stores it, without its checks (a step
     sets hundreds). A name the instance does not hold yet, or a parameter, buffer or module, goes through
     ``setattr``."""
-    attributes = module.__dict__
-    if name in attributes and type(value) in _PLAIN_TYPES:
-        attributes[name] = value
-    else:
-        setattr(module, name, value)
+    put_all(module, {name: value})
 
 
 def put_all(module: Any, values: dict[str, Any]) -> None:
@@ -185,11 +182,11 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     (``stream_cpu``: its tensors held on the CPU are described as streamed)."""
     dim_zero_cat = _dim_zero_cat()
     value = getattr(metric, attr)
-    cat = reduction is dim_zero_cat or reduction == dim_zero_cat  # as torchmetrics.metric compares it
+    cat = is_cat(reduction)
     # a conjugate or negative view is sent as the values it reads as (torchmetrics' torch.cat, pad or stack
     # resolves it), resolved here, before the header: a byte view of it would raise on this rank alone
     if isinstance(value, torch.Tensor):  # the common case first: a tensor state (a steady sync's, many of them)
-        tensor = (_bytes.resolved(value) if value.is_conj() or value.is_neg() else value).contiguous()
+        tensor = _bytes.resolved(value).contiguous()
         return Local(attr, reduction, cat, value, [tensor], fp.tensor_state(tensor, stream_cpu and tensor.is_cpu))
     placeholder = False
     if cat and isinstance(value, list):
@@ -499,6 +496,14 @@ def _cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 _VALID: dict[tuple[Any, ...], None] = {}
 
 
+def remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` under ``key`` in ``memo``, which holds its newest 64 entries (a steady exchange's layout, and
+    a few others)."""
+    memo[key] = value
+    while len(memo) > 64:
+        memo.pop(next(iter(memo)))
+
+
 def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
     """Sync ``metric``'s states over ``process_group`` (else the metric's, else the default group) in one exchange
     (one collective when steady, two after a change), with torchmetrics' values and ``mode``'s gradients (see the
@@ -537,9 +542,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         valid = (got.words, rows[rank][fp.FINGERPRINT], tuple(s.is_cat for s in states))
         if valid not in _VALID:
             validate(name, states, got.slots)
-            _VALID[valid] = None
-            while len(_VALID) > 64:
-                _VALID.pop(next(iter(_VALID)))
+            remember(_VALID, valid, None)
         complete(got, out, states, rows, rank, resolved, device, staging)
     keep = [s.described.kind == fp.KIND_LIST and not s.is_cat for s in states]
     synced = entries(states, got, [keep] * world_size, rank, world_size, group, node_wanted(rows, mode), device)

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
-from torchmetrics_gradpatch._bytes import ALIGN
+from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
 
 __all__ = [
     "ABSENT",
@@ -314,14 +314,12 @@ def pack(
     """This rank's payload in a buffer of ``size`` bytes: its description, then each tensor's bytes at its offset
     (plus ``base``: where the payload starts after words of another kind, a header).
 
-    ``tensors`` are resolved (no conjugate or negative view), as the fused sync prepares them. The one copy of the
-    local states' bytes that the fused sync makes (one ``torch.cat``); padding bytes are zeros, not left
-    uninitialised, so nothing of this process's memory travels.
+    The one copy of the local states' bytes that the fused sync makes (one ``torch.cat``); padding bytes are zeros,
+    not left uninitialised, so nothing of this process's memory travels.
     """
     head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
     if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
         head = head.pin_memory().to(device, non_blocking=True)
-    pads = _pads(device)
     parts = [head]
     end = head.numel()
     for state_tensors, state_offsets in zip(tensors, offsets, strict=True):
@@ -330,27 +328,16 @@ def pack(
                 continue  # reduced, or streamed
             offset += base
             if offset > end:
-                parts.append(pads[offset - end] if offset - end < ALIGN else _zeros(offset - end, device))
-            flat = tensor.detach().reshape(-1)
-            if flat.stride(0) != 1 and flat.numel():  # expanded (stride 0) passes is_contiguous at one element
-                flat = flat.clone(memory_format=torch.contiguous_format)
-            parts.append(flat.view(torch.uint8))
-            end = offset + parts[-1].numel()
+                parts.append(_zeros(offset - end, device))
+            data = as_bytes(tensor)
+            parts.append(data)
+            end = offset + data.numel()
     if size > end:
         parts.append(_zeros(size - end, device))
     return torch.cat(parts)
 
 
 _ZEROS: dict[torch.device, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-
-
-def _pads(device: torch.device) -> list[torch.Tensor]:
-    """Views of ``0`` to ``ALIGN - 1`` zero bytes on ``device`` (the pads between pieces, made once)."""
-    kept = _ZEROS.get(device)
-    if kept is None:
-        _zeros(0, device)
-        kept = _ZEROS[device]
-    return kept[1]
 
 
 def _zeros(n: int, device: torch.device) -> torch.Tensor:
