@@ -789,3 +789,28 @@ def _a_bad_chunk_size_raises_on_every_rank(rank: int, world_size: int, bad: str)
 @pytest.mark.parametrize("bad", ["lots", "0", "99999999999999999999"])
 def test_a_bad_chunk_size_raises_on_every_rank(world_size: int, bad: str) -> None:
     run_ranks(_a_bad_chunk_size_raises_on_every_rank, world_size, bad, timeout=60)
+
+
+def test_kept_send_buffer_gives_packs_bytes_and_zero_padding() -> None:
+    from torchmetrics_gradpatch.fused import wire as fp
+
+    def packed(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        described = [fp.tensor_state(t) for t in tensors]
+        words = fp.encode(described)
+        offsets, size = fp.layout(described, 8 * len(words))
+        row = list(range(fp.HEADER_WORDS))
+        total = 8 * fp.HEADER_WORDS + size + 64
+        cpu = torch.device("cpu")
+        kept = fp._pack_kept([*row, *words], [[t] for t in tensors], offsets, total, cpu).clone()
+        return kept, fp.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, 8 * fp.HEADER_WORDS)
+
+    first = [torch.full((3,), 7.0, dtype=torch.float64), torch.ones((), dtype=torch.complex128).conj()]
+    kept, reference = packed(first)
+    assert torch.equal(kept, reference)
+    # another layout of the same size: its own buffer, none of the first one's bytes in its padding
+    kept, reference = packed([torch.ones(1, dtype=torch.float64), torch.ones((), dtype=torch.complex128)])
+    assert torch.equal(kept, reference)
+    # the first layout again, other values: its kept buffer holds them
+    kept, reference = packed([-t for t in first])
+    assert torch.equal(kept, reference)
+    assert len(fp._SENDS) <= fp._KEPT

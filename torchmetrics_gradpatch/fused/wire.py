@@ -496,9 +496,9 @@ def gather_first(
     row += [0] * (HEADER_WORDS - len(row))
     total = _HEAD_BYTES + agreed.data
     if inline:
-        mine = pack([*row, *words], tensors, offsets, total, device, _HEAD_BYTES)
+        mine = _pack_kept([*row, *words], tensors, offsets, total, device)
     else:
-        mine = pack(row, [], [], total, device)
+        mine = _pack_kept(row, [], [], total, device)
     flat = torch.empty((world_size, total), dtype=torch.uint8, device=mine.device)
     _gather_rows(flat, mine, group)
     del mine
@@ -511,6 +511,67 @@ def gather_first(
         for t, r in zip(table, rows, strict=True)
     ]
     return First(rows, described, list(flat[:, _HEAD_BYTES:]))
+
+
+#: collective 1's send buffers, by layout (the newest :data:`_KEPT`): nothing reads one after the collective returns,
+#: so a steady exchange writes into the buffer of its layout, through views made once, instead of joining its pieces
+_SENDS: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+_KEPT = 8
+_copy_all = getattr(torch, "_foreach_copy_", None)  # one call for every piece, from torch 2.1 on
+
+
+def _pack_kept(
+    words: Sequence[int],
+    tensors: Sequence[Sequence[torch.Tensor]],
+    offsets: Sequence[Sequence[int]],
+    size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`pack` (the pieces after the header) into the send buffer kept for this layout: the words, then each
+    piece copied into its view. The buffer is zeros when made and the same layout writes the same bytes of it, so
+    its padding stays zeros. The description (``words`` after the header) gives every piece's dtype and shape, so
+    a layout's key is the description and the offsets.
+
+    On a CUDA device the key holds the current stream too: the collective that read a buffer was ordered before the
+    stream's next write by its ``wait()``, not before another stream's. Other devices take :func:`pack`."""
+    if device.type == "cuda":
+        stream: int | None = torch.cuda.current_stream(device).cuda_stream
+    elif device.type == "cpu":
+        stream = None
+    else:
+        return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
+    key = (device, stream, size, tuple(words[HEADER_WORDS:]), tuple(o for state in offsets for o in state))
+    placed = [
+        (_HEAD_BYTES + offset, tensor)
+        for state_tensors, state_offsets in zip(tensors, offsets, strict=True)
+        for tensor, offset in zip(state_tensors, state_offsets, strict=True)
+        if offset >= 0 and tensor.numel()
+    ]
+    kept = _SENDS.get(key)
+    if kept is None:
+        buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        views = [_view(buffer, at, tensor) for at, tensor in placed]
+        kept = _SENDS[key] = (buffer, views)
+        while len(_SENDS) > _KEPT:
+            _SENDS.pop(next(iter(_SENDS)))
+    buffer, views = kept
+    head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
+    if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
+        head = head.pin_memory()
+    buffer[: head.numel()].copy_(head, non_blocking=True)
+    pieces = [tensor for _, tensor in placed]
+    if _copy_all is not None and views:
+        _copy_all(views, pieces)
+    else:
+        for view, piece in zip(views, pieces, strict=True):
+            view.copy_(piece)
+    return buffer
+
+
+def _view(buffer: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``buffer`` from ``at`` on (a multiple of the dtype's size) viewed as a tensor like ``like``."""
+    start = at // like.element_size()
+    return buffer.view(like.dtype)[start : start + like.numel()].view(like.shape)
 
 
 def _gather_rows(flat: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
