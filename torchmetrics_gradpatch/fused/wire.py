@@ -496,9 +496,9 @@ def gather_first(
     row += [0] * (HEADER_WORDS - len(row))
     total = _HEAD_BYTES + agreed.data
     if inline:
-        mine = _pack_kept([*row, *words], tensors, offsets, total, device)
+        mine = _pack_kept([*row, *words], tensors, offsets, total, device, group)
     else:
-        mine = _pack_kept(row, [], [], total, device)
+        mine = _pack_kept(row, [], [], total, device, group)
     flat = torch.empty((world_size, total), dtype=torch.uint8, device=mine.device)
     _gather_rows(flat, mine, group)
     del mine
@@ -526,8 +526,10 @@ def _pack_kept(
     offsets: Sequence[Sequence[int]],
     size: int,
     device: torch.device,
+    group: Any = None,
 ) -> torch.Tensor:
-    """:func:`pack` (the pieces after the header) into the send buffer kept for this layout: the words, then each
+    """:func:`pack` (the pieces after the header) into the send buffer kept for this layout and ``group`` (a thread
+    syncing over another group never writes into a buffer in flight): the words, then each
     piece copied into its view. The buffer is zeros when made and the same layout writes the same bytes of it, so
     its padding stays zeros. The description (``words`` after the header) gives every piece's dtype and shape, so
     a layout's key is the description and the offsets.
@@ -540,7 +542,7 @@ def _pack_kept(
         stream = None
     else:
         return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
-    key = (device, stream, size, tuple(words[HEADER_WORDS:]), tuple(o for state in offsets for o in state))
+    key = (id(group), device, stream, size, tuple(words[HEADER_WORDS:]), tuple(o for state in offsets for o in state))
     placed = [
         (_HEAD_BYTES + offset, tensor)
         for state_tensors, state_offsets in zip(tensors, offsets, strict=True)
