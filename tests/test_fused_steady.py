@@ -218,5 +218,15 @@ def test_the_capacity_rule() -> None:
         assert wire.capacity(group) == wire.Capacity(2048, 8)  # the 1025-byte exchange is the oldest one kept
         wire.agree(group, [row(16, 2)])
         assert wire.capacity(group) == wire.Capacity(wire.INLINE_MIN, 2)
+        # layouts in a cycle (alternating batch sizes), then a change: after every exchange the capacity is the rule
+        # applied to the last WINDOW exchanges, computed here from the needs themselves
+        needs = [(16, 2)] * wire.WINDOW
+        cycle = [(300, 2), (16, 2), (700, 40)] * wire.WINDOW + [(16, 2)] * (wire.WINDOW + 1) + [(2000, 9)]
+        for size, words in cycle:
+            wire.agree(group, [row(size, words)])
+            needs = [*needs[1:], (size, words)]
+            data = max(1 << (max(n for n, _ in needs) - 1).bit_length(), wire.INLINE_MIN)
+            expected = wire.Capacity(data, min(1 << (max(w for _, w in needs) - 1).bit_length(), data // 8))
+            assert wire.capacity(group) == expected, (size, words)
     finally:
         forget_capacities()

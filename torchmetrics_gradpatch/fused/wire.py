@@ -416,8 +416,6 @@ class _Record:
 
     needs: deque[tuple[int, int] | None] = field(default_factory=lambda: deque(maxlen=WINDOW))
     capacity: Capacity = field(default_factory=Capacity)
-    last: tuple[int, int] | None = None  # the newest need, and how many exchanges in a row met it
-    same: int = 0
 
 
 _RECORDS: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
@@ -449,12 +447,12 @@ def agree(group: Any, rows: Sequence[Sequence[int]]) -> None:
     record = _record(group)
     size = max([row[SIZE_REDUCED] for row in rows])
     need = (size, max([row[1] for row in rows])) if size <= INLINE_MAX else None
-    record.needs.append(need)
-    # a steady group meets the same need exchange after exchange: once the window holds nothing else, the capacity
-    # it gives is the one already recorded
-    record.same = record.same + 1 if need == record.last else 1
-    record.last = need
-    if record.same > WINDOW:
+    window = record.needs
+    # the capacity is a function of the window's needs: where the need that a full window drops is the one added
+    # (a steady group's, or one whose layouts repeat in a cycle, as alternating batch sizes make), it is unchanged
+    unchanged = len(window) == WINDOW and window[0] == need
+    window.append(need)
+    if unchanged:
         return
     needs = [need for need in record.needs if need is not None]
     if not needs:
