@@ -131,11 +131,12 @@ def mark(slots: Sequence[Any]) -> None:
     not (:func:`defer`)."""
     from torchmetrics.utilities.data import dim_zero_cat
 
-    chosen = [slot for slot in slots if _eligible(slot)]
+    cats = [slot for slot in slots if slot.is_cat]  # a steady sync's many small states are none of these
+    chosen = [slot for slot in cats if _eligible(slot)]
     if sum(slot.described.pieces[0].nbytes for slot in chosen) < LARGE_MIN_BYTES:
         chosen = []
     sent = {id(slot) for slot in chosen}
-    for slot in slots:  # step 1 completed for the deferred states that stay in the payload (in place: the
+    for slot in cats:  # step 1 completed for the deferred states that stay in the payload (in place: the
         if _deferred(slot) and id(slot) not in sent:  # collection's member states share the list)
             slot.tensors[:] = [dim_zero_cat(slot.value).contiguous()]
     for slot in chosen:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import array
 import functools
+import itertools
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -508,12 +509,13 @@ def gather_first(
         list(t[HEADER_WORDS : HEADER_WORDS + r[1]]) if r[FLAGS] & FLAG_INLINE else None
         for t, r in zip(table, rows, strict=True)
     ]
-    return First(rows, described, list(flat[:, _HEAD_BYTES:]))
+    return First(rows, described, list(flat[:, _HEAD_BYTES:].unbind(0)))
 
 
 #: collective 1's send buffers, by layout (the newest :data:`_KEPT`): nothing reads one after the collective returns,
-#: so a steady exchange writes into the buffer of its layout, through views made once, instead of joining its pieces
-_SENDS: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+#: so a steady exchange writes into the buffer of its layout, through views made once, instead of joining its pieces;
+#: with each, which of the layout's tensors (in order, all states' together) it holds
+_SENDS: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
 _KEPT = 8
 _copy_all = getattr(torch, "_foreach_copy_", None)  # one call for every piece, from torch 2.1 on
 
@@ -530,7 +532,8 @@ def _pack_kept(
     syncing over another group never writes into a buffer in flight): the words, then each
     piece copied into its view. The buffer is zeros when made and the same layout writes the same bytes of it, so
     its padding stays zeros. The description (``words`` after the header) gives every piece's dtype and shape, so
-    a layout's key is the description and the offsets.
+    a layout's key is the description and the offsets, and which pieces it holds (an offset, and an element) is the
+    layout's too.
 
     On a CUDA device the key holds the current stream too: the collective that read a buffer was ordered before the
     stream's next write by its ``wait()``, not before another stream's. Other devices take :func:`pack`."""
@@ -540,26 +543,22 @@ def _pack_kept(
         stream = None
     else:
         return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
-    key = (id(group), device, stream, size, tuple(words[HEADER_WORDS:]), tuple(o for state in offsets for o in state))
-    placed = [
-        (_HEAD_BYTES + offset, tensor)
-        for state_tensors, state_offsets in zip(tensors, offsets, strict=True)
-        for tensor, offset in zip(state_tensors, state_offsets, strict=True)
-        if offset >= 0 and tensor.numel()
-    ]
+    at = tuple(itertools.chain.from_iterable(offsets))
+    every = list(itertools.chain.from_iterable(tensors))
+    key = (id(group), device, stream, size, tuple(words[HEADER_WORDS:]), at)
     kept = _SENDS.get(key)
     if kept is None:
+        held = [i for i, (offset, tensor) in enumerate(zip(at, every, strict=True)) if offset >= 0 and tensor.numel()]
         buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        views = [_view(buffer, at, tensor) for at, tensor in placed]
-        kept = _SENDS[key] = (buffer, views)
+        kept = _SENDS[key] = (buffer, [_view(buffer, _HEAD_BYTES + at[i], every[i]) for i in held], held)
         while len(_SENDS) > _KEPT:
             _SENDS.pop(next(iter(_SENDS)))
-    buffer, views = kept
+    buffer, views, held = kept
     head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
     if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
         head = head.pin_memory()
     buffer[: head.numel()].copy_(head, non_blocking=True)
-    pieces = [tensor for _, tensor in placed]
+    pieces = [every[i] for i in held]
     if _copy_all is not None and views:
         _copy_all(views, pieces)
     else:
