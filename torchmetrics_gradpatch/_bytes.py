@@ -116,8 +116,7 @@ def unresolved(tensor: torch.Tensor) -> bool:
 def resolved(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, or a copy holding the values it reads as where it is a conjugate or negative view (as
     ``torch.cat`` resolves them)."""
-    # unresolved(), inline: this runs for every state of every sync
-    return tensor.resolve_conj().resolve_neg() if tensor.is_conj() or tensor.is_neg() else tensor
+    return tensor.resolve_conj().resolve_neg() if unresolved(tensor) else tensor
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

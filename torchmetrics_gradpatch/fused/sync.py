@@ -182,7 +182,7 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     (``stream_cpu``: its tensors held on the CPU are described as streamed)."""
     dim_zero_cat = _dim_zero_cat()
     value = getattr(metric, attr)
-    cat = bool(reduction == dim_zero_cat)  # is_cat(reduction), inline: this runs for every state of every sync
+    cat = is_cat(reduction)
     # a conjugate or negative view is sent as the values it reads as (torchmetrics' torch.cat, pad or stack
     # resolves it), resolved here, before the header: a byte view of it would raise on this rank alone
     if isinstance(value, torch.Tensor):  # the common case first: a tensor state (a steady sync's, many of them)

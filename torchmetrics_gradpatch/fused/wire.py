@@ -455,7 +455,7 @@ def agree(group: Any, rows: Sequence[Sequence[int]]) -> None:
     window.append(need)
     if unchanged:
         return
-    needs = [need for need in record.needs if need is not None]
+    needs = [need for need in window if need is not None]
     if not needs:
         record.capacity = Capacity()
         return
