@@ -804,13 +804,18 @@ def test_kept_send_buffer_gives_packs_bytes_and_zero_padding() -> None:
         kept = fp._pack_kept([*row, *words], [[t] for t in tensors], offsets, total, cpu).clone()
         return kept, fp.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, 8 * fp.HEADER_WORDS)
 
-    first = [torch.full((3,), 7.0, dtype=torch.float64), torch.ones((), dtype=torch.complex128).conj()]
-    kept, reference = packed(first)
-    assert torch.equal(kept, reference)
-    # another layout of the same size: its own buffer, none of the first one's bytes in its padding
-    kept, reference = packed([torch.ones(1, dtype=torch.float64), torch.ones((), dtype=torch.complex128)])
-    assert torch.equal(kept, reference)
-    # the first layout again, other values: its kept buffer holds them
-    kept, reference = packed([-t for t in first])
-    assert torch.equal(kept, reference)
-    assert len(fp._SENDS) <= fp._KEPT
+    before = dict(fp._SENDS)
+    try:
+        first = [torch.full((3,), 7.0, dtype=torch.float64), torch.ones((), dtype=torch.complex128).conj()]
+        kept, reference = packed(first)
+        assert torch.equal(kept, reference)
+        # another layout of the same size: its own buffer, none of the first one's bytes in its padding
+        kept, reference = packed([torch.ones(1, dtype=torch.float64), torch.ones((), dtype=torch.complex128)])
+        assert torch.equal(kept, reference)
+        # the first layout again, other values: its kept buffer holds them
+        kept, reference = packed([-t for t in first])
+        assert torch.equal(kept, reference)
+        assert len(fp._SENDS) <= fp._KEPT
+    finally:  # the buffers kept for this test's layouts go; the process's others stay as they were
+        fp._SENDS.clear()
+        fp._SENDS.update(before)
