@@ -71,6 +71,48 @@ def test_check_mode_catches_a_real_difference_on_every_rank(world_size: int) -> 
     run_ranks(_catches_one_ranks_difference, world_size, timeout=120)
 
 
+class FailsOnRankOne(MeanSquaredError):  # noqa: N818 (a Metric, named after its base)
+    """A member whose ``compute()`` raises on rank 1 alone, after its sync."""
+
+    def compute(self) -> torch.Tensor:
+        if torch.distributed.get_rank() == 1:
+            raise ValueError("a compute that fails on rank 1")
+        return super().compute()
+
+
+def _one_rank_raises(rank: int, world_size: int) -> None:
+    """The last member's ``compute()`` raises on rank 1 alone, in ``compute()`` and in a step: as with the fused sync
+    alone (and torchmetrics' own), rank 1 raises its error and the other ranks return torchmetrics' values, none
+    waiting in a check that rank 1 does not run."""
+
+    def make() -> MetricCollection:
+        return MetricCollection(
+            {"a": MeanSquaredError(dist_sync_on_step=True), "b": FailsOnRankOne(dist_sync_on_step=True)},
+            compute_groups=False,
+        )
+
+    def outcome(sync: str, check: bool, step: bool) -> Any:
+        metrics = make()
+        metrics.update(*batch(rank, 3, 0))
+        try:
+            with tg.patched(sync=sync, check=check):
+                return metrics(*batch(rank, 3, 1)) if step else metrics.compute()
+        except ValueError as error:
+            return str(error)
+
+    for step in (False, True):
+        expected = outcome("torchmetrics", False, step)
+        got = outcome("fused", True, step)
+        if rank == 1:
+            assert got == expected == "a compute that fails on rank 1", (step, got, expected)
+        else:
+            assert alike(got, expected), (step, got, expected)
+
+
+def test_check_mode_where_the_fused_run_raises_on_one_rank() -> None:
+    run_ranks(_one_rank_raises, 2, timeout=120)
+
+
 def _silent_through_a_long_run(rank: int, world_size: int, seeds: list[int]) -> None:
     for seed in seeds:
         spec = draw(seed)

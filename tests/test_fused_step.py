@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torchmetrics import Metric, MetricCollection
+from torchmetrics.aggregation import CatMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 from torchmetrics.regression import (
+    CosineSimilarity,
     ExplainedVariance,
     MeanAbsoluteError,
     MeanSquaredError,
@@ -381,6 +383,50 @@ def _compute_group(rank: int, world_size: int) -> None:
     assert alike(results["fused"][:3], results["torchmetrics"][:3]) and results["fused"][3] == 4
 
 
+def _kept_inputs(rank: int, world_size: int) -> None:
+    """Members that keep the input itself as a state (``CatMetric``, ``CosineSimilarity``'s ``cat`` states) beside
+    members that compute from it in their update: the input's gradient is summed from every member's part in the
+    order torchmetrics' own forward makes their nodes, bit for bit (float32, where that order shows in the last
+    bits)."""
+    cases: dict[str, tuple[Callable[[], dict[str, Metric]], Callable[[torch.Tensor], dict[str, torch.Tensor]]]] = {
+        "cat": (
+            lambda: {"cat": CatMetric(dist_sync_on_step=True), "pearson": PearsonCorrCoef(dist_sync_on_step=True)},
+            lambda leaf: {"value": leaf, "preds": leaf},
+        ),
+        "cosine": (
+            lambda: {
+                "cosine": CosineSimilarity(reduction="sum", dist_sync_on_step=True),
+                "pearson": PearsonCorrCoef(num_outputs=5, dist_sync_on_step=True),
+            },
+            lambda leaf: {"preds": leaf * 2},
+        ),
+    }
+    for name, (members, inputs) in cases.items():
+        for mode in ("local", "global"):
+            results = {}
+            for sync in ("torchmetrics", "fused"):
+                metrics = MetricCollection(members(), compute_groups=False)
+                values, grads = [], []
+                with tg.patched(mode=mode, sync=sync):
+                    for k in range(3):
+                        generator = torch.Generator().manual_seed(100 * k + rank)
+                        shape = (4 + rank + k,) if name == "cat" else (4 + rank + k, 5)
+                        leaf = torch.randn(shape, generator=generator).requires_grad_()
+                        target = torch.randn(shape, generator=generator)
+                        result = metrics(target=target, **inputs(leaf))
+                        sum((value.sum() for value in result.values()), torch.zeros(())).backward()
+                        values.append(result)
+                        grads.append(leaf.grad)
+                results[sync] = (values, grads)
+            assert alike(results["fused"][0], results["torchmetrics"][0]), (name, mode)
+            assert all(same(a, b) for a, b in zip(*(results[s][1] for s in ("fused", "torchmetrics")), strict=True)), (
+                name,
+                mode,
+                results["fused"][1],
+                results["torchmetrics"][1],
+            )
+
+
 def _under_torch_compile(rank: int, world_size: int) -> None:
     refusal = dynamo_refusal()
     if refusal is not None:
@@ -403,6 +449,7 @@ def _step_cases(rank: int, world_size: int) -> None:
         for seed in SEEDS:
             _random_mixes_bit_identical(rank, world_size, mode, seed)
     _compute_group(rank, world_size)
+    _kept_inputs(rank, world_size)
     _opt_outs_sync_as_today(rank, world_size)
     _changes_between_ranks(rank, world_size)
 

@@ -14,12 +14,19 @@ run of the fused sync (:func:`run`) is followed by torchmetrics' own path on wha
    raises the same :class:`~torchmetrics_gradpatch.FusedSyncError`, naming the rank, the Metric, the state and
    the first difference, or every rank returns the fused result.
 
-Costs: torchmetrics' own sync beside the fused one, a copy of every state, and module hooks run twice in a step.
+Before step 2 the ranks learn whether the fused run raised on any of them (one collective): where it did, no rank
+runs torchmetrics' path (the rank that raised would not join its collectives) and every rank goes on as the fused
+sync alone leaves it, the error raised where it was raised. Gradients are not compared: backward runs after the
+sync returns.
+
+Costs: torchmetrics' own sync beside the fused one, a copy of every state, two collectives, and module hooks run
+twice in a step.
 Every rank must run with the same check setting (a rank that checks issues collectives its peers do not).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from collections.abc import Callable
@@ -177,18 +184,25 @@ def _first(what: str, fused: tuple[Any, _Taken], reference: tuple[Any, _Taken]) 
     return None
 
 
+def _device(group: Any) -> torch.device | None:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+
+
+def _anywhere(mine: bool, group: Any) -> bool:
+    """Whether ``mine`` holds on some rank of ``group`` (one collective, on every rank)."""
+    found = torch.tensor([int(mine)], device=_device(group))
+    every = [torch.empty_like(found) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, found, group)
+    return any(int(f) for f in every)
+
+
 def _agree(text: str | None, what: str, group: Any) -> None:
     """Every rank learns every rank's finding (one collective, two where one differs) and raises alike."""
     from torchmetrics_gradpatch.fused.sync import gather_texts
 
-    world_size = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    found = torch.tensor([0 if text is None else 1], device=device)
-    every = [torch.empty_like(found) for _ in range(world_size)]
-    dist.all_gather(every, found, group)
-    if not any(int(f) for f in every):
+    if not _anywhere(text is not None, group):
         return
-    texts = gather_texts(text or "", group, world_size, device)
+    texts = gather_texts(text or "", group, dist.get_world_size(group), _device(group))
     differing = [(r, t) for r, t in enumerate(texts) if t]
     rank, first = differing[0]
     raise FusedSyncError(
@@ -204,7 +218,16 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     docstring); ``root`` is the Metric or collection both change, ``what`` how errors name it. A collective over
     ``group`` (default: the world): every rank of it checks."""
     before, rng = _Taken.of(root, clone=True), _rng()
-    result = fused()
+    try:
+        result = fused()
+    except Exception:
+        # the fused run raised here (a member's compute() that fails on this rank alone, say): no rank runs the
+        # reference, whose collectives this rank would not join, and each goes on as the fused sync alone leaves it
+        with contextlib.suppress(Exception):  # a group that cannot carry this any more: the first error tells why
+            _anywhere(True, group)
+        raise
+    if _anywhere(False, group):
+        return result
     after, rng_after = _Taken.of(root, clone=False), _rng()
     try:
         before.put()

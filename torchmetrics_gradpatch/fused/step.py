@@ -20,6 +20,8 @@ A member that does not join and issues no collective (:mod:`torchmetrics_gradpat
 on step, or is not distributed) runs its own ``forward`` (and its hooks) in step 1, at its place in the collection's
 order, and step 3 collects its result. Every update therefore runs in torchmetrics' order, which keeps gradients
 bit for bit: backward sums the gradients an input gets from several members in the order their graphs were made.
+A batch state that is a tensor made before its member's update (an input kept as it is) is replaced by an alias
+made right after that update, where torchmetrics' own sync would consume it (:func:`_alias_older`).
 
 Why two halves and not each member's own ``forward`` with its sync recorded: a member's ``compute()`` goes on
 with its synced states the moment its sync returns, so one exchange for all needs every member's batch states
@@ -106,7 +108,10 @@ class _Pending:
         cache = metric._copy_state_dict() if copies else {attr: getattr(metric, attr) for attr in metric._defaults}
         put(metric, "_enable_grad", True)  # allow grads for batch computation
         metric.reset()
+        first = _next_node()
         metric.update(*args, **kwargs)
+        if first is not None:
+            _alias_older(metric, first)
         return cls(metric, update_count, compute_on_cpu, cache)
 
     def finish(self, *_: Any, **__: Any) -> Any:
@@ -148,6 +153,49 @@ class _Pending:
         )
         if metric.compute_on_cpu:
             metric._move_list_states_to_cpu()
+
+
+@functools.cache
+def _probe() -> Any:
+    import torch
+
+    return torch.zeros((), requires_grad=True)
+
+
+def _next_node() -> int | None:
+    """The sequence number of the next autograd node made on this thread (``None`` where grad mode is off: then
+    the second half makes no node either)."""
+    import torch
+
+    if not torch.is_grad_enabled():
+        return None
+    return int(_probe().view(()).grad_fn._sequence_nr()) + 1
+
+
+def _older(value: Any, first: int) -> bool:
+    """Whether ``value`` is a tensor with a graph that was made before node ``first`` (an input, a leaf)."""
+    if not getattr(value, "requires_grad", False):
+        return False
+    node = value.grad_fn
+    return node is None or node._sequence_nr() < first
+
+
+def _alias_older(metric: Any, first: int) -> None:
+    """Give each batch state of ``metric`` that is a tensor made before its batch update (an input it keeps as it
+    is, as ``CatMetric`` and the ``cat`` states of ``CosineSimilarity`` do) a node of its own, made now.
+
+    Backward sums the gradients that such a tensor gets from several members in the order their nodes were made.
+    In torchmetrics' ``forward`` this member's sync consumes the tensor before the next member's update does; here
+    it syncs after every member's update, so it consumes an alias (a view, which passes its gradient on as it is)
+    made at the place torchmetrics' sync has. A state made by the update itself is consumed by this member's sync
+    alone, in either order, and stays as it is."""
+    for attr in metric._defaults:
+        value = getattr(metric, attr)
+        if isinstance(value, list):
+            if any(_older(each, first) for each in value):
+                _sync().put(metric, attr, [each.view_as(each) if _older(each, first) else each for each in value])
+        elif _older(value, first):
+            _sync().put(metric, attr, value.view_as(value))
 
 
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
