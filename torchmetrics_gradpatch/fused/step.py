@@ -162,6 +162,9 @@ def _probe() -> Any:
     return torch.zeros((), requires_grad=True)
 
 
+_UNNUMBERED = -1  # torch 2.0's nodes made in C++ do not tell their sequence number: every state counts as older
+
+
 def _next_node() -> int | None:
     """The sequence number of the next autograd node made on this thread (``None`` where grad mode is off: then
     the second half makes no node either)."""
@@ -169,7 +172,8 @@ def _next_node() -> int | None:
 
     if not torch.is_grad_enabled():
         return None
-    return int(_probe().view(()).grad_fn._sequence_nr()) + 1
+    numbered = getattr(_probe().view(()).grad_fn, "_sequence_nr", None)
+    return _UNNUMBERED if numbered is None else int(numbered()) + 1
 
 
 def _older(value: Any, first: int) -> bool:
@@ -177,7 +181,7 @@ def _older(value: Any, first: int) -> bool:
     if not getattr(value, "requires_grad", False):
         return False
     node = value.grad_fn
-    return node is None or node._sequence_nr() < first
+    return node is None or first == _UNNUMBERED or node._sequence_nr() < first
 
 
 def _alias_older(metric: Any, first: int) -> None:
@@ -188,7 +192,8 @@ def _alias_older(metric: Any, first: int) -> None:
     In torchmetrics' ``forward`` this member's sync consumes the tensor before the next member's update does; here
     it syncs after every member's update, so it consumes an alias (a view, which passes its gradient on as it is)
     made at the place torchmetrics' sync has. A state made by the update itself is consumed by this member's sync
-    alone, in either order, and stays as it is."""
+    alone, in either order, and stays as it is (on torch 2.0, which cannot tell, it is aliased too: an alias
+    changes no gradient)."""
     for attr in metric._defaults:
         value = getattr(metric, attr)
         if isinstance(value, list):
