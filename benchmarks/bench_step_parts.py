@@ -9,13 +9,15 @@ the outputs of a plain ``Linear(16, 1)`` (no DDP: the parts are the metrics'), o
 alternating order from round to round: ``floor`` (the collection with ``distributed_available_fn`` false, then one
 collective of the steady exchange's bytes, as in ``bench_step.py``) and ``one exchange`` (``patched(sync="fused")``).
 
-Each part is timed by a wrapper around the function that does it (``time.perf_counter``; a wrapper costs about a
+Each part is timed by a wrapper around the function that does it (``time.perf_counter`` for the wall time and
+``time.thread_time`` for the rank's CPU time, which a collective's wait does not use; a wrapper costs about a
 microsecond a call, a few dozen calls a step), per step, on every rank: the forward and the backward of the metric
 loss; within the fused forward, the first halves (``step._Step.begin``: torchmetrics' lines before ``compute()``),
 the exchange (``collection.sync_members``) and its collective (``wire._gather_rows``), the reductions of the gathered
 states (``sync.reduce``: torchmetrics' stacking and reductions); in both arms, torchmetrics' ``compute()`` of the
 members (each member's ``compute``), on local states in the floor and on synced states in the fused step. Reported
-per part: the median per step over all steps of a rank, the largest rank's. It imports nothing from ``tests/``.
+per part, wall time and CPU time: the median per step over all steps of a rank, the largest rank's. The exchange's
+"rest" in CPU time is the package's own CPU per step, its collectives excluded. It imports nothing from ``tests/``.
 """
 
 from __future__ import annotations
@@ -73,14 +75,15 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
         "floor": workloads.step_collection(distributed_available_fn=_never),
         "one exchange": workloads.step_collection(),
     }
-    spent: dict[str, float] = defaultdict(float)
+    spent: dict[str, float] = defaultdict(float)  # per part its wall time, and per "cpu " + part its CPU time
 
     def timed(function: Callable[..., Any], part: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
+                spent["cpu " + part] += time.thread_time() - cpu
                 spent[part] += time.perf_counter() - started
 
         return wrapper
@@ -98,22 +101,23 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
     def one(arm: str, index: int) -> dict[str, float]:
         x, y = _batch(rank, index)
         spent.clear()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         values = metrics[arm](model(x).squeeze(-1), y)
         if arm == "floor":
-            issued = time.perf_counter()
-            gather[0]()
-            spent["collective"] += time.perf_counter() - issued
-        middle = time.perf_counter()
+            gather_floor = timed(gather[0], "collective")
+            gather_floor()
+        middle, middle_cpu = time.perf_counter(), time.thread_time()
         loss = values["MeanSquaredError"] + values["MeanAbsoluteError"] + (1 - values["R2Score"])
         loss = loss + (1 - values["ExplainedVariance"]) + (1 - values["PearsonCorrCoef"])
         loss.backward()
-        ended = time.perf_counter()
+        ended, ended_cpu = time.perf_counter(), time.thread_time()
         found = {"step": ended - started, "forward": middle - started, "backward": ended - middle, **spent}
-        if arm == "one exchange":
-            found["exchange_rest"] = found["exchange"] - found["collective"]
+        found |= {"cpu step": ended_cpu - cpu, "cpu forward": middle_cpu - cpu, "cpu backward": ended_cpu - middle_cpu}
         inside = ("begin", "exchange", "reduce", "compute") if arm == "one exchange" else ("collective", "compute")
-        found["forward_rest"] = found["forward"] - sum(found.get(part, 0.0) for part in inside)
+        for clock in ("", "cpu "):
+            if arm == "one exchange":
+                found[clock + "exchange_rest"] = found[clock + "exchange"] - found[clock + "collective"]
+            found[clock + "forward_rest"] = found[clock + "forward"] - sum(found.get(clock + p, 0.0) for p in inside)
         return found
 
     try:
@@ -137,14 +141,15 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
 
 
 def as_text(world_size: int, ranks: list[dict[str, dict[str, float]]]) -> str:
-    lines = [f"\n{world_size} gloo ranks: ms per step (median over a rank's steps, the largest rank's)"]
-    lines.append(f"{'part':58} {'floor':>8} {'one exchange':>13}")
+    lines = [f"\n{world_size} gloo ranks: ms per step (median over a rank's steps, the largest rank's), wall and CPU"]
+    lines.append(f"{'part':58} {'floor':>8} {'one exchange':>13} {'floor CPU':>10} {'one exchange CPU':>17}")
     for part, label in PARTS:
         cells = []
-        for arm in ARMS:
-            found = [r[arm][part] for r in ranks if part in r[arm]]
-            cells.append(f"{1e3 * max(found):.3f}" if found else "")
-        lines.append(f"{label:58} {cells[0]:>8} {cells[1]:>13}")
+        for key in (part, "cpu " + part):
+            for arm in ARMS:
+                found = [r[arm][key] for r in ranks if key in r[arm]]
+                cells.append(f"{1e3 * max(found):.3f}" if found else "")
+        lines.append(f"{label:58} {cells[0]:>8} {cells[1]:>13} {cells[2]:>10} {cells[3]:>17}")
     return "\n".join(lines)
 
 
