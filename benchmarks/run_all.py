@@ -19,6 +19,7 @@ Each benchmark is also one command of its own (docs/performance.md names them):
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +53,9 @@ QUICK = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    quick = "--quick" in args
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="each benchmark as a smoke test (figures mean nothing)")
+    quick = parser.parse_args(argv).quick
     failed = []
     for name in BENCHMARKS:
         command = [sys.executable, str(HERE / f"{name}.py"), *(QUICK[name] if quick else [])]
