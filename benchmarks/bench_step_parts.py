@@ -104,8 +104,7 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
         started, cpu = time.perf_counter(), time.thread_time()
         values = metrics[arm](model(x).squeeze(-1), y)
         if arm == "floor":
-            gather_floor = timed(gather[0], "collective")
-            gather_floor()
+            gather[0]()
         middle, middle_cpu = time.perf_counter(), time.thread_time()
         loss = values["MeanSquaredError"] + values["MeanAbsoluteError"] + (1 - values["R2Score"])
         loss = loss + (1 - values["ExplainedVariance"]) + (1 - values["PearsonCorrCoef"])
@@ -124,7 +123,8 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
         with tg.patched(sync="fused"):
             for index in range(3):
                 one("one exchange", index)
-            gather.append(_floor.collective(_floor.exchange_bytes(dist.group.WORLD), dist.group.WORLD))
+            floor = _floor.collective(_floor.exchange_bytes(dist.group.WORLD), dist.group.WORLD)
+            gather.append(timed(floor, "collective"))
         seen: dict[str, dict[str, list[float]]] = {arm: defaultdict(list) for arm in ARMS}
         for round_ in range(rounds):
             for arm in ARMS if round_ % 2 else ARMS[::-1]:
