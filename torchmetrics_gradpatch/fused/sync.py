@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
+from torchmetrics_gradpatch._engine import effective_check
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch.fused import grad as _fused_grad
@@ -76,6 +77,7 @@ from torchmetrics_gradpatch.fused import transit
 from torchmetrics_gradpatch.fused import wire as fp
 
 __all__ = [
+    "CheckSettingError",
     "Exchanged",
     "Local",
     "Outgoing",
@@ -137,6 +139,11 @@ def structure_error(metric: str, attr: str | None, rule: str, seen: dict[int, st
         "raised this error after the same exchange, before changing any state; none is left waiting. Make every "
         "rank hold states of the same structure, or sync with torchmetrics' own path (sync='torchmetrics')."
     )
+
+
+class CheckSettingError(FusedSyncError):
+    """The ranks' check settings differ: raised on every rank at the exchange's first collective (so a rank in check
+    mode knows that its peers run no check collectives)."""
 
 
 @dataclass(slots=True)  # made for every state at every sync
@@ -283,6 +290,7 @@ def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size:
     chunk size setting is not valid.
     """
     group = dist.group.WORLD if group is None else group
+    flags |= fp.FLAG_CHECK if effective_check() else 0
     header = [len(out.words), out.size, flags, fingerprint, out.size_reduced, out.plan.digest, chunk_bytes()]
     out.first = fp.gather_first(
         header, out.words, out.sent, out.offsets_reduced, out.size_reduced, group, world_size, device
@@ -298,6 +306,14 @@ def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size:
     refusal = chunk_refusal([row[fp.CHUNK] for row in rows])
     if refusal is not None:
         raise FusedSyncError(refusal)
+    checking = [bool(row[fp.FLAGS] & fp.FLAG_CHECK) for row in rows]
+    if len(set(checking)) > 1:
+        raise CheckSettingError(
+            "torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on rank(s) "
+            f"{[r for r, c in enumerate(checking) if c]}, off on rank(s) {[r for r, c in enumerate(checking) if not c]})."
+            " Every rank raised this error after the same exchange, before changing any state. Set check the same "
+            "way on every rank (patch(check=...), patched(check=...) or TORCHMETRICS_GRADPATCH_CHECK)."
+        )
     return rows
 
 

@@ -68,6 +68,8 @@ from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
 __all__ = [
     "ABSENT",
     "ALIGN",
+    "FLAG_ASIDE",
+    "FLAG_CHECK",
     "FLAG_FAILED",
     "FLAG_INLINE",
     "FLAG_UNSTAGED",
@@ -110,6 +112,8 @@ FLAG_REQUIRES_GRAD = 2
 FLAG_FAILED = 8  # this rank could not prepare its states: every rank raises after the header
 FLAG_INLINE = 16  # this rank's payload (its proposal's layout) is in collective 1
 FLAG_UNSTAGED = 32  # a collection step's rank that sends its member table alone (it ran no member yet)
+FLAG_ASIDE = 64  # this rank runs torchmetrics' own path here: every rank does (docs/fused-sync.md, stepping aside)
+FLAG_CHECK = 128  # this rank runs in check mode: every rank must
 
 #: The largest inline capacity: a payload over it always takes the second collective.
 INLINE_MAX = 64 * 1024
