@@ -1,34 +1,34 @@
-"""Check mode: every fused sync and step also runs torchmetrics' own sync on the same states, and compares.
+"""Check mode: each fused run is followed by torchmetrics' own path from the same start, and the two are compared.
 
-While check mode is on (``patch(check=True)``, ``patched(check=True)``, ``TORCHMETRICS_GRADPATCH_CHECK=1``), each
-run of the fused sync (:func:`run`) is followed by torchmetrics' own path on what the fused run started from:
+Contract (docs/fused-sync.md, "Adopting it safely", explains it and lists what it costs):
 
-1. every Metric's attributes (its ``__dict__``, every tensor and list in it copied, objects that Metrics share
-   shared in the copy, graphs kept) and the random state (torch's, CUDA's where initialised, Python's and NumPy's
-   where imported) are taken before the fused run;
-2. the fused run's result and attributes are kept, the ones taken before put back, and torchmetrics' own path
-   runs (every Metric syncing with torchmetrics' own ``_sync_dist`` and this package's gather);
-3. the two are compared bit for bit (the result, every state, ``_update_count``, ``_forward_cache``,
-   ``_computed`` and the sync flags), the fused run's result, attributes and random state are put back, and the
-   ranks exchange what they found (one collective; a second where some rank found a difference): every rank
-   raises the same :class:`~torchmetrics_gradpatch.FusedSyncError`, naming the rank, the Metric, the state and
-   the first difference, or every rank returns the fused result.
-
-Before step 2 the ranks learn whether the fused run raised on any of them (one collective): where it did, no rank
-runs torchmetrics' path (the rank that raised would not join its collectives) and every rank goes on as the fused
-sync alone leaves it, the error raised where it was raised. Gradients are not compared: backward runs after the
-sync returns.
-
-Costs: torchmetrics' own sync beside the fused one, a copy of every state, two collectives, and module hooks run
-twice in a step.
-Every rank must run with the same check setting (a rank that checks issues collectives its peers do not).
+* :func:`run` takes everything the fused run can change before it runs: every module of the Metric's or the
+  collection's module tree (each one's attributes: tensors, lists, dicts, sets, tuples and dataclasses copied,
+  buffers, parameters, ``_defaults`` and ``_reductions`` included; objects that modules share are shared in the copy)
+  and the random state. It runs the fused path, puts that start back, runs torchmetrics' own path, compares the two
+  and puts the fused run's objects and random state back: the program goes on with the fused run's.
+* Every rank decides from the same exchanged facts (one collective after the fused run). Where the fused run
+  raised the fused sync's own refusal on some rank, or synced a list state whose length differs between the ranks
+  (torchmetrics' own sync gathers once per element and would wait forever: one warning naming the Metrics), no
+  rank runs torchmetrics' path. Otherwise every rank runs it.
+* Compared (:func:`difference`): the results, every Metric's states and flags, every module's buffers, and the
+  outcome itself (one path raising where the other returns, or the two raising different errors). A difference on
+  any rank raises the same :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank (one collective more,
+  three where something differs). Otherwise each rank goes on as the fused run left it, its error raised.
+* A value that cannot be judged is reported as not checked (one warning per run), never passed as equal.
+* :class:`~torchmetrics_gradpatch.fused.sync.CheckSettingError` (the ranks' check settings differ, raised on every
+  rank at the exchange) goes up at once: the peers that do not check run no check collectives.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import dataclasses
 import random
+import struct
 import sys
+import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,12 +36,27 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from torchmetrics_gradpatch._errors import FusedSyncError
+from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 
-__all__ = ["difference", "run"]
+__all__ = ["difference", "note_lengths", "run", "watching"]
 
 T = TypeVar("T")
-_FLAGS = ("_update_count", "_forward_cache", "_computed", "_is_synced", "_should_unsync", "_to_sync", "_cache")
+_FLAGS = ("_update_count", "_forward_cache", "_computed", "_is_synced", "_should_unsync", "_to_sync")
+_RETURNED, _RAISED, _REFUSED = 0, 1, 2
+
+#: while :func:`run` runs a fused path (innermost last): the Metrics and list states whose number of elements
+#: differs between the ranks in a sync, as the fused sync found them in every rank's description
+watching: list[list[tuple[Any, str]]] = []
+
+
+def note_lengths(metric: Any, attrs: list[str], every: Any) -> None:
+    """Called by the fused sync with every rank's description of ``metric``'s states ``attrs`` (``every[r][s]``)
+    while :data:`watching`: notes each state whose ranks send different numbers of pieces (a ``cat`` list is one
+    piece, as torchmetrics concatenates it first, so these are the states its own sync would wait on)."""
+    for s, attr in enumerate(attrs):
+        if len({len(states[s].pieces) for states in every}) > 1:
+            for noted in watching:  # an enclosing check's reference would run this sync too
+                noted.append((metric, attr))
 
 
 def _rng() -> tuple[Any, ...]:
@@ -60,127 +75,227 @@ def _set_rng(state: tuple[Any, ...]) -> None:
         sys.modules["numpy"].random.set_state(numpy)
 
 
-def _metrics(root: Any) -> list[tuple[str, Any]]:
-    """Every Metric in ``root`` (a Metric or a collection, ``root`` too), each once, by its path."""
-    from torchmetrics import Metric
-
-    found, seen, stack = [], set(), [(type(root).__name__, root)]
-    while stack:
-        path, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if isinstance(module, Metric):
-            found.append((path, module))
-        stack.extend((name if module is root else f"{path}.{name}", m) for name, m in module._modules.items() if m)
-    return found
-
-
-def _clone(value: Any, memo: dict[int, Any]) -> Any:
-    """``value`` with every tensor and list copied; an object met before is the same copy (so aliasing stays)."""
+def _copy(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` with every tensor and mutable container in it copied; modules, and objects of other kinds, are kept
+    (a module is put back in place by :class:`_Taken`); an object met before is the same copy (aliasing stays)."""
     if id(value) in memo:
         return memo[id(value)]
-    if isinstance(value, torch.Tensor):
-        copy: Any = value.clone()  # a state with a graph keeps it: the reference syncs what the fused sync synced
-    elif isinstance(value, list):
-        copy = []
-        memo[id(value)] = copy
-        copy.extend(_clone(v, memo) for v in value)
-        return copy
+    if isinstance(value, (torch.nn.Module, str, bytes, int, float, type(None))):
+        return value
+    if isinstance(value, torch.nn.Parameter):
+        made: Any = torch.nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
+    elif isinstance(value, torch.Tensor):
+        made = value.clone()  # a state with a graph keeps it: the reference syncs what the fused sync synced
+    elif isinstance(value, (list, dict)):
+        made = copy.copy(value)  # the same type (an OrderedDict, a defaultdict with its factory)
+        memo[id(value)] = made
+        if isinstance(made, list):
+            made[:] = [_copy(v, memo) for v in value]
+        else:
+            for key in made:
+                made[key] = _copy(value[key], memo)
+        return made
+    elif isinstance(value, (set, bytearray)):
+        made = copy.copy(value)  # elements of a set are hashable: taken as they are
+    elif type(value) is tuple:
+        made = tuple(_copy(v, memo) for v in value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        made = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(made, f.name, _copy(getattr(value, f.name), memo))
     else:
         return value
-    memo[id(value)] = copy
-    return copy
+    memo[id(value)] = made
+    return made
+
+
+def _modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every module in ``root``'s tree, each once, by its path (a collection's member by its key; ``root`` by its
+    class name)."""
+    return [(name or type(root).__name__, module) for name, module in root.named_modules()]
 
 
 @dataclass
 class _Taken:
-    """Every Metric's attributes (its ``__dict__``): as they are (the fused run's, put back as they are) or with
-    every tensor and list copied (what both runs start from; objects that Metrics share are shared in the copy)."""
+    """Every module's attributes (its ``__dict__``) in a tree: as they are (the fused run's, put back as they are) or
+    copied (what both runs start from)."""
 
-    metrics: list[tuple[str, Any, dict[str, Any]]]
+    modules: list[tuple[str, torch.nn.Module, dict[str, Any]]]
 
     @classmethod
-    def of(cls, root: Any, clone: bool) -> _Taken:
+    def of(cls, root: torch.nn.Module, copied: bool) -> _Taken:
         memo: dict[int, Any] = {}
         taken = []
-        for path, metric in _metrics(root):
-            attributes = dict(vars(metric))
-            if clone:
-                attributes = {name: _clone(value, memo) for name, value in attributes.items()}
-            taken.append((path, metric, attributes))
+        for path, module in _modules(root):
+            attributes = dict(vars(module))
+            if copied:
+                attributes = {key: _copy(value, memo) for key, value in attributes.items()}
+            taken.append((path, module, attributes))
         return cls(taken)
 
     def put(self) -> None:
-        for _, metric, attributes in self.metrics:
-            vars(metric).clear()
-            vars(metric).update(attributes)
+        for _, module, attributes in self.modules:
+            vars(module).clear()
+            vars(module).update(attributes)
 
     def compared(self) -> dict[str, dict[str, Any]]:
-        """What is compared: every Metric's states, and the flags torchmetrics' paths set."""
-        return {
-            path: {name: attributes.get(name) for name in (*attributes.get("_defaults", {}), *_FLAGS)}
-            for path, _, attributes in self.metrics
-        }
+        """What is compared: every module's buffers, every Metric's states and the flags torchmetrics' paths set
+        (not ``_cache``: the local states as each path copied them, which ``unsync()`` puts back alike)."""
+        from torchmetrics import Metric
+
+        found: dict[str, dict[str, Any]] = {}
+        for path, module, attributes in self.modules:
+            values = {f"buffer {n!r}": v for n, v in attributes.get("_buffers", {}).items()}
+            if isinstance(module, Metric):
+                values.update({f"state {n!r}": attributes.get(n) for n in attributes.get("_defaults", {})})
+                values.update({f"attribute {n!r}": attributes.get(n) for n in _FLAGS})
+            found[path] = values
+        return found
 
 
-def difference(a: Any, b: Any) -> str | None:
-    """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
-            return f"{a.dtype} {list(a.shape)} where torchmetrics' is {b.dtype} {list(b.shape)}"
-        if a.requires_grad != b.requires_grad:
-            return f"requires_grad={a.requires_grad} where torchmetrics' is {b.requires_grad}"
-        x, y = a.detach().contiguous(), b.detach().contiguous()
-        if x.numel() == 0:
+class _Comparison:
+    """One comparison: the first difference found, and what could not be judged (``unchecked``)."""
+
+    def __init__(self) -> None:
+        self.unchecked: list[str] = []
+        self._seen: set[tuple[int, int]] = set()  # pairs under comparison: a cycle is not followed twice
+
+    def first(self, a: Any, b: Any, at: str = "") -> str | None:
+        if a is b:
             return None
-        bytes_x, bytes_y = x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
-        if torch.equal(bytes_x, bytes_y):
+        if (id(a), id(b)) in self._seen:
             return None
-        at = int((bytes_x != bytes_y).nonzero()[0]) // x.element_size()
-        index: list[int] = []
-        rest = at
-        for size in reversed(x.shape):
-            index.insert(0, rest % size)
-            rest //= size
-        mine, theirs = x.reshape(-1)[at].item(), y.reshape(-1)[at].item()
-        return f"at index {index}: {mine!r} where torchmetrics' is {theirs!r}"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"keys {sorted(map(str, a))} where torchmetrics' are {sorted(map(str, b))}"
-        for key in a:
-            found = difference(a[key], b[key])
-            if found is not None:
-                return f"[{key!r}] {found}"
+        self._seen.add((id(a), id(b)))
+        try:
+            return self._first(a, b, at)
+        finally:
+            self._seen.discard((id(a), id(b)))
+
+    def _first(self, a: Any, b: Any, at: str) -> str | None:
+        where = f"{at} " if at else ""
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            found = _tensors(a, b)
+            return None if found is None else where + found
+        if type(a) is not type(b):
+            return f"{where}a {type(a).__name__} where torchmetrics' is a {type(b).__name__}"
+        if isinstance(a, (float, complex)):  # by their bits: NaN equals NaN, -0.0 is not 0.0
+            if _bits(a) == _bits(b):
+                return None
+            return f"{where}{a!r} where torchmetrics' is {b!r}"
+        if isinstance(a, (bool, int, str, bytes, type, types.FunctionType, types.BuiltinFunctionType)):
+            return None if a == b else f"{where}{a!r} where torchmetrics' is {b!r}"
+        if hasattr(a, "tobytes") and hasattr(a, "dtype") and hasattr(a, "shape"):  # a NumPy array or scalar
+            alike = (str(a.dtype), a.shape, a.tobytes()) == (str(b.dtype), b.shape, b.tobytes())
+            return None if alike else f"{where}{a!r} where torchmetrics' is {b!r}"
+        if isinstance(a, dict):
+            if a.keys() != b.keys():
+                return f"{where}keys {sorted(map(str, a))} where torchmetrics' are {sorted(map(str, b))}"
+            return self._each((f"{at}[{key!r}]", a[key], b[key]) for key in a)
+        if isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                return f"{where}{len(a)} elements where torchmetrics' has {len(b)}"
+            return self._each((f"{at}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b, strict=True)))
+        if isinstance(a, (set, frozenset)):
+            return None if a == b else f"{where}{a!r} where torchmetrics' is {b!r}"
+        if dataclasses.is_dataclass(a):
+            names = [f.name for f in dataclasses.fields(a)]
+        else:
+            names = [*getattr(a, "__dict__", {}), *(s for c in type(a).__mro__ for s in getattr(c, "__slots__", ()))]
+        if names:  # an object: its attributes, one by one
+            unset = object()
+            return self._each((f"{at}.{n}", getattr(a, n, unset), getattr(b, n, unset)) for n in dict.fromkeys(names))
+        try:
+            equal = bool(a == b)
+        except Exception as error:
+            equal = None
+            why = f"== raised {type(error).__name__}"
+        else:
+            why = "== compares identity only"
+        if equal is True:
+            return None
+        if equal is False and getattr(type(a), "__eq__", None) is not object.__eq__:
+            return f"{where}{a!r} where torchmetrics' is {b!r}"
+        self.unchecked.append(f"{at or 'the result'} (a {type(a).__name__}: {why})")
         return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
-        if len(a) != len(b):
-            return f"{len(a)} elements where torchmetrics' has {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = difference(x, y)
+
+    def _each(self, pairs: Any) -> str | None:
+        for at, x, y in pairs:
+            found = self.first(x, y, at)
             if found is not None:
-                return f"[{i}] {found}"
-        return None
-    if type(a) is not type(b):
-        return f"a {type(a).__name__} where torchmetrics' is a {type(b).__name__}"
-    try:
-        return None if bool(a == b) else f"{a!r} where torchmetrics' is {b!r}"
-    except Exception:  # what cannot be compared is not judged
+                return found
         return None
 
 
-def _first(what: str, fused: tuple[Any, _Taken], reference: tuple[Any, _Taken]) -> str | None:
-    found = difference(fused[0], reference[0])
+def _bits(x: float | complex) -> bytes:
+    return struct.pack("<dd", x.real, x.imag) if isinstance(x, complex) else struct.pack("<d", x)
+
+
+def _tensors(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """How tensor ``a`` differs from ``b``: dtype, shape, device, ``requires_grad``, then the bytes."""
+    if (a.dtype, tuple(a.shape), a.device) != (b.dtype, tuple(b.shape), b.device):
+        return f"{a.dtype} {list(a.shape)} on {a.device} where torchmetrics' is {b.dtype} {list(b.shape)} on {b.device}"
+    if a.requires_grad != b.requires_grad:
+        return f"requires_grad={a.requires_grad} where torchmetrics' is {b.requires_grad}"
+    x, y = (t.detach().resolve_conj().resolve_neg() for t in (a, b))  # a byte view refuses conj and neg views
+    x, y = (t.to_dense() if t.layout != torch.strided else t for t in (x, y))
+    x, y = x.contiguous(), y.contiguous()
+    if x.numel() == 0:
+        return None
+    bytes_x, bytes_y = x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
+    if torch.equal(bytes_x, bytes_y):
+        return None
+    at = int((bytes_x != bytes_y).nonzero()[0]) // x.element_size()
+    index: list[int] = []
+    rest = at
+    for size in reversed(x.shape):
+        index.insert(0, rest % size)
+        rest //= size
+    mine, theirs = x.reshape(-1)[at].item(), y.reshape(-1)[at].item()
+    return f"at index {index}: {mine!r} where torchmetrics' is {theirs!r}"
+
+
+def difference(a: Any, b: Any, unchecked: list[str] | None = None) -> str | None:
+    """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike.
+
+    Tensors compare by their bytes, floats by their bits, containers, dataclasses and objects element by element
+    and attribute by attribute. A value it cannot judge (no attributes, and an ``==`` that raises or compares
+    identity only) is described in ``unchecked``; without that list, it counts as a difference.
+    """
+    comparison = _Comparison()
+    found = comparison.first(a, b)
+    if found is None and comparison.unchecked:
+        if unchecked is None:
+            return f"cannot be compared: {comparison.unchecked[0]}"
+        unchecked.extend(comparison.unchecked)
+    return found
+
+
+def _outcome(error: BaseException | None) -> str:
+    return "returned" if error is None else f"raised {type(error).__name__}: {error}"
+
+
+def _first(
+    what: str,
+    fused: tuple[Any, BaseException | None, _Taken],
+    reference: tuple[Any, BaseException | None, _Taken],
+    unchecked: list[str],
+) -> str | None:
+    """The first difference between the two runs: their outcomes, results, then every module's compared values."""
+    (result, error, after), (expected, expected_error, taken) = fused, reference
+    if error is not None or expected_error is not None:
+        if type(error) is type(expected_error) and str(error) == str(expected_error):
+            return None  # both raised alike: the fused run's error goes up, as torchmetrics' would
+        return f"{what} {_outcome(error)} where torchmetrics' own path {_outcome(expected_error)}"
+    found = difference(result, expected, unchecked)
     if found is not None:
         return f"{what}'s result: {found}"
-    mine = fused[1].compared()
-    for path, states in reference[1].compared().items():
-        for name, value in states.items():
-            if name == "_cache":
-                continue  # holds the local states as each path copied them; unsync() puts back equal states
-            found = difference(mine.get(path, {}).get(name), value)
+    mine, theirs = after.compared(), taken.compared()
+    for path in dict.fromkeys([*theirs, *mine]):
+        ours, others = mine.get(path, {}), theirs.get(path, {})
+        for name in dict.fromkeys([*others, *ours]):
+            found = difference(ours.get(name), others.get(name), unchecked)
             if found is not None:
-                return f"{path!r}, {'state' if not name.startswith('_') else 'attribute'} {name!r}: {found}"
+                return f"{path!r}, {name}: {found}"
     return None
 
 
@@ -188,19 +303,19 @@ def _device(group: Any) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
 
 
-def _anywhere(mine: bool, group: Any) -> bool:
-    """Whether ``mine`` holds on some rank of ``group`` (one collective, on every rank)."""
-    found = torch.tensor([int(mine)], device=_device(group))
+def _facts(mine: list[int], group: Any) -> list[list[int]]:
+    """Every rank's ``mine`` (small integers, the same number on every rank): one collective, on every rank."""
+    found = torch.tensor(mine, dtype=torch.int64, device=_device(group))
     every = [torch.empty_like(found) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, found, group)
-    return any(int(f) for f in every)
+    return [[int(v) for v in row.tolist()] for row in every]
 
 
-def _agree(text: str | None, what: str, group: Any) -> None:
-    """Every rank learns every rank's finding (one collective, two where one differs) and raises alike."""
+def _agree(text: str | None, what: str, group: Any, cause: BaseException | None) -> None:
+    """Every rank learns every rank's finding (one collective, three where one differs) and raises alike."""
     from torchmetrics_gradpatch.fused.sync import gather_texts
 
-    if not _anywhere(text is not None, group):
+    if not any(row[0] for row in _facts([int(text is not None)], group)):
         return
     texts = gather_texts(text or "", group, dist.get_world_size(group), _device(group))
     differing = [(r, t) for r, t in enumerate(texts) if t]
@@ -210,36 +325,74 @@ def _agree(text: str | None, what: str, group: Any) -> None:
         f"rank(s) {[r for r, _ in differing]}; on rank {rank}, {first}. Every rank raised this error after the "
         "same exchange; the states hold the fused sync's result. Sync with torchmetrics' own path "
         "(sync='torchmetrics') for this workload, and report the difference."
+    ) from cause
+
+
+def _not_checked(what: str, why: str) -> None:
+    warnings.warn(
+        f"torchmetrics_gradpatch: check mode: the fused sync of {what} was not checked: {why}. The fused result is "
+        "returned.",
+        RuntimeWarning,
+        stacklevel=4,
     )
 
 
 def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], Any], group: Any = None) -> T:
-    """``fused()``, checked against ``reference()`` run from the same states and random state (see the module
-    docstring); ``root`` is the Metric or collection both change, ``what`` how errors name it. A collective over
-    ``group`` (default: the world): every rank of it checks."""
-    before, rng = _Taken.of(root, clone=True), _rng()
+    """``fused()``, checked against ``reference()`` run from the same start (see the module docstring); ``root`` is
+    the Metric or collection both change, ``what`` how messages name it. A collective over ``group`` (default: the
+    world): every rank of it checks."""
+    from torchmetrics_gradpatch.fused.sync import CheckSettingError
+
+    before, rng = _Taken.of(root, copied=True), _rng()
+    uneven: list[tuple[Any, str]] = []
+    watching.append(uneven)
+    result: Any = None
+    error: Exception | None = None
     try:
         result = fused()
-    except Exception:
-        # the fused run raised here (a member's compute() that fails on this rank alone, say): no rank runs the
-        # reference, whose collectives this rank would not join, and each goes on as the fused sync alone leaves it
-        with contextlib.suppress(Exception):  # a group that cannot carry this any more: the first error tells why
-            _anywhere(True, group)
-        raise
-    if _anywhere(False, group):
-        return result
-    after, rng_after = _Taken.of(root, clone=False), _rng()
+    except CheckSettingError:
+        raise  # raised on every rank at the exchange: a peer that does not check issues no check collective
+    except Exception as raised:
+        error = raised
+    finally:
+        watching.pop()
+    refused = isinstance(error, (FusedSyncError, GradModeMismatchError))
+    kind = _REFUSED if refused else _RETURNED if error is None else _RAISED
+    facts = _facts([kind, int(bool(uneven))], group)
+    if any(row[1] for row in facts):
+        # from every rank's description: torchmetrics' own sync would wait forever here
+        paths = {id(module): path for path, module in _modules(root)}
+        named = sorted({f"{paths.get(id(m), type(m).__name__)}.{attr}" for m, attr in uneven}) or ["(on another rank)"]
+        _not_checked(
+            what,
+            f"the ranks hold list state(s) {named} with different numbers of elements, which torchmetrics' own sync "
+            "gathers one by one and would wait on forever",
+        )
+    if any(row[0] == _REFUSED for row in facts) or any(row[1] for row in facts):
+        # the fused sync refused on every rank alike (where torchmetrics' own can hang), or torchmetrics' own would
+        # wait: each rank goes on as the fused run left it
+        if error is not None:
+            raise error
+        return result  # type: ignore[no-any-return]
+    after, rng_after = _Taken.of(root, copied=False), _rng()
+    unchecked: list[str] = []
     try:
         before.put()
         _set_rng(rng)
+        expected: Any = None
+        expected_error: Exception | None = None
         try:
             expected = reference()
-        except Exception as error:  # torchmetrics' own path raises where the fused sync returned
-            text: str | None = f"torchmetrics' own path raised {type(error).__name__}: {error}"
-        else:
-            text = _first(what, (result, after), (expected, _Taken.of(root, clone=False)))
+        except Exception as raised:
+            expected_error = raised
+        theirs = _Taken.of(root, copied=False)
+        text = _first(what, (result, error, after), (expected, expected_error, theirs), unchecked)
     finally:
         after.put()
         _set_rng(rng_after)
-    _agree(text, what, group)
-    return result
+    _agree(text, what, group, error)
+    if unchecked:
+        _not_checked(what, f"{', '.join(dict.fromkeys(unchecked))} cannot be compared")
+    if error is not None:
+        raise error
+    return result  # type: ignore[no-any-return]

@@ -66,10 +66,11 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
-from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._engine import effective_check
+from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
 from torchmetrics_gradpatch._modes import check_mode
+from torchmetrics_gradpatch.fused import check as _check
 from torchmetrics_gradpatch.fused import grad as _fused_grad
 from torchmetrics_gradpatch.fused import large as _large
 from torchmetrics_gradpatch.fused import reduced as _reduced
@@ -310,7 +311,8 @@ def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size:
     if len(set(checking)) > 1:
         raise CheckSettingError(
             "torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on rank(s) "
-            f"{[r for r, c in enumerate(checking) if c]}, off on rank(s) {[r for r, c in enumerate(checking) if not c]})."
+            f"{[r for r, c in enumerate(checking) if c]}, off on rank(s) "
+            f"{[r for r, c in enumerate(checking) if not c]})."
             " Every rank raised this error after the same exchange, before changing any state. Set check the same "
             "way on every rank (patch(check=...), patched(check=...) or TORCHMETRICS_GRADPATCH_CHECK)."
         )
@@ -621,6 +623,8 @@ def reduce(
     ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
     ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
+    if _check.watching:  # in check mode: the list states whose lengths differ between ranks, from every description
+        _check.note_lengths(metric, [state.attr for state in states], every)
     ranks = range(len(entries))
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
