@@ -35,6 +35,7 @@ __all__ = [
     "at_import",
     "autopatch_requested",
     "check_choice",
+    "check_pairing",
     "check_requested",
     "compile_support",
     "is_patched",
@@ -72,12 +73,14 @@ def patch(mode: str | None = None, sync: str | None = None, check: bool | None =
 
     Raises:
         TypeError: ``check`` is not ``True``, ``False`` or ``None``; nothing is changed.
+        ValueError: ``sync="torchmetrics"`` with ``check=True`` (nothing would be checked); nothing is changed.
         UnsupportedVersionError: torchmetrics' gather has been refused (by the import, or when torchmetrics was
             imported after this package); nothing is changed, and ``status()`` says why.
     """
     chosen_mode = None if mode is None else check_mode(mode)
     chosen_sync = None if sync is None else check_sync(sync)
-    _engine.set_manual(True, chosen_mode, sync=chosen_sync, check=check_choice("patch", check))
+    chosen_check = check_pairing("patch", chosen_sync, check_choice("patch", check))
+    _engine.set_manual(True, chosen_mode, sync=chosen_sync, check=chosen_check)
 
 
 def unpatch() -> None:
@@ -123,6 +126,19 @@ def check_choice(call: str, check: object) -> bool | None:
     if check is None or isinstance(check, bool):
         return check
     raise TypeError(f"torchmetrics_gradpatch: {call}(check={check!r}): check must be True, False or None.")
+
+
+def check_pairing(call: str, sync: str | None, check: bool | None) -> bool | None:
+    """``check``, refused with a ``ValueError`` where the same call chose torchmetrics' own sync with it: the check
+    compares the fused sync with torchmetrics' own, so there would be nothing to check. (A check chosen in one place
+    and torchmetrics' sync in another is allowed: ``status()`` says the check is idle.)"""
+    if check and sync == "torchmetrics":
+        raise ValueError(
+            f"torchmetrics_gradpatch: {call}(sync='torchmetrics', check=True): the check mode compares the fused sync "
+            "with torchmetrics' own, and torchmetrics' own sync was chosen, so nothing would be checked. Choose "
+            "sync='fused' with check=True, or leave check out."
+        )
+    return check
 
 
 def _read(variable: str, unset: str, check: Callable[[str], str], noun: str, allowed: str, see: str) -> str:
@@ -193,6 +209,12 @@ def apply_environment() -> None:
     unless ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` says not to; record that for :func:`at_import`."""
     global _at_import
     mode, sync, check, autopatch = mode_requested(), sync_requested(), check_requested(), autopatch_requested()
+    if check and sync == "torchmetrics" and os.environ.get(SYNC_ENV, "").strip():
+        raise ValueError(
+            f"{CHECK_ENV}={os.environ[CHECK_ENV]!r} checks the fused sync, but {SYNC_ENV}={os.environ[SYNC_ENV]!r} "
+            "chooses torchmetrics' own sync, so nothing would be checked. Set "
+            f"{SYNC_ENV}=fused, or unset {CHECK_ENV}. See docs/fused-sync.md."
+        )
     raw = os.environ.get(AUTOPATCH_ENV, "")
     _engine.set_defaults(mode=mode, sync=sync, check=check)
     _at_import = ImportChoice(patched=autopatch, variable=raw if raw.strip() else None)

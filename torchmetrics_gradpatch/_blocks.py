@@ -31,7 +31,7 @@ from typing import Any, TypeVar, cast, overload
 import wrapt
 
 from torchmetrics_gradpatch import _engine
-from torchmetrics_gradpatch._api import check_choice
+from torchmetrics_gradpatch._api import check_choice, check_pairing
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch._syncs import check_sync
 
@@ -89,7 +89,7 @@ class _Patched:
     def __init__(self, mode: object = None, sync: object = None, check: object = None) -> None:
         self._mode = None if mode is None else check_mode(mode)
         self._sync = None if sync is None else check_sync(sync)
-        self._check = check_choice("patched", check)
+        self._check = check_pairing("patched", self._sync, check_choice("patched", check))
         # thread -> (the exit object ``with`` just looked up, its cell): picked up by that thread's __enter__
         self._armed: dict[int, tuple[weakref.ref[Any], list[int | None]]] = {}
         # entries made by calling __enter__ by hand: (thread, token), oldest first
@@ -168,7 +168,8 @@ def patched(mode: str | F | None = None, sync: str | None = None, check: bool | 
     case-insensitive) also sets the gradient mode while its block is open and no newer block with a mode is;
     ``patched(sync="fused")`` (or ``"torchmetrics"``) likewise sets the sync strategy (docs/fused-sync.md), and
     ``patched(check=True)`` (or ``False``) whether each fused sync also runs torchmetrics' own sync and compares;
-    ``check`` must be ``True``, ``False`` or ``None`` (a ``TypeError`` otherwise).
+    ``check`` must be ``True``, ``False`` or ``None`` (a ``TypeError`` otherwise), and is not ``True`` beside
+    ``sync="torchmetrics"`` (a ``ValueError``: nothing would be checked).
     Blocks nest, are thread-safe and, on exit, undo only their own entry (also when the block raises); see
     :class:`_Patched` for decorating coroutine and generator functions.
     """

@@ -69,7 +69,8 @@ class Status:
     sync_chosen_by: str
     default_sync: str  #: the sync of patch() without one: TORCHMETRICS_GRADPATCH_SYNC, else "torchmetrics"
     #: the sync check is on: a fused sync called now also runs torchmetrics' own sync on the same states and
-    #: compares (False when not in force)
+    #: compares (False when not in force); it checks the fused sync only, so with ``sync == "torchmetrics"`` it is
+    #: idle and nothing is checked (the text says so)
     check: bool
     #: what chose ``check``: "patched(check=...)", "patch()", "import", "default", or "" when not in force
     check_chosen_by: str
