@@ -7,7 +7,11 @@ private modules (the engine's lock, records and settle step), which a test may d
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 from torchmetrics_gradpatch import _api, _engine
+from torchmetrics_gradpatch.fused import membership
 
 
 def reset_patch_state() -> str | None:
@@ -28,7 +32,16 @@ def reset_patch_state() -> str | None:
         state.manual_from = ""  # as a fresh import: nothing has switched the patch on yet
     _api.apply_environment()
     forget_capacities()
+    membership._named.clear()
     return "the test left a torchmetrics_gradpatch.patched() block open" if left else None
+
+
+def trust_module_classes(fn: Callable[..., object]) -> None:
+    """Trust the classes that ``fn``'s test module lists in ``TRUSTED`` for this call (a module whose subject is
+    the collection's exchange, not which classes it trusts, names its own Metric classes there)."""
+    classes = getattr(sys.modules.get(fn.__module__), "TRUSTED", ())
+    if classes:
+        membership.trust(*classes)
 
 
 def forget_capacities() -> None:

@@ -219,7 +219,7 @@ def _in_rank(
     import pytest
     import torch.distributed as dist
 
-    from tests._patch_state import reset_patch_state
+    from tests._patch_state import reset_patch_state, trust_module_classes
 
     global _STORE
     marker = Path(os.environ["TMGP_RANKS_DIR"], f"{os.getpid()}.rank")
@@ -242,6 +242,7 @@ def _in_rank(
         if _STORE.add(f"tmgp-call{call}", 1) == world_size:
             _STORE.set(f"tmgp-go{call}", "1")
         _STORE.wait([f"tmgp-go{call}"])
+        trust_module_classes(fn)
         outcome: tuple[int, str, Any] = (rank, "ok", fn(rank, world_size, *args, **kwargs))
     except pytest.skip.Exception as skip:
         outcome = (rank, "skip", str(skip))

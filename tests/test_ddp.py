@@ -310,3 +310,8 @@ def test_the_patch_is_what_makes_the_difference(world_size: int) -> None:
     gradient itself. Global mode (installed on every torchmetrics): every rank gets world_size x the reference,
     so on native torchmetrics too the installed code, not torchmetrics' own, produced it."""
     run_ranks(_patch_difference, world_size)
+
+
+#: the collection loss's Metric classes, trusted in its rank bodies: its subject is the collection's exchange, not which
+#: classes the exchange trusts (tests/test_fused_trust.py)
+TRUSTED = (SumSquaredError, CatSquaredError)

@@ -418,3 +418,8 @@ def test_grad_mode_mismatch_error_is_public() -> None:
 
     assert tg.GradModeMismatchError is _global.GradModeMismatchError
     assert issubclass(tg.GradModeMismatchError, RuntimeError) and "GradModeMismatchError" in tg.__all__
+
+
+#: the collection loss's Metric classes, trusted in its rank bodies: its subject is the collection's exchange, not which
+#: classes the exchange trusts (tests/test_fused_trust.py)
+TRUSTED = (SumSquaredError, CatSquaredError)

@@ -14,6 +14,8 @@ Public names:
 * :func:`status` / :class:`Status` -- what is patched, where, and in which gradient mode (also
   ``python -m torchmetrics_gradpatch status``);
 * :func:`gather_all_tensors` -- the graph-preserving gather itself, with ``mode="local"`` or ``"global"``;
+* :func:`trust` -- let a ``MetricCollection``'s one exchange (the fused sync) take over members of classes of yours,
+  after a check-mode run; :func:`explain` -- what that exchange does with each member of a collection, and why;
 * :func:`compile_support` -- on torchmetrics 1.6 and newer, install the gather in local mode too, so a Metric loss
   works inside ``torch.compile`` (before 1.6 it works without it; docs/design.md#torchcompile);
 * :class:`UnsupportedVersionError`, :class:`GradModeMismatchError`, :class:`FusedSyncError` -- the errors the package
@@ -53,11 +55,13 @@ __all__ = [
     "Status",
     "UnsupportedVersionError",
     "compile_support",
+    "explain",
     "gather_all_tensors",
     "is_patched",
     "patch",
     "patched",
     "status",
+    "trust",
     "unpatch",
 ]
 
@@ -82,6 +86,7 @@ try:
     from torchmetrics_gradpatch._blocks import patched
     from torchmetrics_gradpatch._modes import gather_all_tensors
     from torchmetrics_gradpatch._status import Status, status
+    from torchmetrics_gradpatch.fused import explain, trust
 
     _engine.configure(native=_version.is_native(_tm_version), torchmetrics_version=str(_tm_version))
     _api.apply_environment()

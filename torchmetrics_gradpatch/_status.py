@@ -86,6 +86,9 @@ class Status:
     #: tool's replacement), each with the parts of the fused sync that step aside for it, where torchmetrics' own
     #: path runs; empty when every one is recognised or torchmetrics is not imported
     stepped_aside: dict[str, tuple[str, ...]]
+    #: the classes of yours named with ``trust()``: a collection's one exchange takes over members of these classes
+    #: besides torchmetrics' own (docs/fused-sync.md)
+    trusted: tuple[str, ...]
     #: every path torchmetrics uses to reach its gather, and whether it reaches torchmetrics' own function
     references: dict[str, bool]
     #: what another tool put in the module attribute ``torchmetrics.utilities.distributed.gather_all_tensors``
@@ -107,6 +110,7 @@ class Status:
         data["applied_to"] = list(self.applied_to)
         data["sync_applied_to"] = list(self.sync_applied_to)
         data["stepped_aside"] = {function: list(parts) for function, parts in self.stepped_aside.items()}
+        data["trusted"] = list(self.trusted)
         return data
 
     def to_json(self) -> str:
@@ -215,6 +219,7 @@ class Status:
             f"steps aside:      {function} is not recognised: torchmetrics' own path runs for {', '.join(parts)}"
             for function, parts in self.stepped_aside.items()
         ]
+        lines += [f"trusted:          {name} (trust())" for name in self.trusted]
         if self.attribute_replaced_by is not None:
             lines.append(
                 f"module attribute: {_GATHER} holds {self.attribute_replaced_by}, not torchmetrics' own function "
@@ -295,6 +300,7 @@ def status() -> Status:
         applied_to=applied,
         sync_applied_to=sync_applied,
         stepped_aside=_syncs.stepped_aside(),
+        trusted=_syncs.trusted(),
         references={path: obj is function for path, obj in seen.held.items()} if function is not None else {},
         attribute_replaced_by=None if function is None or attribute is function else describe(attribute),
         autopatch=choice.patched,

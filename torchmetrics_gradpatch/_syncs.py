@@ -60,6 +60,8 @@ class Strategy:
     #: the torchmetrics functions the strategy does not recognise now, each with the parts of it that step aside
     #: (called only once torchmetrics is imported)
     aside: Callable[[], dict[str, tuple[str, ...]]] | None = None
+    #: the classes of the user's that the strategy trusts (what ``status()`` reports)
+    trusted: Callable[[], tuple[str, ...]] | None = None
 
 
 #: name -> strategy; ``None`` stands for torchmetrics' own sync.
@@ -185,6 +187,16 @@ def sites() -> tuple[str, ...]:
     """The further sites the strategy in force has put in place (what ``status()`` lists)."""
     strategy = STRATEGIES.get(_wanted["sites"]) if _wanted["sites"] is not None else None
     return strategy.sites() if strategy is not None and strategy.sites is not None else ()
+
+
+def trusted() -> tuple[str, ...]:
+    """Every registered strategy's :attr:`Strategy.trusted`, joined (what ``status()`` reports)."""
+    return tuple(
+        name
+        for strategy in STRATEGIES.values()
+        if strategy is not None and strategy.trusted is not None
+        for name in strategy.trusted()
+    )
 
 
 def stepped_aside() -> dict[str, tuple[str, ...]]:

@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from torchmetrics_gradpatch import _syncs
+from torchmetrics_gradpatch.fused.membership import explain, trust, trusted_names
 
-__all__ = ["fused_sync"]
+__all__ = ["explain", "fused_sync", "trust"]
 
 
 def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
@@ -43,19 +44,24 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     from torchmetrics_gradpatch.fused import aside, check
     from torchmetrics_gradpatch.fused.sync import fused_sync as run
 
-    if aside.stepping_aside(aside.SINGLE):
-        _syncs.original_sync_dist()(metric, process_group=process_group)
-    elif _engine.effective_check():
+    # a rank that steps aside still sends its header, so that every rank steps aside with it
+    unrecognised = aside.stepping_aside(aside.SINGLE)
+
+    def fused() -> None:
+        if not run(metric, process_group, mode, unrecognised):
+            _syncs.original_sync_dist()(metric, process_group=process_group)
+
+    if _engine.effective_check():
         group = process_group or metric.process_group
         check.run(
             type(metric).__name__,
             metric,
-            lambda: run(metric, process_group, mode),
+            fused,
             lambda: _syncs.original_sync_dist()(metric, process_group=process_group),
             group,
         )
     else:
-        run(metric, process_group, mode)
+        fused()
 
 
 def _collection_sites_all() -> tuple[tuple[Any, str], ...]:
@@ -98,5 +104,6 @@ _syncs.register(
         uninstall=_uninstall_collection,
         sites=_collection_sites,
         aside=_stepped_aside,
+        trusted=trusted_names,
     ),
 )

@@ -39,7 +39,6 @@ the same error after that collective. Under ``torch.compile`` the whole of it ru
 from __future__ import annotations
 
 import array
-import collections
 import functools
 import zlib
 from collections.abc import Callable
@@ -48,22 +47,12 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import Site
-from torchmetrics_gradpatch.fused import aside, forms
+from torchmetrics_gradpatch.fused import aside, forms, membership
 
-__all__ = ["SITE", "Outcome", "forms_of", "sync_members", "syncs_here", "torchmetrics_own"]
+__all__ = ["SITE", "Outcome", "sync_members", "syncs_here", "torchmetrics_own"]
 
 _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
 _MEMBER_WORDS = 4  # per member in the table: fingerprint, form, needs, detail; then its slot references
-
-
-def forms_of(members: list[tuple[str, Any]], on_step: bool = False) -> list[int]:
-    """Each member's form (:func:`torchmetrics_gradpatch.fused.forms.form`) for ``compute()`` or (``on_step``) the
-    step's ``forward``: an object held under several keys is a duplicate under each (torchmetrics runs it whole
-    at each of its places)."""
-    hooked = forms.global_hooks()
-    counts = collections.Counter(id(metric) for _, metric in members)
-    twice = {key for key, count in counts.items() if count > 1}
-    return [forms.form(metric, on_step, id(metric) in twice, hooked) for _, metric in members]
 
 
 def syncs_here(members: list[tuple[str, Any]], codes: list[int], on_step: bool = False) -> bool:
@@ -202,12 +191,13 @@ class _Plan:
         own: list[int],
         codes: list[int],
         everywhere: bool,
+        aside_anywhere: bool,
         rank: int,
         world_size: int,
         got: Any,
     ) -> _Plan:
         needed = [any(t[i].needs for t in tables) for i in range(len(members))]
-        joins = [i for i, code in enumerate(codes) if code == forms.JOINS and i not in own]
+        joins = [] if aside_anywhere else [i for i, c in enumerate(codes) if c == forms.JOINS and i not in own]
         plan = cls(
             own,
             joins,
@@ -319,15 +309,18 @@ def sync_members(
     codes: list[int] | None = None,
     set_synced: Callable[[Any, Callable[[], None]], None] | None = None,
     staged: bool = True,
+    aside_here: bool = False,
 ) -> Outcome:
     """The one exchange over the default group: set the synced states of every member that joins on every rank and
     needs it, and settle which members every rank syncs with torchmetrics' own ``_sync_dist``.
 
     A collective of every rank where some member syncs over the default group (:func:`syncs_here`; the caller
-    decides). ``codes``: each member's form (default: :func:`forms_of` for ``compute()``); ``set_synced``: what is
-    done with each synced member and the function that sets its synced states (default: its own ``sync()`` runs
-    it, :func:`_set_synced`); ``staged``: this rank's joining members hold the states to send (a step's rank that
-    ran no member yet sends its table alone, and then no member is synced by the exchange on any rank).
+    decides). ``codes``: each member's form (default: ``forms.forms_of`` for ``compute()``); ``set_synced``: what
+    is done with each synced member and the function that sets its synced states (default: its own ``sync()``
+    runs it, :func:`_set_synced`); ``staged``: this rank's joining members hold the states to send (a step's rank that
+    ran no member yet sends its table alone, and then no member is synced by the exchange on any rank);
+    ``aside_here``: this rank runs torchmetrics' own path for the whole collection (it sends its table alone), and
+    then no member joins on any rank.
     """
     import torch
     import torch.distributed as dist
@@ -337,7 +330,7 @@ def sync_members(
     from torchmetrics_gradpatch.fused import sync as fs
     from torchmetrics_gradpatch.fused import wire as fp
 
-    codes = forms_of(members) if codes is None else codes
+    codes = forms.forms_of(members) if codes is None else codes
     apply = _set_synced if set_synced is None else set_synced
     group = dist.group.WORLD
     world_size, rank = size_and_rank(group)
@@ -349,21 +342,24 @@ def sync_members(
     except Exception as prepared:  # this rank's states cannot be sent: its header says so, and every rank raises
         slots, states, out, agreed, failure = [], [], fs.outgoing([]), 0, prepared
     name = "a MetricCollection"
-    flags = fs.flags_of(slots) | (fp.FLAG_FAILED if failure is not None else 0) | (0 if staged else fp.FLAG_UNSTAGED)
+    flags = fs.flags_of(slots) | (fp.FLAG_FAILED if failure is not None else 0)
+    flags |= (0 if staged else fp.FLAG_UNSTAGED) | (fp.FLAG_ASIDE if aside_here else 0)
     with torch.no_grad():
         rows = fs.headers(out, flags, agreed, group, world_size, device)
         fs.raise_failures(name, rows, failure, group, world_size, device)
         got = fs.payloads(out, rows, rank, group, world_size, device)
         tables = [_rows(tuple(t)) for t in got.tables]
         everywhere = not any(row[fp.FLAGS] & fp.FLAG_UNSTAGED for row in rows)
+        aside_anywhere = any(row[fp.FLAGS] & fp.FLAG_ASIDE for row in rows)
         # what the checks below find, and the plan, depend on the descriptions alone: a steady exchange makes them once
-        key = (got.words, everywhere, rank)
+        key = (got.words, everywhere, aside_anywhere, rank)
         plan = _PLANS.get(key)
         if plan is None:
             error = _structure_error(members, tables, lambda text: fs.gather_texts(text, group, world_size, device))
             if error is not None:
                 raise error
-            plan = _Plan.make(members, tables, _own_sync(members, tables), codes, everywhere, rank, world_size, got)
+            own = _own_sync(members, tables)
+            plan = _Plan.make(members, tables, own, codes, everywhere, aside_anywhere, rank, world_size, got)
         for i in plan.recompute:
             members[i][1]._computed = None  # a peer syncs it: this rank computes from the same states, not its cache
         if plan.joined:
@@ -441,25 +437,36 @@ def _set_synced(metric: Any, reduce: Callable[[], None]) -> None:
         del metric._sync_dist
 
 
-def _compute(original: Callable[[Any], Any], collection: Any) -> Any:
+def members_of(collection: Any, unrecognised: bool) -> tuple[list[tuple[str, Any]], bool]:
+    """The collection's members as ``compute()`` and ``forward`` take them, and whether this rank runs torchmetrics'
+    own path for the whole collection (``unrecognised``: a torchmetrics function it relies on is not recognised; or
+    a class it does not trust, :func:`torchmetrics_gradpatch.fused.membership.untrusted`). Members are linked to their
+    compute group's states (``items(copy_state=False)``) only where the rank takes part."""
+    members = [(str(key), metric) for key, metric in collection._modules.items()]
+    if unrecognised or membership.untrusted(collection, members) is not None:
+        return members, True
+    return [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)], False
+
+
+def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool) -> Any:
     """The collection's ``compute()`` with one exchange for every member that joins (see the module docstring); in
     check mode, compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.check`)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection)
-    members = [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)]
-    codes = forms_of(members)
+    members, aside_here = members_of(collection, unrecognised)
+    codes = forms.forms_of(members)
     if not members or not syncs_here(members, codes):
         return original(collection)
     if not _engine.effective_check():
-        return _exchange_and_compute(original, collection, members, codes)
+        return _exchange_and_compute(original, collection, members, codes, aside_here)
     from torchmetrics_gradpatch.fused import check
 
     return check.run(
         "a MetricCollection's compute()",
         collection,
-        lambda: _exchange_and_compute(original, collection, members, codes),
+        lambda: _exchange_and_compute(original, collection, members, codes, aside_here),
         lambda: torchmetrics_own(original, collection),
     )
 
@@ -475,9 +482,9 @@ def torchmetrics_own(original: Callable[..., Any], collection: Any, *args: Any, 
 
 
 def _exchange_and_compute(
-    original: Callable[[Any], Any], collection: Any, members: list[tuple[str, Any]], codes: list[int]
+    original: Callable[[Any], Any], collection: Any, members: list[tuple[str, Any]], codes: list[int], aside_here: bool
 ) -> Any:
-    outcome = sync_members(members, _engine.effective_mode(), codes)
+    outcome = sync_members(members, _engine.effective_mode(), codes, staged=not aside_here, aside_here=aside_here)
     joined = outcome.synced
     to_sync = [metric._to_sync for metric in joined]
     try:
@@ -504,11 +511,13 @@ def _exchange_and_compute(
 def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
     def compute(self: Any) -> Any:
-        if _engine.effective_sync() != "fused" or aside.stepping_aside(aside.COMPUTE):
+        if _engine.effective_sync() != "fused":
             return original(self)
+        # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
+        unrecognised = aside.stepping_aside(aside.COMPUTE)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
-            return _compile.run_eagerly(_compute, original, self)
-        return _compute(original, self)
+            return _compile.run_eagerly(_compute, original, self, unrecognised)
+        return _compute(original, self, unrecognised)
 
     return compute
 

@@ -23,6 +23,7 @@ torchmetrics at import time.
 
 from __future__ import annotations
 
+import collections
 import functools
 import operator
 import zlib
@@ -40,6 +41,7 @@ __all__ = [
     "describe",
     "detail",
     "form",
+    "forms_of",
     "global_hooks",
     "inside",
     "kind",
@@ -236,3 +238,13 @@ def detail(metric: Any) -> int:
             )
         )
     return zlib.crc32("/".join(facts).encode())
+
+
+def forms_of(members: list[tuple[str, Any]], on_step: bool = False) -> list[int]:
+    """Each member's form (:func:`form`) for ``compute()`` or (``on_step``) the
+    step's ``forward``: an object held under several keys is a duplicate under each (torchmetrics runs it whole
+    at each of its places)."""
+    hooked = global_hooks()
+    counts = collections.Counter(id(metric) for _, metric in members)
+    twice = {key for key, count in counts.items() if count > 1}
+    return [form(metric, on_step, id(metric) in twice, hooked) for _, metric in members]

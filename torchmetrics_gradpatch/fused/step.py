@@ -309,26 +309,28 @@ def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
     return queue.pop(0).finish()
 
 
-def _forward(original: Callable[..., Any], collection: Any, *args: Any, **kwargs: Any) -> Any:
-    """The collection's ``forward`` with one exchange for every member that joins (see the module docstring)."""
+def _forward(original: Callable[..., Any], collection: Any, unrecognised: bool, *args: Any, **kwargs: Any) -> Any:
+    """The collection's ``forward`` with one exchange for every member that joins (see the module docstring);
+    ``unrecognised``: a torchmetrics function it relies on is not recognised here."""
     import torch.distributed as dist
 
     from torchmetrics_gradpatch.fused import collection as fc
+    from torchmetrics_gradpatch.fused import forms
 
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection, *args, **kwargs)
-    members = [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)]
-    codes = fc.forms_of(members, on_step=True)
+    members, aside_here = fc.members_of(collection, unrecognised)
+    codes = forms.forms_of(members, on_step=True)
     if not fc.syncs_here(members, codes, on_step=True):
         return original(collection, *args, **kwargs)
     if not _engine.effective_check():
-        return _exchange_and_forward(original, collection, members, codes, args, kwargs)
+        return _exchange_and_forward(original, collection, members, codes, aside_here, args, kwargs)
     from torchmetrics_gradpatch.fused import check
 
     return check.run(
         "a MetricCollection's forward",
         collection,
-        lambda: _exchange_and_forward(original, collection, members, codes, args, kwargs),
+        lambda: _exchange_and_forward(original, collection, members, codes, aside_here, args, kwargs),
         lambda: fc.torchmetrics_own(original, collection, *args, **kwargs),
     )
 
@@ -338,6 +340,7 @@ def _exchange_and_forward(
     collection: Any,
     members: list[tuple[str, Any]],
     codes: list[int],
+    aside_here: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
@@ -347,14 +350,15 @@ def _exchange_and_forward(
     mode = _engine.effective_mode()
     # staged: every member joins or issues no collective, so the first halves run before the exchange, in the
     # collection's order (every graph node is made in torchmetrics' order, so the gradients that an input gets from
-    # several members are summed in its order too); else this rank sends its member table alone first
-    staged = all(forms.kind(code) in (forms.JOINED, forms.QUIET) for code in codes)
+    # several members are summed in its order too); else this rank sends its member table alone first. A rank that
+    # runs torchmetrics' own path (aside_here) sends it alone too, and then no member joins on any rank.
+    staged = not aside_here and all(forms.kind(code) in (forms.JOINED, forms.QUIET) for code in codes)
     step = _Step(members, args, kwargs)
     try:
         if staged:
             for i, code in enumerate(codes):
                 step.begin(i) if code == forms.JOINS else step.run(i)
-        outcome = fc.sync_members(members, mode, codes, step.record, staged)
+        outcome = fc.sync_members(members, mode, codes, step.record, staged, aside_here)
         if not outcome.everywhere:
             # some rank has a member the exchange does not take over: from the same tables, every rank runs each
             # member in order, the ones that join everywhere up to their compute(), every other member whole (its
@@ -386,11 +390,13 @@ def _exchange_and_forward(
 def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _engine.effective_sync() != "fused" or aside.stepping_aside(aside.STEP):
+        if _engine.effective_sync() != "fused":
             return original(self, *args, **kwargs)
+        # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
+        unrecognised = aside.stepping_aside(aside.STEP)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
-            return _compile.run_eagerly(functools.partial(_forward, original, self, *args, **kwargs))
-        return _forward(original, self, *args, **kwargs)
+            return _compile.run_eagerly(functools.partial(_forward, original, self, unrecognised, *args, **kwargs))
+        return _forward(original, self, unrecognised, *args, **kwargs)
 
     return forward
 

@@ -522,10 +522,11 @@ def remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
         memo.pop(next(iter(memo)))
 
 
-def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
+def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local", aside_here: bool = False) -> bool:
     """Sync ``metric``'s states over ``process_group`` (else the metric's, else the default group) in one exchange
     (one collective when steady, two after a change), with torchmetrics' values and ``mode``'s gradients (see the
-    module docstring).
+    module docstring). Returns ``False``, having changed nothing, where some rank steps aside (``aside_here`` on
+    this rank: it sends its header alone): then every rank runs torchmetrics' own ``_sync_dist`` instead.
 
     A collective: every rank of the group must call it for the same Metric class, with the same ``mode``.
     """
@@ -537,15 +538,18 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     device, staging, stream_cpu = transit.devices(metric.device, resolved)
     failure: Exception | None = None
     try:
-        states = _prepare(metric, stream_cpu)
+        states = [] if aside_here else _prepare(metric, stream_cpu)
         out = outgoing(states)
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         states, out, failure = [], outgoing([]), error
-    released = _large.release_cache(metric, _large.sent_apart(states))  # sync()'s copies: made again after the peak
     flags = flags_of(states) | (fp.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
+    flags |= fp.FLAG_ASIDE if aside_here else 0
     with torch.no_grad():
         rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)
         raise_failures(name, rows, failure, resolved, world_size, device)
+        if any(row[fp.FLAGS] & fp.FLAG_ASIDE for row in rows):
+            return False
+        released = _large.release_cache(metric, _large.sent_apart(states))  # sync()'s copies: made again after
         if len({row[fp.FINGERPRINT] for row in rows}) > 1:
             held = gather_texts(describe(metric), resolved, world_size, device)
             raise structure_error(
@@ -566,6 +570,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     synced = entries(states, got, [keep] * world_size, rank, world_size, group, node_wanted(rows, mode), device)
     reduce(metric, states, got.slots, synced, [got.reduced.get(s) if got.reduced else None for s in range(len(states))])
     _large.recopy(metric, _large.written(states, released))  # the local tensors are no longer held but by the cache
+    return True
 
 
 def entries(
