@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -362,4 +362,39 @@ def test_a_bad_variable_fails_the_import_naming_it() -> None:
         "ValueError: TORCHMETRICS_GRADPATCH_CHECK='maybe' is not a flag; use one of: 0, false, no, off (do not "
         "check, the default) / 1, true, yes, on (check the fused sync), in any case (unset means 0). See "
         "docs/fused-sync.md."
+    ), proc.stderr
+
+
+# --- the check beside torchmetrics' own sync --------------------------------------------------------------------------
+
+
+def test_check_beside_torchmetrics_own_sync_in_one_call_is_refused(nothing_set: None) -> None:
+    """One call that chooses both is refused and changes nothing; chosen in different places, the check is idle and
+    status() says so."""
+    tg.patch(sync="fused")
+    calls: dict[str, Callable[[], object]] = {
+        "patch": lambda: tg.patch(sync="torchmetrics", check=True),
+        "patched": lambda: tg.patched(sync="TorchMetrics", check=True),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert str(raised.value) == (
+            f"torchmetrics_gradpatch: {name}(sync='torchmetrics', check=True): the check mode compares the fused "
+            "sync with torchmetrics' own, and torchmetrics' own sync was chosen, so nothing would be checked. Choose "
+            "sync='fused' with check=True, or leave check out."
+        )
+    assert (tg.status().sync, tg.status().check, tg.status().open_blocks) == ("fused", False, 0)
+    with tg.patched(check=True), tg.patched(sync="torchmetrics"):
+        assert "idle: only the fused sync is checked" in check_line(tg.status())
+
+
+def test_the_variables_choosing_the_check_and_torchmetrics_own_sync_fail_the_import() -> None:
+    env = {_api.CHECK_ENV: "on", _api.SYNC_ENV: "torchmetrics"}
+    proc = run_python("import torchmetrics_gradpatch", env=env, timeout=120)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ValueError: TORCHMETRICS_GRADPATCH_CHECK='on' checks the fused sync, but "
+        "TORCHMETRICS_GRADPATCH_SYNC='torchmetrics' chooses torchmetrics' own sync, so nothing would be checked. Set "
+        "TORCHMETRICS_GRADPATCH_SYNC=fused, or unset TORCHMETRICS_GRADPATCH_CHECK. See docs/fused-sync.md."
     ), proc.stderr

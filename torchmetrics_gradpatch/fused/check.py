@@ -392,7 +392,8 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
         _set_rng(rng_after)
     _agree(text, what, group, error)
     if unchecked:
-        _not_checked(what, f"{', '.join(dict.fromkeys(unchecked))} cannot be compared")
+        more = len(dict.fromkeys(unchecked)) - 1
+        _not_checked(what, f"{unchecked[0]}{f' and {more} more value(s)' if more else ''} cannot be compared")
     if error is not None:
         raise error
     return result  # type: ignore[no-any-return]
