@@ -426,6 +426,18 @@ def _never_waits(rank: int, world_size: int) -> None:
         "of elements, which torchmetrics' own sync gathers one by one and would wait on forever"
     ) in warned[0], warned
 
+    # in a collection: its step (the batch states, after reset() and update(), are what syncs) and its compute()
+    collection = MetricCollection({"rows": Items(dist_sync_on_step=True)})
+    with _watched(True) as (seen, issued, warned):
+        stepped = collection(*batch(rank, 3, 1))
+        collection.compute()
+    assert len(seen) == 2 and "barrier" not in issued and stepped["rows"].shape == (sum(batch_sizes(3, 1)),), issued
+    assert [w[: w.index(" was not")] for w in warned] == [
+        "torchmetrics_gradpatch: check mode: the fused sync of a MetricCollection's forward",
+        "torchmetrics_gradpatch: check mode: the fused sync of a MetricCollection's compute()",
+    ], warned
+    assert all("list state(s) ['rows.items'] with different numbers" in w for w in warned), warned
+
     made: list[Callable[[], Any]] = [Rows, lambda: MetricCollection({"mse": MeanSquaredError(dist_sync_on_step=True)})]
     for make in made:
         metrics = make()
@@ -437,6 +449,11 @@ def _never_waits(rank: int, world_size: int) -> None:
         assert every_rank((text, issued_here)) == [(text, 1)] * world_size, (text, issued_here)
         assert text.startswith("torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on")
         assert isinstance(_error(metrics, rank), fs.CheckSettingError)
+
+
+def batch_sizes(seed: int, k: int) -> list[int]:
+    """Every rank's number of rows in ``batch(rank, seed, k)``."""
+    return [len(batch(r, seed, k)[0]) for r in range(torch.distributed.get_world_size())]
 
 
 def _error(metrics: Any, rank: int) -> BaseException | None:

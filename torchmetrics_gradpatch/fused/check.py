@@ -344,6 +344,7 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     from torchmetrics_gradpatch.fused.sync import CheckSettingError
 
     before, rng = _Taken.of(root, copied=True), _rng()
+    nested = bool(watching)  # inside another check's fused run (a member's own sync): that check warns
     uneven: list[tuple[Any, str]] = []
     watching.append(uneven)
     result: Any = None
@@ -359,7 +360,7 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     refused = isinstance(error, (FusedSyncError, GradModeMismatchError))
     kind = _REFUSED if refused else _RETURNED if error is None else _RAISED
     facts = _facts([kind, int(bool(uneven))], group)
-    if any(row[1] for row in facts):
+    if any(row[1] for row in facts) and not nested:
         # from every rank's description: torchmetrics' own sync would wait forever here
         paths = {id(module): path for path, module in _modules(root)}
         named = sorted({f"{paths.get(id(m), type(m).__name__)}.{attr}" for m, attr in uneven}) or ["(on another rank)"]
