@@ -93,8 +93,9 @@ class FailsOnRankOne(MeanSquaredError):  # noqa: N818 (a Metric, named after its
 
 def _one_rank_raises(rank: int, world_size: int) -> None:
     """The last member's ``compute()`` raises on rank 1 alone, in ``compute()`` and in a step: as with the fused sync
-    alone (and torchmetrics' own), rank 1 raises its error and the other ranks return torchmetrics' values, none
-    waiting in a check that rank 1 does not run."""
+    alone (and torchmetrics' own), rank 1 raises its error and the other ranks return torchmetrics' values. Every
+    rank runs torchmetrics' path too (the error comes after the syncs): on rank 1 both paths raise the same error,
+    which is no difference."""
 
     def make() -> MetricCollection:
         return MetricCollection(
