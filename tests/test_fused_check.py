@@ -12,7 +12,9 @@ check settings differ end on every rank alike, without a hang. Each case asserts
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -327,9 +329,20 @@ class Unjudged(MeanSquaredError):  # noqa: N818 (a Metric, named after what it r
         return super().compute(), Opaque()
 
 
+_COMPUTES = itertools.count()
+
+
+class Counting(MeanSquaredError):  # noqa: N818 (a Metric, named after what it does)
+    """A ``compute()`` that raises naming how many times it was called in this process: each path's error differs."""
+
+    def compute(self) -> torch.Tensor:
+        raise ValueError(f"compute call {next(_COMPUTES)}")
+
+
 def _misses_none(rank: int, world_size: int) -> None:
     """A dataclass result that differs; the fused run raising where torchmetrics' own returns (a reduction broken
-    on rank 1): the same error on every rank. A result that cannot be compared: one warning, the fused result."""
+    on rank 1); both raising, other errors: the same error on every rank. A result that cannot be compared: one
+    warning, the fused result."""
     metrics = MetricCollection(
         {"a": Summarised(dist_sync_on_step=True), "b": Noisy(dist_sync_on_step=True)}, compute_groups=False
     )
@@ -360,6 +373,17 @@ def _misses_none(rank: int, world_size: int) -> None:
         "the fused sync of Rows differs from torchmetrics' own sync on rank(s) [1]; on rank 1, Rows raised "
         "RuntimeError: a reduction that fails on rank 1 where torchmetrics' own path returned"
     ) in text, text
+
+    metrics = MetricCollection({"n": Counting()})
+    metrics.update(*batch(rank, 4, 0))
+    with _watched(True) as (seen, issued, _):
+        text = _raised(metrics.compute)
+    assert len(seen) == 1 and "barrier" in issued and every_rank(text) == [text] * world_size, (seen, issued, text)
+    assert re.search(
+        r"on rank 0, a MetricCollection's compute\(\) raised ValueError: compute call (\d+) where torchmetrics' own "
+        r"path raised ValueError: compute call (\d+)\.",
+        text,
+    ), text
 
     def judged(check_on: bool) -> tuple[Any, list[str], list[str]]:
         metrics = MetricCollection({"u": Unjudged()})
