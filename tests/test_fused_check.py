@@ -11,6 +11,7 @@ check settings differ end on every rank alike, without a hang. Each case asserts
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import random
@@ -182,6 +183,7 @@ def test_difference_compares_every_kind_of_value_bit_for_bit() -> None:
     nan = float("nan")
     assert check.difference(nan, float("nan")) is None
     assert check.difference({"a": [nan, (1, "x")]}, {"a": [float("nan"), (1, "x")]}) is None
+    assert check.difference(collections.deque([nan]), collections.deque([float("nan")])) is None
     assert check.difference(0.0, -0.0) == "0.0 where torchmetrics' is -0.0"
     assert check.difference(torch.tensor([nan]), torch.tensor([nan])) is None
     found = check.difference(Summary(torch.tensor([1.0, 2.0])), Summary(torch.tensor([1.0, 3.0])))

@@ -3,10 +3,11 @@
 Contract (docs/fused-sync.md, "Adopting it safely", explains it and lists what it costs):
 
 * :func:`run` takes everything the fused run can change before it runs: every module of the Metric's or the
-  collection's module tree (each one's attributes: tensors, lists, dicts, sets, tuples and dataclasses copied,
-  buffers, parameters, ``_defaults`` and ``_reductions`` included; objects that modules share are shared in the copy)
-  and the random state. It runs the fused path, puts that start back, runs torchmetrics' own path, compares the two
-  and puts the fused run's objects and random state back: the program goes on with the fused run's.
+  collection's module tree (each one's attributes, with the tensors, lists, dicts, deques, sets, tuples and
+  dataclasses in them copied: states, ``_defaults``, ``_reductions``, buffers, parameters; objects that modules share
+  are shared in the copy, objects of other kinds are not copied) and the random state. It runs the fused path, puts
+  that start back, runs torchmetrics' own path, compares the two and puts the fused run's objects and random state
+  back: the program goes on with the fused run's.
 * Every rank decides from the same exchanged facts (one collective after the fused run). Where the fused run
   raised the fused sync's own refusal on some rank, or synced a list state whose length differs between the ranks
   (torchmetrics' own sync gathers once per element and would wait forever: one warning naming the Metrics), no
@@ -22,6 +23,7 @@ Contract (docs/fused-sync.md, "Adopting it safely", explains it and lists what i
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import random
@@ -86,14 +88,15 @@ def _copy(value: Any, memo: dict[int, Any]) -> Any:
         made: Any = torch.nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
     elif isinstance(value, torch.Tensor):
         made = value.clone()  # a state with a graph keeps it: the reference syncs what the fused sync synced
-    elif isinstance(value, (list, dict)):
-        made = copy.copy(value)  # the same type (an OrderedDict, a defaultdict with its factory)
+    elif isinstance(value, (list, dict, collections.deque)):
+        made = copy.copy(value)  # the same type (an OrderedDict, a defaultdict with its factory, a deque's maxlen)
         memo[id(value)] = made
-        if isinstance(made, list):
-            made[:] = [_copy(v, memo) for v in value]
-        else:
+        if isinstance(made, dict):
             for key in made:
                 made[key] = _copy(value[key], memo)
+        else:
+            made.clear()
+            made.extend(_copy(v, memo) for v in value)
         return made
     elif isinstance(value, (set, bytearray)):
         made = copy.copy(value)  # elements of a set are hashable: taken as they are
@@ -191,7 +194,7 @@ class _Comparison:
             if a.keys() != b.keys():
                 return f"{where}keys {sorted(map(str, a))} where torchmetrics' are {sorted(map(str, b))}"
             return self._each((f"{at}[{key!r}]", a[key], b[key]) for key in a)
-        if isinstance(a, (list, tuple)):
+        if isinstance(a, (list, tuple, collections.deque)):
             if len(a) != len(b):
                 return f"{where}{len(a)} elements where torchmetrics' has {len(b)}"
             return self._each((f"{at}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b, strict=True)))
