@@ -9,7 +9,7 @@ Anything else runs torchmetrics' own path for the whole collection (each Metric 
 Metric, which reorders nothing). :func:`explain` says, member by member, what the exchange does with a collection.
 
 The registry is process-wide, like the patch. Every rank must name the same classes; where they do not, the ranks
-that trust less step aside and every rank follows them (docs/fused-sync.md#which-members-it-takes-over).
+that trust less step aside and every rank follows them (docs/fused-sync.md#which-collections-it-trusts).
 """
 
 from __future__ import annotations

@@ -28,10 +28,12 @@ if os.environ.get("TMGP_FUSED_PROBE"):
         probe = os.environ["TMGP_FUSED_PROBE"]
 
         @functools.wraps(run)
-        def counted(metric: Any, process_group: Any = None, mode: str = "local") -> None:
-            run(metric, process_group, mode)
-            with open(os.path.join(probe, str(os.getpid())), "a") as out:
-                out.write(mode + "\n")
+        def counted(metric: Any, process_group: Any = None, mode: str = "local", aside_here: bool = False) -> bool:
+            synced: bool = run(metric, process_group, mode, aside_here)
+            if synced:  # counted where the fused sync ran, not where it stepped aside
+                with open(os.path.join(probe, str(os.getpid())), "a") as out:
+                    out.write(mode + "\n")
+            return synced
 
         module.fused_sync = counted
 
