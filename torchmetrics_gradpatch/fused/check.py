@@ -10,8 +10,10 @@ Contract (docs/fused-sync.md, "Adopting it safely", explains it and lists what i
   back: the program goes on with the fused run's.
 * Every rank decides from the same exchanged facts (one collective after the fused run). Where the fused run
   raised the fused sync's own refusal on some rank, or synced a list state whose length differs between the ranks
-  (torchmetrics' own sync gathers once per element and would wait forever: one warning naming the Metrics), no
-  rank runs torchmetrics' path. Otherwise every rank runs it.
+  (torchmetrics' own sync gathers once per element and would wait forever: one warning naming the Metrics), or
+  raised in a Metric's own code on some ranks only (torchmetrics' own path can leave the others waiting there: one
+  warning), no rank runs torchmetrics' path. Otherwise every rank runs it (a fused run that raised inside the
+  exchange itself is compared like any other).
 * Compared (:func:`difference`): the results, every Metric's states and flags, every module's buffers, and the
   outcome itself (one path raising where the other returns, or the two raising different errors). A difference on
   any rank raises the same :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank (one collective more,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import os
 import random
 import struct
 import sys
@@ -44,7 +47,24 @@ __all__ = ["difference", "note_lengths", "run", "watching"]
 
 T = TypeVar("T")
 _FLAGS = ("_update_count", "_forward_cache", "_computed", "_is_synced", "_should_unsync", "_to_sync")
-_RETURNED, _RAISED, _REFUSED = 0, 1, 2
+# what a rank's fused run did: returned; raised in the Metrics' own code (update, compute, hooks); raised in the
+# fused exchange itself (what the check is for: torchmetrics' path has no such step); refused (its own error)
+_RETURNED, _RAISED, _BROKE, _REFUSED = 0, 1, 2, 3
+_EXCHANGE_FILES = tuple(
+    f"{os.sep}fused{os.sep}{name}.py" for name in ("sync", "wire", "large", "reduced", "transit", "grad")
+)
+
+
+def _in_exchange(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside the fused exchange (a frame of its modules on the way), not in a Metric's
+    own code run around it."""
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code.co_filename.endswith(_EXCHANGE_FILES):
+            return True
+        frame = frame.tb_next
+    return False
+
 
 #: while :func:`run` runs a fused path (innermost last): the Metrics and list states whose number of elements
 #: differs between the ranks in a sync, as the fused sync found them in every rank's description
@@ -361,7 +381,7 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     finally:
         watching.pop()
     refused = isinstance(error, (FusedSyncError, GradModeMismatchError))
-    kind = _REFUSED if refused else _RETURNED if error is None else _RAISED
+    kind = _REFUSED if refused else _RETURNED if error is None else _BROKE if _in_exchange(error) else _RAISED
     facts = _facts([kind, int(bool(uneven))], group)
     if any(row[1] for row in facts) and not nested:
         # from every rank's description: torchmetrics' own sync would wait forever here
@@ -372,7 +392,17 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
             f"the ranks hold list state(s) {named} with different numbers of elements, which torchmetrics' own sync "
             "gathers one by one and would wait on forever",
         )
-    if any(row[0] == _REFUSED for row in facts) or any(row[1] for row in facts):
+    kinds = {row[0] for row in facts}
+    partly = _RAISED in kinds and len(kinds) > 1
+    if partly and not nested:
+        # a Metric's own code raised on some ranks only: torchmetrics' own path, raising there between its
+        # collectives, would leave the others waiting (a member's compute() failing on one rank, say)
+        _not_checked(
+            what,
+            f"it raised on rank(s) {[r for r, row in enumerate(facts) if row[0] == _RAISED]} only, where torchmetrics' "
+            "own path can leave the other ranks waiting",
+        )
+    if _REFUSED in kinds or any(row[1] for row in facts) or partly:
         # the fused sync refused on every rank alike (where torchmetrics' own can hang), or torchmetrics' own would
         # wait: each rank goes on as the fused run left it
         if error is not None:
