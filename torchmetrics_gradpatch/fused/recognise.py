@@ -500,25 +500,25 @@ class _Judge:
                     return False
                 live = live.__func__  # type: ignore[attr-defined]
             elif name in ("contextmanager", "asynccontextmanager"):
-                if type(live) is not FunctionType or _WRAPPERS.get(id(live.__code__)) != name:
+                if type(live) is not FunctionType:
                     return False
+                self.watch(live)
                 inner = live.__dict__.get("__wrapped__")
                 cells = live.__closure__ or ()
-                if len(cells) != 1 or _contents(cells[0]) is not inner:  # the generator function it calls
-                    return False
-                self.look.functions.append(live)
-                self.look.cells.extend(cells)
+                if _WRAPPERS.get(id(live.__code__)) != name or len(cells) != 1 or _contents(cells[0]) is not inner:
+                    return False  # not the decorator's wrapper, or one that calls another function
                 live = inner
             else:
                 return False  # a decorator whose wrapper this module does not know
-        if type(live) is not FunctionType or live.__globals__ is not self.namespace:
+        if type(live) is not FunctionType:
+            return False
+        self.watch(live)  # what is judged is watched, recognised or not, so that putting it back is noticed
+        if live.__globals__ is not self.namespace:
             return False
         first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
         if _original_code(live) != self.source.codes.get((first, node.name)):
             return False
-        self.look.functions.append(live)
         cells = live.__closure__ or ()
-        self.look.cells.extend(cells)
         if live.__code__.co_freevars not in ((), ("__class__",)) or any(_contents(cell) is not owner for cell in cells):
             return False
         args = node.args
@@ -529,6 +529,10 @@ class _Judge:
             if expr
         }
         return _same_values(live.__defaults__, defaults) and _same_values(live.__kwdefaults__, kw or None)
+
+    def watch(self, fn: FunctionType) -> None:
+        self.look.functions.append(fn)
+        self.look.cells.extend(fn.__closure__ or ())
 
     def value(self, expr: ast.expr, namespace: Mapping[str, Any]) -> object:
         """What a default's expression makes: a constant (as ``("=", value)``), the object a name or attribute
