@@ -62,7 +62,8 @@ def _bound_everywhere(name: str, value: Any, only_data: bool = False) -> Iterato
     """``value`` in place of ``utilities/data.py``'s ``name`` wherever a recognised module binds that object (in
     ``utilities/data.py`` alone with ``only_data``); the originals put back after, checked by identity."""
     original = vars(sys.modules[DATA])[name]
-    holders = [module for module in map(sys.modules.get, recognise.MODULES) if vars(module).get(name) is original]
+    modules = [sys.modules[module] for module in recognise.MODULES if module in sys.modules]
+    holders = [module for module in modules if vars(module).get(name) is original]
     holders = holders if not only_data else [sys.modules[DATA]]
     for module in holders:
         setattr(module, name, value)
@@ -101,7 +102,12 @@ def _change(case: str, calls: list[str], where: str) -> tuple[Callable[[], Any],
         return functools.partial(_bound_everywhere, "dim_zero_sum", changed), (f"{DATA}.dim_zero_sum",)
     if case == "dim_zero_max changed in utilities/data.py":
         changed = _recording(data.dim_zero_max, calls, where)
-        not_origin = ("torchmetrics.utilities.dim_zero_max", "torchmetrics.metric.dim_zero_max")
+        modules = [name for name in recognise.MODULES if name != DATA and name in sys.modules]
+        not_origin = tuple(
+            f"{name}.dim_zero_max"
+            for name in modules
+            if vars(sys.modules[name]).get("dim_zero_max") is data.dim_zero_max
+        )
         return functools.partial(_bound_everywhere, "dim_zero_max", changed, True), (
             f"{DATA}.dim_zero_max",
             *not_origin,
@@ -160,7 +166,7 @@ def workload(rank: int, sync: str, mode: str, change: Callable[[], Any], before:
 def _steps_aside(rank: int, world_size: int, case: str, where: str) -> None:
     modes = ("local", "global") if case.startswith("_sync_dist") else ("local",)
     before = "after" not in case
-    originals = {name: vars(sys.modules[name]).copy() for name in recognise.MODULES}
+    originals = {name: vars(sys.modules[name]).copy() for name in recognise.MODULES if name in sys.modules}
     for mode in modes:
         runs = {}
         for sync in ("torchmetrics", "fused"):

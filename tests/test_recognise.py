@@ -47,6 +47,8 @@ from torchmetrics_gradpatch.fused import recognise
 from torchmetrics_gradpatch.fused._recognised import RECOGNISED
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the modules recognised whole that are imported here (lightning_utilities only where torchmetrics imports it: 1.x)
+IMPORTED = [name for name in recognise.MODULES if name in sys.modules]
 TORCHMETRICS = Path(torchmetrics.__file__).resolve().parent
 SYNC_MARK = "__torchmetrics_gradpatch_sync__"
 SYNC_DIST = "torchmetrics.metric.Metric._sync_dist"
@@ -143,7 +145,7 @@ def recognised_before_and_after() -> Iterator[None]:
 def test_the_installed_modules_are_recognised_with_every_replacement_of_the_package(
     restore_patch_state: None,
 ) -> None:
-    assert [name for name in recognise.MODULES if name in sys.modules] == list(recognise.MODULES)
+    assert [name for name in recognise.MODULES if name.startswith("torchmetrics.")] == IMPORTED[:5]
     tg.patch(mode="global", sync="fused")  # every replacement in place, and the gather running the trampoline
     assert _engine.installed() and _engine._state.function.__code__ is not _engine._state.original_code
     assert vars(Metric)["_sync_dist"].__torchmetrics_gradpatch_sync__
@@ -161,8 +163,8 @@ def test_the_runtime_digests_are_the_generators_digests_of_the_release_files() -
     script = load_script()
     from_files = script.digests(recognise, installed_files, "torchmetrics")
     from_files.update(script.digests(recognise, installed_files, "lightning_utilities"))
-    live = {name: recognise.module_digest(inspect.getsource(sys.modules[name])) for name in recognise.MODULES}
-    assert from_files == live
+    live = {name: recognise.module_digest(inspect.getsource(sys.modules[name])) for name in IMPORTED}
+    assert {name: from_files[name] for name in IMPORTED} == live
     for name, found in live.items():
         version = sys.modules[recognise.MODULES[name]].__version__
         spans = recognise.releases_of(name, found)
@@ -232,11 +234,14 @@ def with_line(fn: FunctionType, tmp_path: Path) -> FunctionType:
 def test_a_changed_reduction_is_not_recognised_in_data_nor_where_it_is_bound(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tm_data, name, with_line(getattr(tm_data, name), tmp_path))
-    # torchmetrics.utilities and torchmetrics.metric still hold the original: not the object at their origin
-    expected = (f"torchmetrics.utilities.data.{name}", f"torchmetrics.utilities.{name}", f"torchmetrics.metric.{name}")
+    original = getattr(tm_data, name)
+    holders = [sys.modules[module] for module in IMPORTED[1:] if vars(sys.modules[module]).get(name) is original]
+    assert tm_metric in holders
+    monkeypatch.setattr(tm_data, name, with_line(original, tmp_path))
+    # the modules that import it still hold the original: not the object at their origin
+    expected = (f"torchmetrics.utilities.data.{name}", *(f"{module.__name__}.{name}" for module in holders))
     assert recognise.unrecognised() == expected
-    for module in (tm_metric, sys.modules["torchmetrics.utilities"]):  # a tool that rebinds it everywhere
+    for module in holders:  # a tool that rebinds it everywhere
         monkeypatch.setattr(module, name, getattr(tm_data, name))
     assert recognise.unrecognised() == expected[:1]
 
@@ -325,9 +330,9 @@ def test_a_rebinding_a_deletion_a_shadowed_builtin(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(tm_metric, "len", lambda x: 0, raising=False)  # metric.py's calls of len() would read it
     assert recognise.unrecognised() == ("torchmetrics.metric.len",)
     monkeypatch.undo()
-    apply_func = sys.modules["lightning_utilities.core.apply_func"]
-    monkeypatch.setattr(apply_func, "apply_to_collection", foreign(apply_func.apply_to_collection))
-    assert recognise.unrecognised()[0] == "lightning_utilities.core.apply_func.apply_to_collection"
+    home = sys.modules[tm_metric.apply_to_collection.__module__]  # lightning_utilities on 1.x, data.py on 0.11
+    monkeypatch.setattr(home, "apply_to_collection", foreign(home.apply_to_collection))
+    assert recognise.unrecognised()[0] == f"{home.__name__}.apply_to_collection"
 
 
 def test_a_module_whose_source_is_no_known_release(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -587,11 +592,12 @@ for key, (owner, name) in keys.items():
     out["file"][key] = r.digest_in_module(fixture_text, owner, name)
 for module in r.MODULES:
     stem = site + "/" + module.replace(".", "/")
-    try:
-        text = open(stem + ".py", encoding="utf-8").read()
-    except OSError:
-        text = open(stem + "/__init__.py", encoding="utf-8").read()
-    out["modules"][module] = r.module_digest(text)
+    for path in (stem + ".py", stem + "/__init__.py"):
+        try:
+            out["modules"][module] = r.module_digest(open(path, encoding="utf-8").read())
+            break
+        except OSError:  # not this path, or not installed here (lightning_utilities with torchmetrics 0.11)
+            pass
 print(json.dumps(out, sort_keys=True))
 """
 
@@ -630,8 +636,8 @@ def reference(fixture_file: Path) -> dict[str, dict[str, str]]:
 def test_the_probe_reads_the_fixture_live_and_from_its_file(reference: dict[str, dict[str, str]]) -> None:
     assert reference["live"] == reference["file"]
     assert len(set(reference["live"].values())) == len(FIXTURE_KEYS)
-    live = {name: recognise.module_digest(inspect.getsource(sys.modules[name])) for name in recognise.MODULES}
-    assert {name: reference["modules"][name] for name in recognise.MODULES} == live
+    live = {name: recognise.module_digest(inspect.getsource(sys.modules[name])) for name in IMPORTED}
+    assert {name: reference["modules"][name] for name in IMPORTED} == live
 
 
 @pytest.mark.once
