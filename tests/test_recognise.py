@@ -338,7 +338,7 @@ def test_a_rebinding_a_deletion_a_shadowed_builtin(monkeypatch: pytest.MonkeyPat
 def test_a_module_whose_source_is_no_known_release(monkeypatch: pytest.MonkeyPatch) -> None:
     table = {name: found for name, found in RECOGNISED.items() if name != "torchmetrics.utilities.data"}
     monkeypatch.setattr(recognise, "_table", lambda: table)
-    monkeypatch.setattr(recognise, "_last", [])  # the table is no live object: look again
+    monkeypatch.setattr(recognise, "_last", [None])  # the table is no live object: look again
     assert recognise.unrecognised() == ("torchmetrics.utilities.data",)
     monkeypatch.undo()
 
@@ -569,8 +569,9 @@ FIXTURE_KEYS = {
 }
 
 #: Run by each interpreter: the digests of the fixture's functions (live, looked through their decorators, and from
-#: its file), of the fixture module, and of every watched module in the installed packages' files; recognise.py
-#: loaded by its path (no torch, no package import).
+#: its file), of the fixture module, and of every watched module in the installed packages' files; then the fixture
+#: module judged whole as it is loaded and with a method replaced. recognise.py loaded by its path (no torch, no
+#: package import).
 PROBE = """
 import importlib.util, json, sys
 recognise_path, fixture_path, site, keys = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -598,6 +599,12 @@ for module in r.MODULES:
             break
         except OSError:  # not this path, or not installed here (lightning_utilities with torchmetrics 0.11)
             pass
+r.MODULES.clear()
+r.MODULES["tmgp_fixture"] = "fixture"
+r._table = lambda: {"tmgp_fixture": {r.module_digest(fixture_text): "fixture"}}
+out["judged"] = {"as loaded": list(r.unrecognised())}
+fixture.Thing.static = staticmethod(lambda x: x)
+out["judged"]["static replaced"] = list(r.unrecognised())
 print(json.dumps(out, sort_keys=True))
 """
 
@@ -638,6 +645,11 @@ def test_the_probe_reads_the_fixture_live_and_from_its_file(reference: dict[str,
     assert len(set(reference["live"].values())) == len(FIXTURE_KEYS)
     live = {name: recognise.module_digest(inspect.getsource(sys.modules[name])) for name in IMPORTED}
     assert {name: reference["modules"][name] for name in IMPORTED} == live
+    # a default the source makes with a lambda is not one the judgement can vouch for: plain() is never recognised
+    assert reference["judged"] == {
+        "as loaded": ["tmgp_fixture.plain"],
+        "static replaced": ["tmgp_fixture.Thing.static", "tmgp_fixture.plain"],
+    }
 
 
 @pytest.mark.once

@@ -454,7 +454,8 @@ class _Judge:
         return live is (module if origin[1] is None else getattr(module, origin[1], _MISSING))
 
     def is_class(self, live: object, node: ast.ClassDef, qualified: str, bad: list[str]) -> bool:
-        if not isinstance(live, type) or live.__module__ != self.prefix or live.__qualname__ != node.name:
+        qualname = qualified[len(self.prefix) + 1 :]
+        if not isinstance(live, type) or live.__module__ != self.prefix or live.__qualname__ != qualname:
             return False
         if not node.keywords:  # its bases as the source names them (no bases: object)
             bases = tuple(self.value(base, self.namespace) for base in node.bases) or (("is", object),)
@@ -602,20 +603,21 @@ def _judge() -> tuple[_Look, tuple[str, ...]]:
     return look, tuple(bad)
 
 
-#: The last judgement (what it looked at, and its answer). A cache.
-_last: list[tuple[_Look, tuple[str, ...]]] = []
+#: The last judgement (what it looked at, and its answer), in one slot replaced whole (threads read it whole). A cache.
+_last: list[tuple[_Look, tuple[str, ...]] | None] = [None]
 
 
 def unrecognised() -> tuple[str, ...]:
     """What is not recognised now, each named as above, in :data:`MODULES`' order. Judged again only where a live
     object looked at changed since the last call (or a name was added to a namespace looked at)."""
-    if _last and _last[0][0].same():
-        return _last[0][1]
+    last = _last[0]
+    if last is not None and last[0].same():
+        return last[1]
     look, answer = _judge()
-    _last.clear()
     try:
         look.freeze()
     except (KeyError, AttributeError, ValueError):
-        return answer  # something judged is gone already: judged again next time
-    _last.append((look, answer))
+        _last[0] = None  # something judged is gone already: judged again next time
+    else:
+        _last[0] = (look, answer)
     return answer
