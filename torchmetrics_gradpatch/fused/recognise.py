@@ -22,8 +22,13 @@ makes of them.
   digested and compiled once per module object (a documented cache).
 * :func:`digest` and :func:`digest_in_module` are one function's digest, live or from a module's source.
 
+Limits: what a module binds otherwise than by ``def``, ``class`` or ``import`` (``METRIC_EPS = 1e-6``, a class
+attribute such as ``full_state_update``, a star import) is vouched for by the module's digest only, its live value
+not compared; a default the source makes otherwise than by a constant, a name or an attribute chain (a call, a
+lambda) is never recognised (no covered release has one).
+
 This module imports only the standard library (the generator loads it by its path, without torch); the table is
-imported on first use. Nothing here raises: what cannot be judged is not recognised.
+imported on first use. :func:`unrecognised` never raises: what cannot be judged is not recognised.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ __all__ = [
     "unrecognised",
 ]
 
-#: The modules recognised whole, each with the package whose releases the table covers it for. A module that is not
-#: imported is not judged (nothing of it runs).
+#: The modules recognised whole (a constant), each with the package whose releases the table covers it for. A module
+#: that is not imported is not judged (nothing of it runs).
 MODULES: dict[str, str] = {
     "torchmetrics.utilities.data": "torchmetrics",
     "torchmetrics.utilities.distributed": "torchmetrics",
@@ -386,8 +391,8 @@ class _Look:
 
     def freeze(self) -> None:
         """Take the live objects now. Raises where one is gone (a name deleted, a cell emptied)."""
-        # __defaults__ only where the source gives defaults, __kwdefaults__ only where there are keyword-only
-        # arguments: set elsewhere, they only let a call through that would raise for a missing argument
+        # __defaults__ where a function has some, __kwdefaults__ where it has keyword-only arguments: set on another,
+        # they only let through a call that would raise for a missing argument (the judgement still names them)
         defaulted = tuple(fn for fn in self.functions if fn.__code__.co_argcount and fn.__defaults__)
         keyworded = tuple(fn for fn in self.functions if fn.__code__.co_kwonlyargcount)
         groups: list[tuple[Callable[[Any], object], tuple[Any, ...]]] = [(sys.modules.get, tuple(MODULES))]
