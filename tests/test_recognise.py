@@ -142,6 +142,7 @@ def recognised_before_and_after() -> Iterator[None]:
 # --- the installed torchmetrics -------------------------------------------------------------------------------------
 
 
+@pytest.mark.python
 def test_the_installed_modules_are_recognised_with_every_replacement_of_the_package(
     restore_patch_state: None,
 ) -> None:
