@@ -82,9 +82,10 @@ class Status:
     #: the other places replaced now: ``torchmetrics.Metric._sync_dist`` (the sync strategy, behind one graph break
     #: under torch.compile) and any site of the strategy in force
     sync_applied_to: tuple[str, ...]
-    #: the torchmetrics functions the fused sync does not recognise by their content (a newer torchmetrics, another
-    #: tool's replacement), each with the parts of the fused sync that step aside for it, where torchmetrics' own
-    #: path runs; empty when every one is recognised or torchmetrics is not imported
+    #: what the fused sync does not recognise in the modules it recognises whole (a module whose source is no known
+    #: release's, or a binding in one: ``torchmetrics.metric.dim_zero_cat``), each with the parts of the fused sync
+    #: that step aside for it, where torchmetrics' own path runs; empty when all is recognised or torchmetrics is not
+    #: imported
     stepped_aside: dict[str, tuple[str, ...]]
     #: the classes of yours named with ``trust()``: a collection's one exchange takes over members of these classes
     #: besides torchmetrics' own (docs/fused-sync.md)

@@ -1,21 +1,21 @@
-"""Where the fused sync steps aside: each part of it runs only while every torchmetrics function whose lines it
-re-implements or relies on is recognised by its content (:mod:`torchmetrics_gradpatch.fused.recognise`).
+"""Where the fused sync steps aside: each part of it runs only while every module it depends on is recognised whole
+(:mod:`torchmetrics_gradpatch.fused.recognise`).
 
-:data:`PARTS` names the parts and their functions. :func:`stepping_aside` says whether a part steps aside now: then
-torchmetrics' own path runs there, with this package's gather (a torchmetrics release that changed one of those
-functions, or another tool's replacement of one, is never bypassed). The first time a function is seen
-unrecognised (each live object once), one ``RuntimeWarning`` names it and what steps aside; :func:`aside` is what
-``status()`` reports. Every rank must run the same torchmetrics (each decides alone, from its own functions).
+:data:`PARTS` names the parts and the modules each depends on. :func:`stepping_aside` says whether a part steps aside
+now: then torchmetrics' own path runs there, with this package's gather (a torchmetrics release that changed one of
+those modules, another tool's replacement or wrapper of anything in them, a rebinding of a name they import, is never
+bypassed). The first time something is seen unrecognised (each live object once), one ``RuntimeWarning`` names it
+(``torchmetrics.metric.dim_zero_cat is not recognised``) and what steps aside; :func:`aside` is what ``status()``
+reports. This is the local decision; the exchange makes every rank follow a rank that steps aside.
 
-Cost while everything is recognised: one look at the live objects per call (:func:`recognise.unrecognised`).
+Cost while everything is recognised: one look at the live objects per call, by identity
+(:func:`recognise.unrecognised`).
 """
 
 from __future__ import annotations
 
-import operator
 import sys
 import warnings
-from typing import Any
 
 from torchmetrics_gradpatch.fused import recognise
 
@@ -25,81 +25,66 @@ SINGLE = "the fused sync of one Metric"
 COMPUTE = "MetricCollection.compute's one exchange"
 STEP = "MetricCollection.forward's one exchange"
 
-_SINGLE = ("Metric._sync_dist", "Metric.sync", "Metric.unsync", "Metric._copy_state_dict", "dim_zero_cat")
-_COMPUTE = (
-    *_SINGLE,
-    "Metric._wrap_compute",
-    "Metric.sync_context",
-    "MetricCollection.compute",
-    "MetricCollection._compute_and_reduce",
-    "MetricCollection.items",
-    "MetricCollection._compute_groups_create_state_ref",
+#: What a Metric's sync reads: metric.py, the reductions and ``_flatten`` of utilities/data.py, the gather of
+#: utilities/distributed.py, and ``apply_to_collection`` where metric.py finds it (torchmetrics.utilities on 0.11,
+#: lightning_utilities on 1.x).
+_SINGLE = (
+    "torchmetrics.metric",
+    "torchmetrics.utilities.data",
+    "torchmetrics.utilities.distributed",
+    "torchmetrics.utilities",
+    "lightning_utilities.core.apply_func",
+    "lightning_utilities",
 )
-_STEP = (
-    *_COMPUTE,
-    "Metric.forward",
-    "Metric._forward_full_state_update",
-    "Metric.reset",
-    "Metric._move_list_states_to_cpu",
-    "Metric._filter_kwargs",
-    "MetricCollection.forward",
-)
-#: part -> the functions (keys of :data:`recognise.TARGETS`) whose lines it re-implements or relies on
-PARTS: dict[str, tuple[str, ...]] = {SINGLE: _SINGLE, COMPUTE: _COMPUTE, STEP: _STEP}
+#: part -> the modules (of :data:`recognise.MODULES`) whose lines it reproduces or whose behaviour it assumes
+PARTS: dict[str, tuple[str, ...]] = {
+    SINGLE: _SINGLE,
+    COMPUTE: (*_SINGLE, "torchmetrics.collections"),
+    STEP: (*_SINGLE, "torchmetrics.collections"),
+}
 
-#: key -> the live object last warned of (held, so that a new object never shares an old one's id)
+#: name -> the live object last warned of (held, so that a new object never shares an old one's id). A cache.
 _warned: dict[str, object] = {}
 
 
-def _qualified(key: str) -> str:
-    target = recognise.TARGETS[key]
-    return f"{target.module}.{key}"
+def _module_of(name: str) -> str:
+    """The module of :data:`recognise.MODULES` that ``name`` (a module, or a binding in one) belongs to."""
+    return max((module for module in recognise.MODULES if name == module or name.startswith(module + ".")), key=len)
 
 
-#: where each key's function lives (its class's or module's namespace, by key order), once torchmetrics is imported
-_places: list[tuple[Any, str]] = []
-#: the live objects and code of the last look, and what was not recognised then
-_last: list[Any] = [None, ()]
+def _live(name: str) -> object:
+    """What ``name`` holds now: the module, or the object its namespace (or its class's) binds."""
+    module = _module_of(name)
+    found: object = sys.modules.get(module)
+    for part in name[len(module) + 1 :].split(".") if name != module else ():
+        found = vars(found).get(part) if hasattr(found, "__dict__") else None
+    return found
 
 
-def _unrecognised() -> tuple[str, ...]:
-    """:func:`recognise.unrecognised` of every key, looked up again only when a live object or its code changed
-    since the last call (a few dict reads: a sync asks at every call)."""
-    if not _places:
-        for key in recognise.KEYS:
-            target = recognise.TARGETS[key]
-            module = sys.modules.get(target.module)
-            holder = getattr(module, target.owner, None) if target.owner else module
-            if holder is None:
-                return tuple(recognise.unrecognised())  # not imported yet: nothing to keep
-            _places.append((vars(holder), target.name))
-    live = [namespace.get(name) for namespace, name in _places]
-    live += [getattr(obj, "__code__", None) for obj in live]
-    last = _last[0]
-    if last is None or not all(map(operator.is_, live, last)):  # the same objects: nothing to look up
-        _last[:] = [live, tuple(recognise.unrecognised())]
-    return _last[1]  # type: ignore[no-any-return]
+def _parts(name: str) -> tuple[str, ...]:
+    module = _module_of(name)
+    return tuple(part for part, modules in PARTS.items() if module in modules)
 
 
 def aside() -> dict[str, tuple[str, ...]]:
-    """Each function not recognised now (its qualified name), with the parts that step aside for it."""
-    missing = _unrecognised()
-    return {_qualified(key): tuple(part for part, keys in PARTS.items() if key in keys) for key in missing}
+    """Each thing not recognised now (a module, or a binding as ``module.name``), with the parts that step aside
+    for it."""
+    return {name: _parts(name) for name in recognise.unrecognised()}
 
 
 def stepping_aside(part: str) -> bool:
-    """Whether ``part`` steps aside now (one of its functions is not recognised); warns once per function seen."""
-    missing = [key for key in _unrecognised() if key in PARTS[part]]
-    for key in missing:
-        live = recognise.snapshot((key,))[0]
-        if _warned.get(key, _warned) is not live:
-            _warned[key] = live
-            parts = ", ".join(name for name, keys in PARTS.items() if key in keys)
+    """Whether ``part`` steps aside now (a module it depends on is not recognised whole); warns once per live
+    object seen."""
+    missing = [name for name in recognise.unrecognised() if _module_of(name) in PARTS[part]]
+    for name in missing:
+        live = _live(name)
+        if _warned.get(name, _warned) is not live:
+            _warned[name] = live
             warnings.warn(
-                f"torchmetrics_gradpatch: the fused sync does not recognise {_qualified(key)} (its lines are not "
-                "those of any torchmetrics release this package knows: a newer torchmetrics, or another tool's "
-                f"replacement); it steps aside from {parts}: torchmetrics' own path runs there, with this package's "
-                "gather. status() lists what it steps aside from.",
+                f"torchmetrics_gradpatch: {name} is not recognised (it is not what the source of a release this "
+                "package knows makes of it: a newer torchmetrics, or another tool's replacement, wrapper or "
+                f"rebinding); the fused sync steps aside from {', '.join(_parts(name))}: torchmetrics' own path "
+                "runs there, with this package's gather. status() lists what it steps aside from.",
                 RuntimeWarning,
                 stacklevel=4,
             )

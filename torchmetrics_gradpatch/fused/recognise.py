@@ -1,104 +1,71 @@
-"""Recognition by content: whether a torchmetrics function the fused sync relies on has a source it knows.
+"""Recognition whole: whether the torchmetrics modules the fused sync relies on are, live, what a release's source
+makes of them.
 
-* :data:`TARGETS` names each such function (key -> module, class or ``None`` for a module-level function,
-  attribute); it is the one list, which ``scripts/recognised.py`` also reads to generate the table
-  (``_recognised.py``: key -> digest -> the releases that have it).
-* :func:`digest` is a function's canonical digest: its own source (``inspect.getsource`` of its code object, never
-  looking through ``__wrapped__``) parsed, the one ``def`` serialised without positions, docstrings (the function's
-  and nested definitions'), comments and type annotations (arguments', the return's, an annotated assignment's; the
-  assignment stays), with its decorators; sha256, 16 hex digits. The same source gives the same digest on Python
-  3.10-3.13. ``None`` where there is no source (no file, a builtin, not a plain function). Cached per code object.
-* :func:`digest_in_module` is the same digest read from a module's source text, without importing it.
-* :func:`digest_of` resolves a key to the live object -- the class's own attribute (``vars(cls)``), or the module's
-  -- and digests it: :data:`ABSENT` where the attribute (or its module or class) does not exist, :data:`UNKNOWN`
-  where no digest of a torchmetrics source can be had. It looks through exactly this package's replacements (one
-  level, by their marker) and the wrappers of ``staticmethod``, ``classmethod`` and ``contextlib.contextmanager``
-  (which the source's decorators must then name), never through another tool's wrapper: that is not recognised.
-* :func:`is_recognised` and :func:`unrecognised` compare with the table; :func:`snapshot` and :class:`Watch` tell
-  cheaply whether any live object changed. None of these imports anything or raises but for an unknown key.
+* :data:`MODULES` names the modules recognised whole: those whose lines the fused sync reproduces or whose behaviour
+  it assumes, and those that pass on a name one of them imports (``from torchmetrics.utilities import ...``).
+* :func:`module_digest` is a module source's canonical digest (the whole module parsed, serialised without positions,
+  docstrings, comments and type annotations; sha256, 16 hex digits; the same on Python 3.10-3.13).
+  ``scripts/recognised.py`` writes the table (``_recognised.py``: module -> digest -> the releases that have it).
+* :func:`unrecognised` judges every imported module of :data:`MODULES` and names what is not recognised: the module
+  (its source is no release's the table knows, or there is none), or one of its bindings, as
+  ``module.name`` or ``module.Class.name``. A module is recognised when its source is in the table and its live
+  namespace is what that source makes: every ``def`` and ``class`` (top level, and methods in class bodies) is bound
+  to the object compiled from it (its code equal to the code compiled from the source, its ``__globals__`` the
+  module's namespace, its defaults those the source's expressions name, a ``__class__`` cell the class), every
+  imported name is bound to the object at its origin (which :data:`MODULES` judges in turn where it is watched), and
+  no name the source does not bind shadows a builtin. It looks through exactly this package's replacements (a class
+  attribute carrying a marker, the original in ``__wrapped__``; torchmetrics' gather while its code is the patch's
+  trampoline) and the wrappers of the decorators the source names (``staticmethod``, ``classmethod``, ``property``,
+  ``contextmanager``), never through another tool's wrapper.
+* A steady call costs one look: the live objects judged last time (namespaces' values, functions' code, defaults
+  and cells) compared by identity with that look; anything changed is judged again. Each module's source is read,
+  digested and compiled once per module object (a documented cache).
+* :func:`digest` and :func:`digest_in_module` are one function's digest, live or from a module's source.
+
+Limits: what a module binds otherwise than by ``def``, ``class`` or ``import`` (``METRIC_EPS = 1e-6``, a class
+attribute such as ``full_state_update``, a star import) is vouched for by the module's digest only, its live value
+not compared; a default the source makes otherwise than by a constant, a name or an attribute chain (a call, a
+lambda) is never recognised (no covered release has one).
 
 This module imports only the standard library (the generator loads it by its path, without torch); the table is
-imported on first use.
+imported on first use. :func:`unrecognised` never raises: what cannot be judged is not recognised.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import contextlib
 import hashlib
 import inspect
+import operator
 import sys
 import tokenize
-from collections.abc import AsyncIterator, Iterable, Iterator
-from types import CodeType, FunctionType
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from types import CodeType, FunctionType, ModuleType
+from typing import Any, NamedTuple
 
 __all__ = [
     "ABSENT",
-    "KEYS",
-    "TARGETS",
-    "UNKNOWN",
-    "Target",
-    "Watch",
+    "MODULES",
     "digest",
     "digest_in_module",
-    "digest_of",
-    "is_recognised",
+    "module_digest",
     "releases_of",
-    "snapshot",
     "unrecognised",
 ]
 
-
-class Target(NamedTuple):
-    """A function of torchmetrics: ``module``'s class ``owner`` (``None``: the module itself) attribute ``name``."""
-
-    module: str
-    owner: str | None
-    name: str
-
-
-def _methods(module: str, owner: str, *names: str) -> dict[str, Target]:
-    return {f"{owner}.{name}": Target(module, owner, name) for name in names}
-
-
-#: What the fused sync relies on, by key. Extending it: add the entry, then regenerate the table.
-TARGETS: dict[str, Target] = {
-    **_methods(
-        "torchmetrics.metric",
-        "Metric",
-        "_sync_dist",
-        "sync",
-        "unsync",
-        "sync_context",
-        "_wrap_compute",
-        "forward",
-        "_forward_full_state_update",
-        "reset",
-        "_copy_state_dict",
-        "_move_list_states_to_cpu",
-        "_filter_kwargs",
-    ),
-    **_methods(
-        "torchmetrics.collections",
-        "MetricCollection",
-        "forward",
-        "compute",
-        "_compute_and_reduce",
-        "items",
-        "_compute_groups_create_state_ref",
-    ),
-    "dim_zero_cat": Target("torchmetrics.utilities.data", None, "dim_zero_cat"),
+#: The modules recognised whole (a constant), each with the package whose releases the table covers it for. A module
+#: that is not imported is not judged (nothing of it runs).
+MODULES: dict[str, str] = {
+    "torchmetrics.utilities.data": "torchmetrics",
+    "torchmetrics.utilities.distributed": "torchmetrics",
+    "torchmetrics.utilities": "torchmetrics",
+    "torchmetrics.metric": "torchmetrics",
+    "torchmetrics.collections": "torchmetrics",
+    "lightning_utilities.core.apply_func": "lightning_utilities",
+    "lightning_utilities": "lightning_utilities",
 }
-KEYS: tuple[str, ...] = tuple(TARGETS)
-
-#: The digest of an attribute that does not exist (its module or class missing too): a state of its own, in the table
-#: for the releases that lack it.
-ABSENT = "absent"
-#: The digest where none of a torchmetrics source can be had: not a plain function, no source, or an object that is
-#: not what its source's decorators make of the function (the generator of a ``@contextmanager`` installed bare).
-#: Never in the table.
-UNKNOWN = "unknown"
 
 #: The markers this package's replacements carry, the original in ``__wrapped__``.
 _MARKS = (
@@ -131,6 +98,9 @@ _SAME_FUNCTION = frozenset({"unused", "ignore", "abstractmethod", "final", "over
 #: fields (they are ``_attributes``), so they are never read.
 _SKIPPED_FIELDS = frozenset({"annotation", "returns", "type_comment", "kind"})
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_DOCUMENTED = (*_DEFINITIONS, ast.Module)  # whose first string is a docstring, left out of digests
+#: :func:`digest_in_module`'s answer for an attribute its module's source does not define.
+ABSENT = "absent"
 
 
 def _emit(value: object, out: list[str]) -> None:
@@ -144,7 +114,7 @@ def _emit(value: object, out: list[str]) -> None:
             if field in _SKIPPED_FIELDS:
                 continue
             item = getattr(value, field, None)
-            if field == "body" and isinstance(value, _DEFINITIONS) and isinstance(item, list):
+            if field == "body" and isinstance(value, _DOCUMENTED) and isinstance(item, list):
                 item = _without_docstring(item)
             elif field == "values" and isinstance(value, ast.JoinedStr) and isinstance(item, list):
                 item = _joined(item)
@@ -188,10 +158,15 @@ def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
     return body
 
 
-def _digest_node(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+def _digest_node(node: ast.AST) -> str:
     out: list[str] = []
     _emit(node, out)
     return hashlib.sha256("".join(out).encode("utf-8", "backslashreplace")).hexdigest()[:16]
+
+
+def module_digest(source: str) -> str:
+    """The canonical digest of a whole module's ``source``. Raises ``SyntaxError`` where it does not parse."""
+    return _digest_node(ast.parse(source))
 
 
 def _decorator_name(node: ast.expr) -> str:
@@ -297,53 +272,6 @@ def digest_in_module(source: str, owner: str | None, name: str) -> str:
 
 
 _MISSING = object()
-_ODD = object()  # the owner is there but is no class: no digest
-
-
-def _raw(target: Target) -> object:
-    """The live attribute as stored (the class's own, not inherited), ``_MISSING`` or ``_ODD``."""
-    module = sys.modules.get(target.module)
-    if module is None:
-        return _MISSING
-    holder: object = module
-    if target.owner is not None:
-        holder = vars(module).get(target.owner, _MISSING)
-        if holder is _MISSING:
-            return _MISSING
-        if not isinstance(holder, type):
-            return _ODD
-    return vars(holder).get(target.name, _MISSING)
-
-
-def _resolve(raw: object) -> tuple[object, tuple[str, ...]]:
-    """The function whose source the digest reads, and the decorators whose wrappers were looked through to get it
-    (outermost first): this package's replacement (one level, by its marker), then a ``staticmethod`` or
-    ``classmethod``, then a known decorator's wrapper."""
-    layers: tuple[str, ...] = ()
-    if type(raw) is FunctionType and raw.__dict__ and _marked(raw.__dict__):
-        raw = raw.__dict__.get("__wrapped__")
-    if type(raw) is staticmethod or type(raw) is classmethod:
-        layers, raw = (type(raw).__name__,), raw.__func__
-    if type(raw) is FunctionType and id(raw.__code__) in _WRAPPERS:
-        layers, raw = (*layers, _WRAPPERS[id(raw.__code__)]), raw.__dict__.get("__wrapped__")
-    return raw, layers
-
-
-def _marked(attributes: dict[str, object]) -> bool:
-    return any(map(attributes.get, _MARKS))
-
-
-def digest_of(key: str) -> str:
-    """The digest of ``key``'s live function: hex, :data:`ABSENT` or :data:`UNKNOWN`. ``KeyError`` for a key not
-    in :data:`TARGETS`."""
-    raw = _raw(TARGETS[key])
-    if raw is _MISSING:
-        return ABSENT
-    fn, layers = _resolve(raw)
-    found = _read(fn)
-    if found is None or found[1] != layers:  # the decorators its source names must be the wrappers looked through
-        return UNKNOWN
-    return found[0]
 
 
 def _table() -> dict[str, dict[str, str]]:
@@ -352,60 +280,349 @@ def _table() -> dict[str, dict[str, str]]:
     return RECOGNISED
 
 
-def is_recognised(key: str) -> bool:
-    """Whether ``key``'s live function has a source of a release the table was generated from."""
-    return digest_of(key) in _table().get(key, {})
+def releases_of(module: str, found: str) -> str:
+    """The releases (such as ``"0.11.0-1.4.3, main"``) whose ``module`` has the digest ``found``; ``""`` where
+    none has."""
+    return _table().get(module, {}).get(found, "")
 
 
-def releases_of(key: str, found: str) -> str:
-    """The releases (such as ``"0.11.0-1.4.3, main"``) whose ``key`` has the digest ``found``; ``""`` where none
-    has."""
-    return _table().get(key, {}).get(found, "")
+class _Scope:
+    """What one scope of a module's source (its top level, or a class body) binds by ``def``, ``class`` and
+    ``import``, in every branch (a conditional definition may be any of its branches), and every name it binds
+    otherwise (an assignment, a loop's target), which the module's digest alone vouches for."""
+
+    def __init__(self, body: list[ast.stmt], package: str) -> None:
+        self.defs: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        self.classes: dict[str, list[ast.ClassDef]] = {}
+        self.imports: dict[str, list[tuple[str, str | None]]] = {}  # name -> (module, attribute; None: the module)
+        self.other: set[str] = set()
+        todo: list[ast.AST] = list(body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if "overload" not in map(_decorator_name, node.decorator_list):  # a stub the next def replaces
+                    self.defs.setdefault(node.name, []).append(node)
+            elif isinstance(node, ast.ClassDef):
+                self.classes.setdefault(node.name, []).append(node)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        self.imports.setdefault(alias.asname, []).append((alias.name, None))
+                    else:
+                        top = alias.name.split(".")[0]
+                        self.imports.setdefault(top, []).append((top, None))
+            elif isinstance(node, ast.ImportFrom):
+                origin = node.module or ""
+                if node.level:  # relative: from the module's package upwards
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    origin = f"{base}.{origin}" if origin else base
+                for alias in node.names:
+                    if alias.name != "*":  # a star import binds what the module's digest vouches for
+                        self.imports.setdefault(alias.asname or alias.name, []).append((origin, alias.name))
+            elif isinstance(node, ast.If | ast.Try | ast.For | ast.While | ast.With):
+                todo.extend(ast.iter_child_nodes(node))  # bodies, handlers, and the names they bind
+            elif isinstance(node, ast.ExceptHandler):
+                todo.extend(node.body)
+                if node.name:
+                    self.other.add(node.name)
+            elif isinstance(node, ast.Lambda):
+                continue
+            else:
+                for child in ast.walk(node):
+                    if isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load):
+                        self.other.add(child.id)
+
+    def names(self) -> set[str]:
+        """The names bound by ``def``, ``class`` or ``import`` alone: those judged."""
+        return (set(self.defs) | set(self.classes) | set(self.imports)) - self.other
 
 
-def snapshot(keys: Iterable[str] = KEYS) -> tuple[object, ...]:
-    """The identity of ``keys``' live objects: each attribute as stored and the code of the function it resolves
-    to. Compare two with ``is``, element by element (:class:`Watch` does)."""
-    out: list[object] = []
-    for key in keys:
-        raw = _raw(TARGETS[key])
-        out.append(raw)
-        out.append(getattr(_resolve(raw)[0], "__code__", None))
-    return tuple(out)
+class _Source(NamedTuple):
+    """A module's source as read once: its digest, its top-level scope, its code objects by (first line, name)."""
+
+    digest: str
+    tree: ast.Module
+    codes: dict[tuple[int, str], CodeType]
 
 
-def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+#: module name -> (the module object, what its source is; None where it has none). A cache: the source of a module
+#: object does not change under it.
+_sources: dict[str, tuple[ModuleType, _Source | None]] = {}
 
 
-#: keys -> (their snapshot, the keys not recognised then)
-_answers: dict[tuple[str, ...], tuple[tuple[object, ...], tuple[str, ...]]] = {}
+def _source(name: str, module: ModuleType) -> _Source | None:
+    hit = _sources.get(name)
+    if hit is not None and hit[0] is module:
+        return hit[1]
+    found = None
+    try:
+        text = inspect.getsource(module)
+        tree = ast.parse(text)
+        # dont_inherit: this module's own future flags must not change the code compiled
+        compiled = compile(text, getattr(module, "__file__", None) or name, "exec", dont_inherit=True)
+    except (OSError, TypeError, SyntaxError, ValueError, tokenize.TokenError):
+        pass
+    else:
+        codes: dict[tuple[int, str], CodeType] = {}
+        todo = [compiled]
+        while todo:
+            code = todo.pop()
+            for const in code.co_consts:
+                if isinstance(const, CodeType):
+                    codes[const.co_firstlineno, const.co_name] = const
+                    todo.append(const)
+        found = _Source(_digest_node(tree), tree, codes)
+    _sources[name] = (module, found)
+    return found
 
 
-def unrecognised(keys: Iterable[str] = KEYS) -> list[str]:
-    """The keys among ``keys`` whose live function is not recognised, in order. Digested again only for a live
-    object that changed since the last call with the same keys."""
-    keys = tuple(keys)
-    now = snapshot(keys)
-    last = _answers.get(keys)
-    if last is not None and _same(last[0], now):
-        return list(last[1])
-    answer = tuple(key for key in keys if not is_recognised(key))
-    _answers[keys] = (now, answer)
-    return list(answer)
+class _Look:
+    """What one judgement looked at, to tell cheaply whether anything changed since: the names read from each
+    namespace, the functions whose code and defaults were judged, the cells whose contents were, the namespaces whose
+    size tells a name added. :meth:`freeze` takes the objects; :meth:`same` compares them by identity."""
 
+    def __init__(self) -> None:
+        self.namespaces: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
+        self.functions: list[FunctionType] = []
+        self.cells: list[Any] = []
+        self.sized: list[Mapping[str, Any]] = []
+        self._checks: list[tuple[Callable[[Any], object], tuple[Any, ...], tuple[object, ...]]] = []
+        self._sizes: tuple[int, ...] = ()
 
-class Watch:
-    """Whether any of ``keys``' live objects changed since this watch last looked: one :func:`snapshot` per call."""
+    def freeze(self) -> None:
+        """Take the live objects now. Raises where one is gone (a name deleted, a cell emptied)."""
+        # __defaults__ where a function has some, __kwdefaults__ where it has keyword-only arguments: set on another,
+        # they only let through a call that would raise for a missing argument (the judgement still names them)
+        defaulted = tuple(fn for fn in self.functions if fn.__code__.co_argcount and fn.__defaults__)
+        keyworded = tuple(fn for fn in self.functions if fn.__code__.co_kwonlyargcount)
+        groups: list[tuple[Callable[[Any], object], tuple[Any, ...]]] = [(sys.modules.get, tuple(MODULES))]
+        groups += [(namespace.__getitem__, names) for namespace, names in self.namespaces if names]
+        groups += [(_CODE, tuple(self.functions)), (_DEFAULTS, defaulted), (_KWDEFAULTS, keyworded)]
+        groups += [(_CONTENTS, tuple(self.cells))]
+        self._checks = [(read, items, tuple(map(read, items))) for read, items in groups]
+        self._sizes = tuple(map(len, self.sized))
 
-    def __init__(self, keys: Iterable[str] = KEYS) -> None:
-        self.keys = tuple(keys)
-        self._last: tuple[object, ...] | None = None
-
-    def changed(self) -> bool:
-        """True on the first call, and whenever a live object differs from the previous call's."""
-        now = snapshot(self.keys)
-        if self._last is not None and _same(self._last, now):
+    def same(self) -> bool:
+        """Whether every object :meth:`freeze` took is still the one there (identity, never ``==``)."""
+        try:
+            return tuple(map(len, self.sized)) == self._sizes and all(
+                all(map(operator.is_, map(read, items), last)) for read, items, last in self._checks
+            )
+        except (KeyError, AttributeError, ValueError):  # a name deleted, a cell emptied: changed
             return False
-        self._last = now
+
+
+_CODE = operator.attrgetter("__code__")
+_DEFAULTS = operator.attrgetter("__defaults__")
+_KWDEFAULTS = operator.attrgetter("__kwdefaults__")
+_CONTENTS = operator.attrgetter("cell_contents")
+
+
+def _original_code(fn: FunctionType) -> CodeType:
+    """``fn``'s code, or the original code where ``fn`` is torchmetrics' gather running the patch's trampoline."""
+    engine = sys.modules.get("torchmetrics_gradpatch._engine")
+    state = getattr(engine, "_state", None)
+    if state is not None and fn is state.function and fn.__code__ is engine._TRAMPOLINE_CODE:  # type: ignore[union-attr]
+        return state.original_code  # type: ignore[no-any-return]
+    return fn.__code__
+
+
+class _Judge:
+    """One module's judgement against its source: :meth:`scope` lists the names not recognised."""
+
+    def __init__(self, module: ModuleType, source: _Source, look: _Look) -> None:
+        self.module, self.source, self.look = module, source, look
+        self.namespace: dict[str, Any] = vars(module)
+        self.prefix = module.__name__
+        self.package = module.__package__ or ""
+
+    def scope(self, body: list[ast.stmt], namespace: Mapping[str, Any], owner: type | None, where: str) -> list[str]:
+        scope = _Scope(body, self.package)
+        names = tuple(sorted(scope.names()))
+        self.look.namespaces.append((namespace, tuple(name for name in names if name in namespace)))
+        self.look.sized.append(namespace)
+        bad: list[str] = []
+        for name in names:
+            live = namespace.get(name, _MISSING)
+            ok = any(self.imported(live, origin) for origin in scope.imports.get(name, ()))
+            ok = ok or any(self.is_class(live, node, f"{where}{name}", bad) for node in scope.classes.get(name, ()))
+            ok = ok or self.defined(live, scope.defs.get(name, []), namespace, owner)
+            if not ok:
+                bad.append(f"{where}{name}")
+        if owner is None:  # a global the source does not bind would shadow a builtin of the same name
+            shadowing = (set(self.namespace) & set(vars(builtins))) - scope.names() - scope.other
+            bad += sorted(f"{where}{name}" for name in shadowing if not name.startswith("__"))
+        return bad
+
+    def imported(self, live: object, origin: tuple[str, str | None]) -> bool:
+        module = sys.modules.get(origin[0], _MISSING)
+        return live is (module if origin[1] is None else getattr(module, origin[1], _MISSING))
+
+    def is_class(self, live: object, node: ast.ClassDef, qualified: str, bad: list[str]) -> bool:
+        qualname = qualified[len(self.prefix) + 1 :]
+        if not isinstance(live, type) or live.__module__ != self.prefix or live.__qualname__ != qualname:
+            return False
+        if not node.keywords:  # its bases as the source names them (no bases: object)
+            bases = tuple(self.value(base, self.namespace) for base in node.bases) or (("is", object),)
+            if not _same_value(live.__bases__, bases):
+                return False
+        bad += self.scope(node.body, vars(live), live, f"{qualified}.")
         return True
+
+    def defined(
+        self,
+        live: object,
+        nodes: list[ast.FunctionDef | ast.AsyncFunctionDef],
+        namespace: Mapping[str, Any],
+        owner: type | None,
+    ) -> bool:
+        if type(live) is FunctionType and any(map(live.__dict__.get, _MARKS)):
+            live = live.__dict__.get("__wrapped__")  # this package's replacement: judge the original
+        if type(live) is property:
+            getters = [node for node in nodes if "property" in map(_decorator_name, node.decorator_list)]
+            return (
+                len(getters) == len(nodes) == 1
+                and live.fset is None
+                and live.fdel is None
+                and self.function(live.fget, getters[0], namespace, owner, ("property",))
+            )
+        return any(self.function(live, node, namespace, owner, ()) for node in nodes)
+
+    def function(
+        self,
+        live: object,
+        node: ast.FunctionDef | ast.AsyncFunctionDef,
+        namespace: Mapping[str, Any],
+        owner: type | None,
+        through: tuple[str, ...],
+    ) -> bool:
+        """Whether ``live`` is what ``node`` makes, ``through`` the decorators already looked through."""
+        decorators = [name for name in map(_decorator_name, node.decorator_list) if name not in _SAME_FUNCTION]
+        if decorators[: len(through)] != list(through):
+            return False
+        for name in decorators[len(through) :]:
+            if name in ("staticmethod", "classmethod"):
+                if type(live).__name__ != name or type(live) not in (staticmethod, classmethod):
+                    return False
+                live = live.__func__  # type: ignore[attr-defined]
+            elif name in ("contextmanager", "asynccontextmanager"):
+                if type(live) is not FunctionType:
+                    return False
+                self.watch(live)
+                inner = live.__dict__.get("__wrapped__")
+                cells = live.__closure__ or ()
+                if _WRAPPERS.get(id(live.__code__)) != name or len(cells) != 1 or _contents(cells[0]) is not inner:
+                    return False  # not the decorator's wrapper, or one that calls another function
+                live = inner
+            else:
+                return False  # a decorator whose wrapper this module does not know
+        if type(live) is not FunctionType:
+            return False
+        self.watch(live)  # what is judged is watched, recognised or not, so that putting it back is noticed
+        if live.__globals__ is not self.namespace:
+            return False
+        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        if _original_code(live) != self.source.codes.get((first, node.name)):
+            return False
+        cells = live.__closure__ or ()
+        if live.__code__.co_freevars not in ((), ("__class__",)) or any(_contents(cell) is not owner for cell in cells):
+            return False
+        args = node.args
+        defaults = tuple(self.value(expr, namespace) for expr in args.defaults) or None
+        kw = {
+            arg.arg: self.value(expr, namespace)
+            for arg, expr in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+            if expr
+        }
+        return _same_values(live.__defaults__, defaults) and _same_values(live.__kwdefaults__, kw or None)
+
+    def watch(self, fn: FunctionType) -> None:
+        self.look.functions.append(fn)
+        self.look.cells.extend(fn.__closure__ or ())
+
+    def value(self, expr: ast.expr, namespace: Mapping[str, Any]) -> object:
+        """What a default's expression makes: a constant (as ``("=", value)``), the object a name or attribute
+        chain names (``("is", obj)``), a tuple of these; :data:`_MISSING` for anything else."""
+        if isinstance(expr, ast.Constant):
+            return ("=", expr.value)
+        if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub) and isinstance(expr.operand, ast.Constant):
+            value = expr.operand.value
+            return ("=", -value) if isinstance(value, int | float | complex) else _MISSING
+        if isinstance(expr, ast.Name):  # a class body's default reads the class's names, then the module's
+            found = namespace.get(expr.id, self.namespace.get(expr.id, vars(builtins).get(expr.id, _MISSING)))
+            return ("is", found)
+        if isinstance(expr, ast.Attribute):
+            base = self.value(expr.value, namespace)
+            return ("is", getattr(base[1], expr.attr, _MISSING)) if isinstance(base, tuple) else _MISSING
+        if isinstance(expr, ast.Tuple):
+            return tuple(self.value(item, namespace) for item in expr.elts)
+        return _MISSING
+
+
+def _contents(cell: Any) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
+
+
+def _same_values(live: object, expected: object) -> bool:
+    """Whether ``live`` (a function's ``__defaults__`` or ``__kwdefaults__``) is what :meth:`_Judge.value` said."""
+    if expected is None or live is None:
+        return live is expected
+    if isinstance(expected, dict):
+        return (
+            isinstance(live, dict)
+            and live.keys() == expected.keys()
+            and all(_same_value(live[key], expected[key]) for key in expected)
+        )
+    assert isinstance(expected, tuple)
+    return type(live) is tuple and len(live) == len(expected) and all(map(_same_value, live, expected))
+
+
+def _same_value(live: object, expected: object) -> bool:
+    if expected is _MISSING:
+        return False
+    if isinstance(expected, tuple) and len(expected) == 2 and expected[0] in ("=", "is"):
+        how, value = expected
+        if how == "is":
+            return live is value and value is not _MISSING
+        return type(live) is type(value) and live == value
+    assert isinstance(expected, tuple)  # a tuple's elements
+    return type(live) is tuple and len(live) == len(expected) and all(map(_same_value, live, expected))
+
+
+def _judge() -> tuple[_Look, tuple[str, ...]]:
+    """Judge every imported module of :data:`MODULES`: what was looked at, and what is not recognised."""
+    look = _Look()
+    bad: list[str] = []
+    for name in MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        source = _source(name, module)
+        if source is None or source.digest not in _table().get(name, {}):
+            bad.append(name)
+            continue
+        bad += _Judge(module, source, look).scope(source.tree.body, vars(module), None, f"{name}.")
+    return look, tuple(bad)
+
+
+#: The last judgement (what it looked at, and its answer), in one slot replaced whole (threads read it whole). A cache.
+_last: list[tuple[_Look, tuple[str, ...]] | None] = [None]
+
+
+def unrecognised() -> tuple[str, ...]:
+    """What is not recognised now, each named as above, in :data:`MODULES`' order. Judged again only where a live
+    object looked at changed since the last call (or a name was added to a namespace looked at)."""
+    last = _last[0]
+    if last is not None and last[0].same():
+        return last[1]
+    look, answer = _judge()
+    try:
+        look.freeze()
+    except (KeyError, AttributeError, ValueError):
+        _last[0] = None  # something judged is gone already: judged again next time
+    else:
+        _last[0] = (look, answer)
+    return answer
