@@ -5,7 +5,11 @@ gradients and ``compute()`` bit for bit, or the same error; ranks whose members 
 ``dist_sync_fn`` on one rank only) return torchmetrics' own values instead of waiting.
 
 Each rank runs the same steps twice on the same data, under torchmetrics' own sync and under the fused sync, and
-compares. Random draws are seeded alike before each run.
+compares. Random draws are seeded alike before each run. Each case (:class:`Case`) states which members the
+collection's exchange takes over in each step and ``compute()`` (:class:`Exchange`: checked against what
+``tg.explain()`` says, by counting the collectives and the per-Metric syncs of the fused run) and which error, if
+any, both runs raise; any other error fails the case with its traceback. The module's own Metric classes are
+trusted (:data:`TRUSTED`): its subject is how the exchange handles each form; one case holds a class that is not.
 """
 
 from __future__ import annotations
@@ -261,6 +265,7 @@ def run(case: Case, rank: int, sync: str) -> Run:
     metrics = case.make()
     try:
         with tg.patched(mode=case.mode, sync=sync):
+            assert _syncs.installed() == sync, (case.what, "the patch runs", _syncs.installed(), "not", sync)
             metrics.update(*batch(rank, case.seed, 99))
             out.record.append(comparable(flags(metrics)))
             for k in range(3):
@@ -503,6 +508,8 @@ def _each_form(rank: int, world_size: int) -> None:
         ("compute 0", ["mae", "mse", "rows"], 1),
         ("compute 1", [], 0),
     ], ("untrusted", got.phases)
+    # each Metric's own fused sync: one collective, or two where its sizes grew
+    assert all(len(p.own) <= p.own_calls <= 2 * len(p.own) for p in got.phases), ("untrusted", got.phases)
     reasons = set(tg.explain(untrusted.make()).values()) | set(tg.explain(untrusted.make(), step=True).values())
     assert reasons == {"runs torchmetrics' own path: member 'mae' is a class it does not trust (Untrusted)"}, reasons
 
@@ -721,8 +728,8 @@ def _the_documented_limits(rank: int, world_size: int) -> None:
 
     check(noisy(1), rank)  # one member's draws keep their order
     expected, got = (run(noisy(2), rank, sync) for sync in ("torchmetrics", "fused"))
-    for each in (expected, got):
-        raised_as_expected(noisy(2), each, "a")
+    raised_as_expected(noisy(2), expected, "torchmetrics")
+    raised_as_expected(noisy(2), got, "fused")
     took_over(noisy(2), got, expected)  # trusted, both members join the exchange: then their draws interleave
     assert not alike(got.record[1][0], expected.record[1][0]), "two members' draws in another order: other values"
     # 2. an update that raises on every rank: the same error and states, but the members before it have not
