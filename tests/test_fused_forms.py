@@ -265,7 +265,8 @@ def run(case: Case, rank: int, sync: str) -> Run:
     metrics = case.make()
     try:
         with tg.patched(mode=case.mode, sync=sync):
-            assert _syncs.installed() == sync, (case.what, "the patch runs", _syncs.installed(), "not", sync)
+            # the fused sync is in force (torchmetrics' own may run without the replacement, on a native line)
+            assert sync != "fused" or _syncs.installed() == sync, (case.what, "the sync in force", _syncs.installed())
             metrics.update(*batch(rank, case.seed, 99))
             out.record.append(comparable(flags(metrics)))
             for k in range(3):
