@@ -255,7 +255,7 @@ def phase(out: Run, name: str, metrics: MetricCollection, step: bool) -> Iterato
         record.total = calls() - before
 
 
-def run(case: Case, rank: int, sync: str) -> Run:
+def run_case(case: Case, rank: int, sync: str) -> Run:
     """One ``update()`` (which links a compute group's states), three training steps (forward, a loss from every
     value that requires grad, backward) and two ``compute()``: the states and flags after the update; per step the
     values, the states and flags, the input's gradient; then the epoch's values and states. An error ends the run
@@ -287,6 +287,14 @@ def run(case: Case, rank: int, sync: str) -> Run:
     return out
 
 
+def run(make: Callable[[], MetricCollection], rank: int, seed: int, sync: str, mode: str) -> list[Any]:
+    """:func:`run_case` as tests/test_fused_check.py reads it: the record, and where the run raised, the error's
+    type and text last (that module judges the error itself)."""
+    got = run_case(Case("a run", make, NO_EXCHANGE, seed=seed, mode=mode), rank, sync)
+    error = [] if got.error is None else [f"{type(got.error).__name__}: {got.error}"]
+    return [*got.record, *error]
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -310,8 +318,8 @@ def raised_as_expected(case: Case, got: Run, sync: str) -> None:
 def check(case: Case, rank: int) -> Run:
     """The fused run of ``case`` is torchmetrics' own, bit for bit (values, states, flags, gradients, the expected
     error at the same point), and its collection's exchange took over the members ``case`` expects."""
-    expected = run(case, rank, "torchmetrics")
-    got = run(case, rank, "fused")
+    expected = run_case(case, rank, "torchmetrics")
+    got = run_case(case, rank, "fused")
     raised_as_expected(case, expected, "torchmetrics")
     raised_as_expected(case, got, "fused")
     what = case.what
@@ -674,7 +682,7 @@ def _randomized_per_rank(rank: int, world_size: int, seed: int) -> None:
         if change in ("no step sync", "no compute sync"):  # torchmetrics' own sync leaves the others waiting
             case = Case(what, make, expect, (tg.FusedSyncError, "the ranks disagree on whether it syncs"), seed)
             started = time.monotonic()
-            got = run(case, rank, "fused")
+            got = run_case(case, rank, "fused")
             raised_as_expected(case, got, "fused")
             outcome = f"{type(got.error).__name__}: {got.error}"
             assert every_rank(outcome) == [outcome] * world_size, (what, "the same error on every rank", outcome)
@@ -728,7 +736,7 @@ def _the_documented_limits(rank: int, world_size: int) -> None:
         )
 
     check(noisy(1), rank)  # one member's draws keep their order
-    expected, got = (run(noisy(2), rank, sync) for sync in ("torchmetrics", "fused"))
+    expected, got = (run_case(noisy(2), rank, sync) for sync in ("torchmetrics", "fused"))
     raised_as_expected(noisy(2), expected, "torchmetrics")
     raised_as_expected(noisy(2), got, "fused")
     took_over(noisy(2), got, expected)  # trusted, both members join the exchange: then their draws interleave
