@@ -601,3 +601,23 @@ def test_collection_on_the_device_path() -> None:
 #: this module's own Metric classes, trusted in its rank bodies: its subject is the collection's exchange, not which
 #: classes the exchange trusts (tests/test_fused_trust.py)
 TRUSTED = (Sum, Shared, Loss, OtherLoss, Probe)
+
+
+def _a_wrapper_cached_inside_issues_no_collective(rank: int, world_size: int) -> None:
+    """A wrapper computes through the Metrics inside it (torchmetrics 1.0 on caches nothing of its own): once they hold
+    their results, a second ``compute()`` issues no collective, as torchmetrics' own, so one rank may call it alone."""
+    from torchmetrics import MeanSquaredError, wrappers
+
+    metrics = MetricCollection({"a": MeanSquaredError(), "mm": wrappers.MinMaxMetric(MeanSquaredError())})
+    metrics.update(torch.ones(3), torch.zeros(3))
+    with tg.patched(sync="fused"):
+        first = metrics.compute()
+        before = calls()
+        if rank == 0:
+            again = metrics.compute()  # rank 0 alone: the others do not call it
+            assert calls() == before and all(same(again[k], first[k]) for k in first), (calls() - before, again, first)
+    dist.barrier()
+
+
+def test_a_wrapper_cached_inside_issues_no_collective() -> None:
+    run_ranks(_a_wrapper_cached_inside_issues_no_collective, 2, timeout=60)

@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
+from torchmetrics_gradpatch.fused.sync import uneven_lists
 
-__all__ = ["difference", "note_lengths", "run", "watching"]
+__all__ = ["difference", "run"]
 
 T = TypeVar("T")
 _FLAGS = ("_update_count", "_forward_cache", "_computed", "_is_synced", "_should_unsync", "_to_sync")
@@ -64,21 +65,6 @@ def _in_exchange(error: BaseException) -> bool:
             return True
         frame = frame.tb_next
     return False
-
-
-#: while :func:`run` runs a fused path (innermost last): the Metrics and list states whose number of elements
-#: differs between the ranks in a sync, as the fused sync found them in every rank's description
-watching: list[list[tuple[Any, str]]] = []
-
-
-def note_lengths(metric: Any, attrs: list[str], every: Any) -> None:
-    """Called by the fused sync with every rank's description of ``metric``'s states ``attrs`` (``every[r][s]``)
-    while :data:`watching`: notes each state whose ranks send different numbers of pieces (a ``cat`` list is one
-    piece, as torchmetrics concatenates it first, so these are the states its own sync would wait on)."""
-    for s, attr in enumerate(attrs):
-        if len({len(states[s].pieces) for states in every}) > 1:
-            for noted in watching:  # an enclosing check's reference would run this sync too
-                noted.append((metric, attr))
 
 
 def _rng() -> tuple[Any, ...]:
@@ -367,9 +353,9 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     from torchmetrics_gradpatch.fused.sync import CheckSettingError
 
     before, rng = _Taken.of(root, copied=True), _rng()
-    nested = bool(watching)  # inside another check's fused run (a member's own sync): that check warns
+    nested = bool(uneven_lists)  # inside another check's fused run (a member's own sync): that check warns
     uneven: list[tuple[Any, str]] = []
-    watching.append(uneven)
+    uneven_lists.append(uneven)
     result: Any = None
     error: Exception | None = None
     try:
@@ -379,7 +365,7 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     except Exception as raised:
         error = raised
     finally:
-        watching.pop()
+        uneven_lists.pop()
     refused = isinstance(error, (FusedSyncError, GradModeMismatchError))
     kind = _REFUSED if refused else _RETURNED if error is None else _BROKE if _in_exchange(error) else _RAISED
     facts = _facts([kind, int(bool(uneven))], group)

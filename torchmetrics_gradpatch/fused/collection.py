@@ -60,7 +60,7 @@ def syncs_here(members: list[tuple[str, Any]], codes: list[int], on_step: bool =
     the rank then runs the exchange; else it issues no collective for the collection, as torchmetrics' own path
     issues none there."""
     return any(
-        forms.kind(code) in (forms.JOINED, forms.OWN_PATH) and (on_step or getattr(metric, "_computed", None) is None)
+        forms.kind(code) in (forms.JOINED, forms.OWN_PATH) and (on_step or forms.computes_anew(metric))
         for code, (_, metric) in zip(codes, members, strict=True)
     )
 
@@ -271,7 +271,7 @@ def _prepare(
                     slot = fs.Local(attr, reduction, slot.is_cat, slot.value, slot.tensors, slot.described)
                 mine.append(slot)
                 refs.append(index)
-        needs = getattr(metric, "_computed", None) is None  # a cached result is returned without a sync
+        needs = forms.computes_anew(metric)  # a cached result is returned without a sync
         own = forms.kind(code) == forms.OWN_PATH
         fingerprint = _fingerprint(key, metric)
         table += [fingerprint, code, int(needs), forms.detail(metric) if own else 0, len(refs), *refs]
@@ -360,8 +360,10 @@ def sync_members(
                 raise error
             own = _own_sync(members, tables)
             plan = _Plan.make(members, tables, own, codes, everywhere, aside_anywhere, rank, world_size, got)
-        for i in plan.recompute:
-            members[i][1]._computed = None  # a peer syncs it: this rank computes from the same states, not its cache
+        for i in plan.recompute:  # a peer syncs it: this rank computes from the same states, not its caches
+            for each in (members[i][1], *forms.inside(members[i][1])):
+                if hasattr(each, "_computed"):
+                    each._computed = None
         if plan.joined:
             fs.check_grad_modes(name, rows, mode)
         if key not in _PLANS:

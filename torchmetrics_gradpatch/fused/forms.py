@@ -38,6 +38,7 @@ __all__ = [
     "OWN_PATH",
     "QUIET",
     "RAISES",
+    "computes_anew",
     "describe",
     "detail",
     "form",
@@ -248,3 +249,24 @@ def forms_of(members: list[tuple[str, Any]], on_step: bool = False) -> list[int]
     counts = collections.Counter(id(metric) for _, metric in members)
     twice = {key for key, count in counts.items() if count > 1}
     return [form(metric, on_step, id(metric) in twice, hooked) for _, metric in members]
+
+
+def computes_anew(metric: Any) -> bool:
+    """Whether ``compute()`` of ``metric`` computes anew, and so may sync: it holds no cached result where
+    torchmetrics caches one. A Metric whose class leaves ``compute`` unwrapped (torchmetrics' wrappers and
+    ``CompositionalMetric`` from 1.0 on: no cache, no sync of their own) computes anew where a Metric inside it does."""
+    Metric = _torch_and_torchmetrics()[1]  # noqa: N806 (the class)
+
+    if not isinstance(metric, Metric):
+        return True
+    if type(metric)._wrap_compute is Metric._wrap_compute:
+        return getattr(metric, "_computed", None) is None
+    stack = list(metric._modules.values())
+    while stack:  # the Metrics right inside it, through plain modules (a ModuleList of copies)
+        each = stack.pop()
+        if isinstance(each, Metric):
+            if computes_anew(each):
+                return True
+        elif each is not None:
+            stack.extend(each._modules.values())
+    return False

@@ -70,7 +70,6 @@ from torchmetrics_gradpatch._engine import effective_check
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
 from torchmetrics_gradpatch._modes import check_mode
-from torchmetrics_gradpatch.fused import check as _check
 from torchmetrics_gradpatch.fused import grad as _fused_grad
 from torchmetrics_gradpatch.fused import large as _large
 from torchmetrics_gradpatch.fused import reduced as _reduced
@@ -103,6 +102,7 @@ __all__ = [
     "reduction_name",
     "remember",
     "structure_error",
+    "uneven_lists",
     "validate",
 ]
 
@@ -157,6 +157,20 @@ class Local:
     value: Any
     tensors: list[torch.Tensor]
     described: fp.State
+
+
+#: while check mode runs a fused sync (its ``run`` pushes a list here), each list state that sync synced with another
+#: number of pieces on some rank, as ``(metric, attr)``: torchmetrics' own sync gathers those one by one and would wait
+uneven_lists: list[list[tuple[Any, str]]] = []
+
+
+def _note_uneven(metric: Any, attrs: list[str], every: Sequence[Sequence[fp.State]]) -> None:
+    """Note each state of ``attrs`` whose ranks send different numbers of pieces (``every[r][s]``; a ``cat`` list is
+    one piece, as torchmetrics concatenates it first), for every check that watches."""
+    for s, attr in enumerate(attrs):
+        if len({len(states[s].pieces) for states in every}) > 1:
+            for noted in uneven_lists:  # an enclosing check's reference would run this sync too
+                noted.append((metric, attr))
 
 
 def reduction_name(fn: object) -> str:
@@ -628,8 +642,8 @@ def reduce(
     ``every[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``;
     ``reduced[i]``, where not ``None``, is ``states[i]``'s value already reduced across the ranks.
     """
-    if _check.watching:  # in check mode: the list states whose lengths differ between ranks, from every description
-        _check.note_lengths(metric, [state.attr for state in states], every)
+    if uneven_lists:  # in check mode: the list states whose lengths differ between ranks, from every description
+        _note_uneven(metric, [state.attr for state in states], every)
     ranks = range(len(entries))
     for s, state in enumerate(states):
         if reduced is not None and reduced[s] is not None:
