@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
+from torchmetrics_gradpatch._gather import staging_device
 from torchmetrics_gradpatch.fused.sync import uneven_lists
 
 __all__ = ["difference", "run"]
@@ -309,7 +310,7 @@ def _first(
 
 
 def _device(group: Any) -> torch.device | None:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    return staging_device(group)  # where the group takes tensors: the current CUDA device under NCCL, else the CPU
 
 
 def _facts(mine: list[int], group: Any) -> list[list[int]]:

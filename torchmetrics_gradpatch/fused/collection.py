@@ -18,7 +18,11 @@ effective sync is ``"fused"``, the replacement:
 4. runs torchmetrics' own ``compute()`` with those members' own sync skipped: each member computes on its synced
    states and its own ``unsync()`` restores its local states, as after torchmetrics' own sync.
 
-The exchange takes over only the members in the form its tests prove (:mod:`torchmetrics_gradpatch.fused.forms`);
+A collection holding a class the exchange does not trust (:mod:`torchmetrics_gradpatch.fused.membership`), or a
+rank that does not recognise what the exchange relies on (:mod:`torchmetrics_gradpatch.fused.aside`), runs
+torchmetrics' own ``compute()`` whole: such a rank still sends its member table, flagged, and every rank follows it.
+In a trusted collection, the exchange takes over only the members in the form its tests prove
+(:mod:`torchmetrics_gradpatch.fused.forms`);
 every other member computes, and syncs, in its own ``compute()`` at its place in the order, exactly as under
 torchmetrics' own sync: one that does not sync on compute, syncs over a process group of its own, is not distributed
 or is synced already, and one whose form is not proven (a wrapper, a class overriding what the fused path relies

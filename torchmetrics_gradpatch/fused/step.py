@@ -32,6 +32,9 @@ each step, gradients (local and global mode, one backward node for the whole exc
 too when it syncs on step (torchmetrics sends every ``dist_sync_on_step`` member through
 ``_forward_full_state_update``).
 
+A rank that runs torchmetrics' own ``forward`` whole (a class it does not trust, or a function it does not
+recognise: :func:`torchmetrics_gradpatch.fused.collection.members_of`) sends its member table alone, flagged; then no
+member joins on any rank, and every rank runs each member whole, or finishes the ones it began, in order.
 A rank holding any other member (one not taken over that may issue collectives: a wrapper, hooks, its own
 ``dist_sync_fn`` or group, a synced member) runs no member first: it sends its member table alone in the exchange's
 first collective, which its peers issue after their first halves (they issue none before it). From every rank's
