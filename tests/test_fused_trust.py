@@ -25,7 +25,7 @@ from torchmetrics.regression import MeanSquaredError
 import torchmetrics_gradpatch as tg
 from tests._ranks import run_ranks
 from tests.test_fused import same, worlds
-from tests.test_fused_step import alike
+from tests.test_fused_step import NO_CACHE, alike
 from torchmetrics_gradpatch import FusedSyncError
 from torchmetrics_gradpatch.fused import collection as fc
 from torchmetrics_gradpatch.fused import membership
@@ -51,6 +51,28 @@ class Total(Metric):
 class ReadsPeerState(Total):
     def compute(self) -> torch.Tensor:
         return self.total + self.peers[0].sum_squared_error  # the peer's local states under torchmetrics' order
+
+
+class ComputesPeer(Total):
+    def compute(self) -> torch.Tensor:
+        return self.total + self.peers[0].compute()  # the peer syncs again under torchmetrics' order
+
+
+class Reverses(Metric):
+    """A list state synced with no reduction, reversed in place by ``compute()`` (in a compute group with a twin)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("items", [], dist_reduce_fx=None)
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.items.append(preds - target)
+
+    def compute(self) -> torch.Tensor:
+        self.items.reverse()
+        return torch.cat(self.items)[:3].sum()
 
 
 class SharedNorm(Total):
@@ -101,12 +123,13 @@ class CountsFilter(Total):
 
 
 class FirstOnly(MetricCollection):
-    """Computes its first member only (a collection subclass of the user's)."""
+    """Computes and forwards its first member only (a collection subclass of the user's)."""
 
     def _compute_and_reduce(self, method_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        first = next(iter(self.keys(keep_base=True)))
-        result = super()._compute_and_reduce(method_name, *args, **kwargs)
-        return {key: value for key, value in result.items() if key.startswith(first)}
+        key, metric = next(iter(self.items(keep_base=True, copy_state=False)))
+        if method_name == "compute":
+            return {key: metric.compute()}
+        return {key: metric(*args, **metric._filter_kwargs(**kwargs))}
 
 
 def _norm() -> torch.nn.Module:
@@ -125,8 +148,16 @@ def _cases() -> dict[str, Callable[[], MetricCollection]]:
         norm = _norm()
         return MetricCollection({"a": SharedNorm(norm, **step), "b": SharedNorm(norm, **step)})
 
+    def computes_peer() -> MetricCollection:
+        mse = MeanSquaredError(**step, **NO_CACHE)
+        return MetricCollection({"a": ComputesPeer(peers=(mse,), **step), "b": mse})
+
     cases = {
         "reads a peer's states": reads_state,
+        "computes a peer": computes_peer,
+        "changes a shared list": lambda: MetricCollection(
+            {"a": Reverses(**step), "b": Reverses(**step)}, compute_groups=[["a", "b"]]
+        ),
         "shares a module": shared_norm,
         "changes a kept input": lambda: MetricCollection({"a": KeepsInput(**step), "b": KeepsInput(**step)}),
         "syncs itself": lambda: MetricCollection({"mse": MeanSquaredError(**step), "self": SyncsItself(**step)}),
