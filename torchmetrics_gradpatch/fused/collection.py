@@ -364,10 +364,8 @@ def sync_members(
                 raise error
             own = _own_sync(members, tables)
             plan = _Plan.make(members, tables, own, codes, everywhere, aside_anywhere, rank, world_size, got)
-        for i in plan.recompute:  # a peer syncs it: this rank computes from the same states, not its caches
-            for each in (members[i][1], *forms.inside(members[i][1])):
-                if hasattr(each, "_computed"):
-                    each._computed = None
+        for i in plan.recompute:
+            members[i][1]._computed = None  # a peer syncs it: this rank computes from the same states, not its cache
         if plan.joined:
             fs.check_grad_modes(name, rows, mode)
         if key not in _PLANS:
