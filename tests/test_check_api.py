@@ -355,14 +355,29 @@ def test_the_import_reads_the_variable(env: dict[str, str], expected: list[str])
     assert ok(READ_AT_IMPORT, env=env).splitlines() == expected
 
 
-def test_a_bad_variable_fails_the_import_naming_it() -> None:
-    proc = run_python("import torchmetrics_gradpatch", env={_api.CHECK_ENV: "maybe"}, timeout=120)
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        pytest.param(
+            {_api.CHECK_ENV: "maybe"},
+            "ValueError: TORCHMETRICS_GRADPATCH_CHECK='maybe' is not a flag; use one of: 0, false, no, off (do not "
+            "check, the default) / 1, true, yes, on (check the fused sync), in any case (unset means 0). See "
+            "docs/fused-sync.md.",
+            id="a bad value",
+        ),
+        pytest.param(
+            {_api.CHECK_ENV: "on", _api.SYNC_ENV: "torchmetrics"},
+            "ValueError: TORCHMETRICS_GRADPATCH_CHECK='on' checks the fused sync, but "
+            "TORCHMETRICS_GRADPATCH_SYNC='torchmetrics' chooses torchmetrics' own sync, so nothing would be checked. "
+            "Set TORCHMETRICS_GRADPATCH_SYNC=fused, or unset TORCHMETRICS_GRADPATCH_CHECK. See docs/fused-sync.md.",
+            id="beside torchmetrics' own sync",
+        ),
+    ],
+)
+def test_variables_the_import_refuses_are_named(env: dict[str, str], message: str) -> None:
+    proc = run_python("import torchmetrics_gradpatch", env=env, timeout=120)
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "ValueError: TORCHMETRICS_GRADPATCH_CHECK='maybe' is not a flag; use one of: 0, false, no, off (do not "
-        "check, the default) / 1, true, yes, on (check the fused sync), in any case (unset means 0). See "
-        "docs/fused-sync.md."
-    ), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == message, proc.stderr
 
 
 # --- the check beside torchmetrics' own sync --------------------------------------------------------------------------
@@ -387,14 +402,3 @@ def test_check_beside_torchmetrics_own_sync_in_one_call_is_refused(nothing_set: 
     assert (tg.status().sync, tg.status().check, tg.status().open_blocks) == ("fused", False, 0)
     with tg.patched(check=True), tg.patched(sync="torchmetrics"):
         assert "idle: only the fused sync is checked" in check_line(tg.status())
-
-
-def test_the_variables_choosing_the_check_and_torchmetrics_own_sync_fail_the_import() -> None:
-    env = {_api.CHECK_ENV: "on", _api.SYNC_ENV: "torchmetrics"}
-    proc = run_python("import torchmetrics_gradpatch", env=env, timeout=120)
-    assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "ValueError: TORCHMETRICS_GRADPATCH_CHECK='on' checks the fused sync, but "
-        "TORCHMETRICS_GRADPATCH_SYNC='torchmetrics' chooses torchmetrics' own sync, so nothing would be checked. Set "
-        "TORCHMETRICS_GRADPATCH_SYNC=fused, or unset TORCHMETRICS_GRADPATCH_CHECK. See docs/fused-sync.md."
-    ), proc.stderr
