@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from torchmetrics_gradpatch import _api, _engine
+from torchmetrics_gradpatch import _api, _engine, fused
 from torchmetrics_gradpatch.fused import membership
 
 
@@ -31,7 +31,7 @@ def reset_patch_state() -> str | None:
     with _engine._lock:
         state.manual_from = ""  # as a fresh import: nothing has switched the patch on yet
     _api.apply_environment()
-    forget_capacities()
+    fused.reset()  # as a fresh import: no group's capacity, nothing kept
     membership._named.clear()
     return "the test left a torchmetrics_gradpatch.patched() block open" if left else None
 
@@ -42,14 +42,3 @@ def trust_module_classes(fn: Callable[..., object]) -> None:
     classes = getattr(sys.modules.get(fn.__module__), "TRUSTED", ())
     if classes:
         membership.trust(*classes)
-
-
-def forget_capacities() -> None:
-    """Forget the fused sync's inline capacity of every process group, as a fresh import has none: the next fused
-    exchange of each group costs two collectives. Every rank of a group must call it at the same point."""
-    import sys
-
-    wire = sys.modules.get("torchmetrics_gradpatch.fused.wire")
-    if wire is not None:
-        wire._RECORDS.clear()
-        wire._STRONG.clear()

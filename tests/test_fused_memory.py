@@ -21,7 +21,6 @@ from torchmetrics import CatMetric, Metric, MetricCollection, SumMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_gradpatch as tg
-from tests._patch_state import forget_capacities
 from tests._rank_tools import calls
 from tests._ranks import run_ranks
 from tests._tensors import gloo_dtypes
@@ -100,7 +99,7 @@ def payload_sizes() -> Iterator[list[int]]:
 
 def fused_counted(metric: Any, mode: str = "local") -> int:
     """The collectives of one fused sync of ``metric``, as its group's first exchange (every count alike)."""
-    forget_capacities()
+    _fused.reset()
     before = calls()
     _fused.fused_sync(metric, mode=mode)
     return calls() - before
@@ -187,7 +186,7 @@ def _collection_with_large_members(rank: int, world_size: int) -> None:
     with tg.patched(sync="torchmetrics"):
         reference = expected.compute()
     with threshold(1 << 40), tg.patched(sync="fused"):
-        forget_capacities()
+        _fused.reset()
         before = calls()
         plain = baseline.compute()
         base = calls() - before
@@ -204,7 +203,7 @@ def _collection_with_large_members(rank: int, world_size: int) -> None:
     large.recopy = spy
     try:
         with threshold(THRESHOLD) as allocated, tg.patched(sync="fused"):
-            forget_capacities()
+            _fused.reset()
             before = calls()
             result = fused.compute()
             count = calls() - before

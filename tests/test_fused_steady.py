@@ -196,7 +196,6 @@ def test_the_capacity_rule() -> None:
     """The capacity from a group's record: the largest payload of the last WINDOW exchanges rounded up to a power of
     two, at least INLINE_MIN, none from exchanges over INLINE_MAX; the description words likewise. A key that takes
     no weak reference (a tuple here; a process group on some torch versions) is kept in a plain dictionary."""
-    from tests._patch_state import forget_capacities
 
     def row(size: int, words: int) -> list[int]:
         header = [0] * wire.HEADER_WORDS
@@ -229,4 +228,4 @@ def test_the_capacity_rule() -> None:
             expected = wire.Capacity(data, min(1 << (max(w for _, w in needs) - 1).bit_length(), data // 8))
             assert wire.capacity(group) == expected, (size, words)
     finally:
-        forget_capacities()
+        _fused.reset()

@@ -27,12 +27,11 @@ from torchmetrics.utilities.data import dim_zero_cat
 import torchmetrics_gradpatch as tg
 from tests import _global_inputs as inp
 from tests._global_inputs import assert_rel, global_collectives
-from tests._patch_state import forget_capacities
 from tests._rank_tools import collection_loss, destroy_subgroup, every_rank, record_collectives, synced_state_loss
 from tests._ranks import run_ranks
 from tests._subprocess import ok, run_python
 from tests._workloads import CatSquaredError, SumSquaredError
-from torchmetrics_gradpatch import _engine, gather_all_tensors, patched
+from torchmetrics_gradpatch import _engine, fused, gather_all_tensors, patched
 
 SUBGROUP = [0, 2]
 # all_to_all_single calls issued by one backward of each Metric case (one per state that carries a graph)
@@ -217,7 +216,7 @@ def _metric_path(rank: int, world_size: int, case: str) -> None:
     reference = metric_reference(case, world_size)
     seen: dict[str, dict[str, Any]] = {}
     for mode in ("global", "local"):
-        forget_capacities()  # each mode's fused syncs start as a group's first: the same collectives in both
+        fused.reset()  # each mode's fused syncs start as a group's first: the same collectives in both
         features, target = inp.model_inputs(rank, metric_rows(case)[rank])
         w = inp.weight().requires_grad_()
         with patched(mode=mode), record_collectives() as forward_calls:

@@ -23,7 +23,7 @@ from typing import Any
 from torchmetrics_gradpatch import _syncs
 from torchmetrics_gradpatch.fused.membership import explain, trust, trusted_names
 
-__all__ = ["explain", "fused_sync", "trust"]
+__all__ = ["explain", "fused_sync", "reset", "trust"]
 
 
 def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local") -> None:
@@ -62,6 +62,30 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         )
     else:
         fused()
+
+
+def reset() -> None:
+    """Forget what the fused sync keeps between syncs: every process group's agreed inline capacity (the next exchange
+    over each group costs two collectives), the kept send buffers, the layouts and plans it read once, and which
+    unrecognised objects it warned of (each is warned of again). Module sources it read stay cached.
+
+    Every rank of a group must call it at the same point: the capacity is agreed, never exchanged. Never needed in a
+    program; tests that reuse processes call it between cases."""
+    import sys
+
+    def loaded(name: str) -> Any:
+        return sys.modules.get(f"{__name__}.{name}")
+
+    if (wire := loaded("wire")) is not None:
+        wire.forget()
+    if (sync := loaded("sync")) is not None:
+        sync.forget()
+    if (collection := loaded("collection")) is not None:
+        collection.forget()
+    if (transit := loaded("transit")) is not None:
+        transit.forget()
+    if (aside := loaded("aside")) is not None:
+        aside.forget()
 
 
 def _collection_sites_all() -> tuple[tuple[Any, str], ...]:

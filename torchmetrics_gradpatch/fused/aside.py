@@ -19,7 +19,7 @@ import warnings
 
 from torchmetrics_gradpatch.fused import recognise
 
-__all__ = ["COMPUTE", "PARTS", "SINGLE", "STEP", "aside", "stepping_aside"]
+__all__ = ["COMPUTE", "PARTS", "SINGLE", "STEP", "aside", "forget", "stepping_aside"]
 
 SINGLE = "the fused sync of one Metric"
 COMPUTE = "MetricCollection.compute's one exchange"
@@ -89,3 +89,8 @@ def stepping_aside(part: str) -> bool:
                 stacklevel=4,
             )
     return bool(missing)
+
+
+def forget() -> None:
+    """Forget which unrecognised objects were warned of (``fused.reset``): each is warned of again."""
+    _warned.clear()

@@ -53,7 +53,7 @@ from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import Site
 from torchmetrics_gradpatch.fused import aside, forms, membership
 
-__all__ = ["SITE", "Outcome", "sync_members", "syncs_here", "torchmetrics_own"]
+__all__ = ["SITE", "Outcome", "forget", "sync_members", "syncs_here", "torchmetrics_own"]
 
 _MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
 _MEMBER_WORDS = 4  # per member in the table: fingerprint, form, needs, detail; then its slot references
@@ -529,3 +529,10 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
 #: ``MetricCollection.compute``, replaced by ``SITE.install()`` (now, or when ``torchmetrics.collections`` is
 #: imported; idempotent) and put back, the very same object, by ``SITE.uninstall()``
 SITE = Site("torchmetrics.collections", "MetricCollection", "compute", _MARK, _replacement)
+
+
+def forget() -> None:
+    """Forget the plans, member tables and fingerprints read once (``fused.reset``)."""
+    _PLANS.clear()
+    _rows.cache_clear()
+    _fingerprint_of.cache_clear()

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "HOOKS",
     "JOINED",
     "JOINS",
     "OTHER_GROUP",
@@ -101,8 +102,9 @@ OWN_METHODS = (
 )
 _OWN = operator.attrgetter(*OWN_METHODS)
 _INSTANCE = ("forward", "_forward_full_state_update", "_sync_dist", "sync", "unsync", "sync_context", "reset")
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_HOOKED = operator.attrgetter(*_HOOKS)
+#: a module's own hook dictionaries (``torch.nn.Module``'s attributes)
+HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOKED = operator.attrgetter(*HOOKS)
 _GLOBAL_HOOKS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",
@@ -234,7 +236,7 @@ def detail(metric: Any) -> int:
                     str(bool(getattr(each, "dist_sync_on_step", False))),
                     str(bool(getattr(each, "_to_sync", False))),
                     str(bool(getattr(each, "_is_synced", False))),
-                    str(any(getattr(each, name, None) for name in _HOOKS)),
+                    str(any(getattr(each, name, None) for name in HOOKS)),
                 )
             )
         )

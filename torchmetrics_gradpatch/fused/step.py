@@ -61,7 +61,7 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import Site
-from torchmetrics_gradpatch.fused import aside
+from torchmetrics_gradpatch.fused import aside, forms
 
 __all__ = ["SITE"]
 
@@ -206,9 +206,6 @@ def _alias_older(metric: Any, first: int) -> None:
             _sync().put(metric, attr, value.view_as(value))
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
 @dataclass
 class _Done:
     """A member that ran its own ``forward`` (it opts out) in the collection's order: its result, and its hooks, put
@@ -294,7 +291,7 @@ class _Step:
                 stood_in.append(queue[0])
                 for each in queue:
                     if isinstance(each, _Done):  # its hooks ran with its own forward
-                        for name in _HOOKS:
+                        for name in forms.HOOKS:
                             if getattr(metric, name, None):
                                 each.hooks[name] = getattr(metric, name)
                                 setattr(metric, name, type(each.hooks[name])())
@@ -318,7 +315,6 @@ def _forward(original: Callable[..., Any], collection: Any, unrecognised: bool, 
     import torch.distributed as dist
 
     from torchmetrics_gradpatch.fused import collection as fc
-    from torchmetrics_gradpatch.fused import forms
 
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection, *args, **kwargs)
@@ -348,7 +344,6 @@ def _exchange_and_forward(
     kwargs: dict[str, Any],
 ) -> Any:
     from torchmetrics_gradpatch.fused import collection as fc
-    from torchmetrics_gradpatch.fused import forms
 
     mode = _engine.effective_mode()
     # staged: every member joins or issues no collective, so the first halves run before the exchange, in the

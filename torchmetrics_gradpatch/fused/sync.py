@@ -86,6 +86,7 @@ __all__ = [
     "describe",
     "entries",
     "flags_of",
+    "forget",
     "fused_sync",
     "gather_texts",
     "headers",
@@ -670,3 +671,8 @@ def reduce(
             put(metric, state.attr, reduction(gathered))
         else:
             raise TypeError("reduction_fn must be callable or None")
+
+
+def forget() -> None:
+    """Forget the layouts validated once (``fused.reset``)."""
+    _VALID.clear()

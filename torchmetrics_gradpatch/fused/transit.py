@@ -27,7 +27,7 @@ import torch
 from torchmetrics_gradpatch import _bytes, _gather
 from torchmetrics_gradpatch.fused import wire as fp
 
-__all__ = ["devices", "receive_stream"]
+__all__ = ["devices", "forget", "receive_stream"]
 
 
 def devices(metric_device: Any, group: Any) -> tuple[torch.device, torch.device | None, bool]:
@@ -95,3 +95,8 @@ def receive_stream(
                 if layouts[r][0][s][i] >= 0:
                     gathered[r][s][i] = piece
     return count
+
+
+def forget() -> None:
+    """Forget the stream layouts read once (``fused.reset``)."""
+    _stream_layout.cache_clear()

@@ -90,6 +90,7 @@ __all__ = [
     "capacity",
     "decode",
     "encode",
+    "forget",
     "gather_first",
     "gather_payloads",
     "layout",
@@ -600,3 +601,11 @@ def gather_payloads(buffer: torch.Tensor, group: Any, world_size: int) -> list[t
 def words_of(buffer: torch.Tensor, count: int) -> list[int]:
     """The first ``count`` int64 words of a payload: its description."""
     return buffer[: 8 * count].view(torch.int64).tolist()
+
+
+def forget() -> None:
+    """Forget every group's capacity record and the kept send buffers and pads (``fused.reset``)."""
+    _RECORDS.clear()
+    _STRONG.clear()
+    _SENDS.clear()
+    _ZEROS.clear()
