@@ -408,7 +408,7 @@ def test_global_mode_with_a_rank_without_graph(world_size: int) -> None:
 
 
 def test_description_round_trip_and_alignment() -> None:
-    from torchmetrics_gradpatch.fused import wire as fp
+    from torchmetrics_gradpatch.fused import wire
 
     tensors = [
         torch.ones((), dtype=torch.bool),
@@ -416,25 +416,25 @@ def test_description_round_trip_and_alignment() -> None:
         torch.ones(2, 2, dtype=torch.complex128),
     ]
     described = [
-        fp.State(fp.KIND_TENSOR, (fp.piece_of(tensors[0]),)),
-        fp.State(fp.KIND_LIST, tuple(fp.piece_of(t.requires_grad_(t.is_floating_point())) for t in tensors[1:])),
-        fp.State(fp.KIND_LIST, (fp.piece_of(torch.tensor([])),), placeholder=True),
+        wire.State(wire.KIND_TENSOR, (wire.piece_of(tensors[0]),)),
+        wire.State(wire.KIND_LIST, tuple(wire.piece_of(t.requires_grad_(t.is_floating_point())) for t in tensors[1:])),
+        wire.State(wire.KIND_LIST, (wire.piece_of(torch.tensor([])),), placeholder=True),
     ]
-    streamed = fp.State(fp.KIND_LIST, (fp.piece_of(tensors[1], streamed=True), fp.piece_of(tensors[2])))
-    assert fp.decode(fp.encode([streamed])) == ([], [streamed])
+    streamed = wire.State(wire.KIND_LIST, (wire.piece_of(tensors[1], streamed=True), wire.piece_of(tensors[2])))
+    assert wire.decode(wire.encode([streamed])) == ([], [streamed])
     # a streamed piece and a reduced (skipped) state take no payload bytes; the stream holds the streamed piece
-    (_, kept), size = fp.layout([described[0], streamed], 0, skip=[0])
+    (_, kept), size = wire.layout([described[0], streamed], 0, skip=[0])
     assert kept[0] == -1 and kept[1] == 0 and size == 64
-    (_, in_stream), stream_size = fp.layout([described[0], streamed], 0, skip=[0], streamed=True)
+    (_, in_stream), stream_size = wire.layout([described[0], streamed], 0, skip=[0], streamed=True)
     assert in_stream == [0, -1] and stream_size == 16
-    words = fp.encode(described)
-    assert fp.decode(words) == ([], described) and len(words) % 2 == 0
-    assert fp.decode(fp.encode(described, [7, 8, 9])) == ([7, 8, 9], described)
-    offsets, size = fp.layout(described, 8 * len(words))
-    assert all(o % fp.ALIGN == 0 for state in offsets for o in state) and size % fp.ALIGN == 0
-    buffer = fp.pack(words, [[tensors[0]], tensors[1:], [torch.tensor([])]], offsets, size + 32, torch.device("cpu"))
-    assert fp.words_of(buffer, len(words)) == words
-    unpacked = fp.unpack(buffer, described, offsets)
+    words = wire.encode(described)
+    assert wire.decode(words) == ([], described) and len(words) % 2 == 0
+    assert wire.decode(wire.encode(described, [7, 8, 9])) == ([7, 8, 9], described)
+    offsets, size = wire.layout(described, 8 * len(words))
+    assert all(o % wire.ALIGN == 0 for state in offsets for o in state) and size % wire.ALIGN == 0
+    buffer = wire.pack(words, [[tensors[0]], tensors[1:], [torch.tensor([])]], offsets, size + 32, torch.device("cpu"))
+    assert wire.words_of(buffer, len(words)) == words
+    unpacked = wire.unpack(buffer, described, offsets)
     assert same(unpacked[0][0], tensors[0]) and same(unpacked[1], tensors[1:]) and unpacked[2][0].shape == (0,)
     assert not buffer[size:].any()  # padding is zeros, not this process's memory
 
@@ -792,19 +792,19 @@ def test_a_bad_chunk_size_raises_on_every_rank(world_size: int, bad: str) -> Non
 
 
 def test_kept_send_buffer_gives_packs_bytes_and_zero_padding() -> None:
-    from torchmetrics_gradpatch.fused import wire as fp
+    from torchmetrics_gradpatch.fused import wire
 
     def packed(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        described = [fp.tensor_state(t) for t in tensors]
-        words = fp.encode(described)
-        offsets, size = fp.layout(described, 8 * len(words))
-        row = list(range(fp.HEADER_WORDS))
-        total = 8 * fp.HEADER_WORDS + size + 64
+        described = [wire.tensor_state(t) for t in tensors]
+        words = wire.encode(described)
+        offsets, size = wire.layout(described, 8 * len(words))
+        row = list(range(wire.HEADER_WORDS))
+        total = 8 * wire.HEADER_WORDS + size + 64
         cpu = torch.device("cpu")
-        kept = fp._pack_kept([*row, *words], [[t] for t in tensors], offsets, total, cpu).clone()
-        return kept, fp.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, 8 * fp.HEADER_WORDS)
+        kept = wire._pack_kept([*row, *words], [[t] for t in tensors], offsets, total, cpu).clone()
+        return kept, wire.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, 8 * wire.HEADER_WORDS)
 
-    before = dict(fp._SENDS)
+    before = dict(wire._SENDS)
     try:
         first = [torch.full((3,), 7.0, dtype=torch.float64), torch.ones((), dtype=torch.complex128).conj()]
         kept, reference = packed(first)
@@ -815,7 +815,7 @@ def test_kept_send_buffer_gives_packs_bytes_and_zero_padding() -> None:
         # the first layout again, other values: its kept buffer holds them
         kept, reference = packed([-t for t in first])
         assert torch.equal(kept, reference)
-        assert len(fp._SENDS) <= fp._KEPT
+        assert len(wire._SENDS) <= wire._KEPT
     finally:  # the buffers kept for this test's layouts go; the process's others stay as they were
-        fp._SENDS.clear()
-        fp._SENDS.update(before)
+        wire._SENDS.clear()
+        wire._SENDS.update(before)

@@ -27,8 +27,7 @@ from tests._tensors import gloo_dtypes
 from tests.test_fused import Probe, same, states, torchmetrics_sync, values, worlds
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch import fused as _fused
-from torchmetrics_gradpatch.fused import large
-from torchmetrics_gradpatch.fused import wire as fp
+from torchmetrics_gradpatch.fused import large, wire
 from torchmetrics_gradpatch.fused.sync import placeholder_rule
 
 THRESHOLD = 64  # bytes: a rank whose cat states hold this many sends them apart, in these tests
@@ -83,18 +82,18 @@ def threshold(nbytes: int) -> Iterator[list[torch.Tensor]]:
 def payload_sizes() -> Iterator[list[int]]:
     """Record the size of every payload this rank packs."""
     sizes: list[int] = []
-    real = fp.pack
+    real = wire.pack
 
     def pack(*args: Any, **kwargs: Any) -> torch.Tensor:
         buffer = real(*args, **kwargs)
         sizes.append(buffer.numel())
         return buffer
 
-    fp.pack = pack
+    wire.pack = pack
     try:
         yield sizes
     finally:
-        fp.pack = real
+        wire.pack = real
 
 
 def fused_counted(metric: Any, mode: str = "local") -> int:

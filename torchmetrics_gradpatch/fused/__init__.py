@@ -36,19 +36,19 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     Raises :class:`~torchmetrics_gradpatch.FusedSyncError` (on every rank alike) when the ranks' states cannot be
     synced together.
 
-    Where a torchmetrics function it re-implements is not recognised (:mod:`torchmetrics_gradpatch.fused.aside`),
-    torchmetrics' own ``_sync_dist`` runs instead; in check mode the fused sync is compared with it
+    Where some rank of the group does not recognise what the sync relies on
+    (:mod:`torchmetrics_gradpatch.fused.aside`), every rank runs torchmetrics' own ``_sync_dist`` instead, after the
+    header that tells them; in check mode the fused sync is compared with it
     (:mod:`torchmetrics_gradpatch.fused.check`).
     """
     from torchmetrics_gradpatch import _engine
-    from torchmetrics_gradpatch.fused import aside, check
-    from torchmetrics_gradpatch.fused.sync import fused_sync as run
+    from torchmetrics_gradpatch.fused import aside, check, sync
 
     # a rank that steps aside still sends its header, so that every rank steps aside with it
     unrecognised = aside.stepping_aside(aside.SINGLE)
 
     def fused() -> None:
-        if not run(metric, process_group, mode, unrecognised):
+        if not sync.fused_sync(metric, process_group, mode, unrecognised):
             _syncs.original_sync_dist()(metric, process_group=process_group)
 
     if _engine.effective_check():

@@ -330,9 +330,8 @@ def sync_members(
     import torch.distributed as dist
 
     from torchmetrics_gradpatch._gather import size_and_rank
-    from torchmetrics_gradpatch.fused import large, transit
+    from torchmetrics_gradpatch.fused import large, transit, wire
     from torchmetrics_gradpatch.fused import sync as fs
-    from torchmetrics_gradpatch.fused import wire as fp
 
     codes = forms.forms_of(members) if codes is None else codes
     apply = _set_synced if set_synced is None else set_synced
@@ -346,15 +345,15 @@ def sync_members(
     except Exception as prepared:  # this rank's states cannot be sent: its header says so, and every rank raises
         slots, states, out, agreed, failure = [], [], fs.outgoing([]), 0, prepared
     name = "a MetricCollection"
-    flags = fs.flags_of(slots) | (fp.FLAG_FAILED if failure is not None else 0)
-    flags |= (0 if staged else fp.FLAG_UNSTAGED) | (fp.FLAG_ASIDE if aside_here else 0)
+    flags = fs.flags_of(slots) | (wire.FLAG_FAILED if failure is not None else 0)
+    flags |= (0 if staged else wire.FLAG_UNSTAGED) | (wire.FLAG_ASIDE if aside_here else 0)
     with torch.no_grad():
         rows = fs.headers(out, flags, agreed, group, world_size, device)
         fs.raise_failures(name, rows, failure, group, world_size, device)
         got = fs.payloads(out, rows, rank, group, world_size, device)
         tables = [_rows(tuple(t)) for t in got.tables]
-        everywhere = not any(row[fp.FLAGS] & fp.FLAG_UNSTAGED for row in rows)
-        aside_anywhere = any(row[fp.FLAGS] & fp.FLAG_ASIDE for row in rows)
+        everywhere = not any(row[wire.FLAGS] & wire.FLAG_UNSTAGED for row in rows)
+        aside_anywhere = any(row[wire.FLAGS] & wire.FLAG_ASIDE for row in rows)
         # what the checks below find, and the plan, depend on the descriptions alone: a steady exchange makes them once
         key = (got.words, everywhere, aside_anywhere, rank)
         plan = _PLANS.get(key)
@@ -380,7 +379,7 @@ def sync_members(
     keep = [[False] * len(got.slots[r]) for r in range(world_size)]
     for i in plan.joined:
         for s, state in enumerate(states[i]):
-            if state.described.kind == fp.KIND_LIST and not state.is_cat:
+            if state.described.kind == wire.KIND_LIST and not state.is_cat:
                 for r in range(world_size):
                     keep[r][plan.refs[i][r][s]] = True
     synced = fs.entries(slots, got, keep, rank, world_size, None, fs.node_wanted(rows, mode), device)

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
-from torchmetrics_gradpatch.fused import wire as fp
+from torchmetrics_gradpatch.fused import wire
 
 __all__ = [
     "LARGE_MIN_BYTES",
@@ -72,7 +72,7 @@ LARGE_MIN_BYTES = 1 << 20
 on_buffer: Callable[[torch.Tensor], None] | None = None
 
 
-def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], fp.State] | None:
+def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.State] | None:
     """Step 1 for a ``cat`` list of several tensors, or of one conjugate or negative view, deferred: the prepared
     state's tensors (a stand-in until :func:`mark`; the state's value keeps the list) and its description, as the
     one tensor ``dim_zero_cat`` would make; ``None`` where the tensors do not join as plain bytes (other dtypes,
@@ -101,7 +101,7 @@ def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], fp.St
         shape = (sum(t.shape[0] for t in value), *first.shape[1:])
     else:
         return None
-    described = fp.State(fp.KIND_LIST, (fp.Piece(first.dtype, shape, False),))
+    described = wire.State(wire.KIND_LIST, (wire.Piece(first.dtype, shape, False),))
     return [_DEFERRED], described
 
 
@@ -119,7 +119,7 @@ def _own(slot: Any) -> list[torch.Tensor]:
 
 def _eligible(slot: Any) -> bool:
     described = slot.described
-    if not slot.is_cat or described.kind != fp.KIND_LIST or described.placeholder or len(described.pieces) != 1:
+    if not slot.is_cat or described.kind != wire.KIND_LIST or described.placeholder or len(described.pieces) != 1:
         return False
     piece = described.pieces[0]
     return piece.dtype is not None and not piece.requires_grad and not piece.streamed and piece.nbytes > 0
@@ -310,13 +310,13 @@ def _cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 
 
 def _concatenation(
-    described: Sequence[fp.State | None], own: Any, same_tables: bool
+    described: Sequence[wire.State | None], own: Any, same_tables: bool
 ) -> tuple[list[int], torch.dtype, tuple[int, ...]] | None:
     """Per rank the bytes it contributes to the concatenated state, its dtype and shape; ``None`` where the slot
     is not one ``cat`` state alike on every rank that can be concatenated in place."""
-    if not same_tables or own is None or not own.is_cat or own.described.kind != fp.KIND_LIST:
+    if not same_tables or own is None or not own.is_cat or own.described.kind != wire.KIND_LIST:
         return None
-    if any(d is None or d.kind != fp.KIND_LIST or len(d.pieces) > 1 for d in described):
+    if any(d is None or d.kind != wire.KIND_LIST or len(d.pieces) > 1 for d in described):
         return None
     pieces = [p for d in described if d is not None for p in d.pieces]
     if any(p.requires_grad or p.streamed or p.dtype is None for p in pieces):
@@ -371,11 +371,11 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
     buffer's view of them (``tensors``; what :func:`recopy` copies from) and no longer the local ones (``value``,
     this sync's own list, is emptied), so that ``sync()``'s cache can be the last to hold those.
     """
-    every: list[Sequence[fp.State]] = got.slots
+    every: list[Sequence[wire.State]] = got.slots
     same_tables = all(table == got.tables[0] for table in got.tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
-    places: list[tuple[int, int, int, int, fp.Piece]] = []  # rank, slot, position, offset, piece
-    writes: list[tuple[int, Any, fp.Piece]] = []  # this rank's: offset, slot, the piece its tensors make there
+    places: list[tuple[int, int, int, int, wire.Piece]] = []  # rank, slot, position, offset, piece
+    writes: list[tuple[int, Any, wire.Piece]] = []  # this rank's: offset, slot, the piece its tensors make there
     end = 0
     for s in range(max((len(states) for states in every), default=0)):
         described = [states[s] if s < len(states) else None for states in every]

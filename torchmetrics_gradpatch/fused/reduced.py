@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._gather import all_reduce_chunked
-from torchmetrics_gradpatch.fused import wire as fp
+from torchmetrics_gradpatch.fused import wire
 
 __all__ = ["REDUCE_MIN_BYTES", "Plan", "agreed", "propose", "run"]
 
@@ -131,7 +131,7 @@ def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Plan:
     for index, slot in enumerate(slots):
         described = slot.described
         # the cheap tests first: a steady sync's many small states are none of these
-        if described.kind != fp.KIND_TENSOR or len(slot.tensors) != 1:
+        if described.kind != wire.KIND_TENSOR or len(slot.tensors) != 1:
             continue
         tensor, piece = slot.tensors[0], described.pieces[0]
         if piece.dtype is None or piece.requires_grad or piece.nbytes < REDUCE_MIN_BYTES:
@@ -162,7 +162,7 @@ def _hashable(value: object) -> bool:
 
 def agreed(rows: Sequence[Sequence[int]], plan: Plan) -> bool:
     """Whether every rank follows the plan: every rank sent this rank's non-zero digest."""
-    return plan.digest != 0 and all(row[fp.PLAN] == plan.digest for row in rows)
+    return plan.digest != 0 and all(row[wire.PLAN] == plan.digest for row in rows)
 
 
 def _encode(entry: Entry, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -73,8 +73,7 @@ from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch.fused import grad as _fused_grad
 from torchmetrics_gradpatch.fused import large as _large
 from torchmetrics_gradpatch.fused import reduced as _reduced
-from torchmetrics_gradpatch.fused import transit
-from torchmetrics_gradpatch.fused import wire as fp
+from torchmetrics_gradpatch.fused import transit, wire
 
 __all__ = [
     "CheckSettingError",
@@ -157,7 +156,7 @@ class Local:
     is_cat: bool
     value: Any
     tensors: list[torch.Tensor]
-    described: fp.State
+    described: wire.State
 
 
 #: while check mode runs a fused sync (its ``run`` pushes a list here), each list state that sync synced with another
@@ -165,7 +164,7 @@ class Local:
 uneven_lists: list[list[tuple[Any, str]]] = []
 
 
-def _note_uneven(metric: Any, attrs: list[str], every: Sequence[Sequence[fp.State]]) -> None:
+def _note_uneven(metric: Any, attrs: list[str], every: Sequence[Sequence[wire.State]]) -> None:
     """Note each state of ``attrs`` whose ranks send different numbers of pieces (``every[r][s]``; a ``cat`` list is
     one piece, as torchmetrics concatenates it first), for every check that watches."""
     for s, attr in enumerate(attrs):
@@ -210,7 +209,7 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
     # resolves it), resolved here, before the header: a byte view of it would raise on this rank alone
     if isinstance(value, torch.Tensor):  # the common case first: a tensor state (a steady sync's, many of them)
         tensor = _bytes.resolved(value).contiguous()
-        return Local(attr, reduction, cat, value, [tensor], fp.tensor_state(tensor, stream_cpu and tensor.is_cpu))
+        return Local(attr, reduction, cat, value, [tensor], wire.tensor_state(tensor, stream_cpu and tensor.is_cpu))
     placeholder = False
     if cat and isinstance(value, list):
         value = list(value)  # this sync's own list: the large path empties it once it wrote the tensors (large.run)
@@ -225,10 +224,10 @@ def prepare_state(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu
         placeholder = True
     if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
         tensors = [_bytes.resolved(v).contiguous() for v in value]
-        pieces = tuple(fp.piece_of(t, stream_cpu and t.device.type == "cpu") for t in tensors)
-        described = fp.State(fp.KIND_LIST, pieces, placeholder)
+        pieces = tuple(wire.piece_of(t, stream_cpu and t.device.type == "cpu") for t in tensors)
+        described = wire.State(wire.KIND_LIST, pieces, placeholder)
     else:
-        tensors, described = [], fp.State(fp.KIND_OTHER, ())
+        tensors, described = [], wire.State(wire.KIND_OTHER, ())
     return Local(attr, reduction, cat, value, tensors, described)
 
 
@@ -253,7 +252,7 @@ def flags_of(slots: list[Local]) -> int:
     """This rank's header flags: grad mode (call it outside ``no_grad``), and whether a tensor it sends requires
     grad."""
     requires_grad = any(t.requires_grad for s in slots for t in s.tensors)
-    return (fp.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0) | (fp.FLAG_REQUIRES_GRAD if requires_grad else 0)
+    return (wire.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0) | (wire.FLAG_REQUIRES_GRAD if requires_grad else 0)
 
 
 @dataclass
@@ -269,7 +268,7 @@ class Outgoing:
     size_reduced: int
     plan: _reduced.Plan
     sent: list[list[torch.Tensor]] = field(default_factory=list)
-    first: fp.First | None = None
+    first: wire.First | None = None
 
 
 def outgoing(slots: list[Local], table: list[int] | None = None, placement: list[int] | None = None) -> Outgoing:
@@ -278,16 +277,16 @@ def outgoing(slots: list[Local], table: list[int] | None = None, placement: list
     that ranks whose members map to other slots do not agree on it)."""
     _large.mark(slots)  # large cat states leave the payload
     described = [s.described for s in slots]
-    words = fp.encode(described, table or ())
+    words = wire.encode(described, table or ())
     plan = _reduced.propose(slots, placement or ())
-    offsets, size = fp.read_layout(tuple(words), ())
-    offsets_reduced, size_reduced = fp.read_layout(tuple(words), tuple(plan.slots)) if plan.slots else (offsets, size)
+    offsets, size = wire.read_layout(tuple(words), ())
+    offsets_reduced, size_reduced = wire.read_layout(tuple(words), tuple(plan.slots)) if plan.slots else (offsets, size)
     # a separate piece is never packed: its stand-in keeps no reference to the local tensor (large.recopy); a piece
     # of a dtype the format does not know (described with none) is never sent
     sent = [
         s.tensors
         if len(s.tensors) == 1 and not s.described.pieces[0].separate and s.described.pieces[0].dtype is not None
-        else [_NOT_SENT if p.separate else fp.sendable(t) for t, p in zip(s.tensors, s.described.pieces, strict=True)]
+        else [_NOT_SENT if p.separate else wire.sendable(t) for t, p in zip(s.tensors, s.described.pieces, strict=True)]
         for s in slots
     ]
     return Outgoing(words, offsets, size, offsets_reduced, size_reduced, plan, sent)
@@ -306,9 +305,9 @@ def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size:
     chunk size setting is not valid.
     """
     group = dist.group.WORLD if group is None else group
-    flags |= fp.FLAG_CHECK if effective_check() else 0
+    flags |= wire.FLAG_CHECK if effective_check() else 0
     header = [len(out.words), out.size, flags, fingerprint, out.size_reduced, out.plan.digest, chunk_bytes()]
-    out.first = fp.gather_first(
+    out.first = wire.gather_first(
         header, out.words, out.sent, out.offsets_reduced, out.size_reduced, group, world_size, device
     )
     rows = out.first.rows
@@ -318,11 +317,11 @@ def headers(out: Outgoing, flags: int, fingerprint: int, group: Any, world_size:
             + "; ".join(f"rank {r}: {row[0]:#x}" for r, row in enumerate(rows))
             + "); install the same torchmetrics_gradpatch on every rank."
         )
-    fp.agree(group, rows)  # every rank, from the same rows, before anything else can raise
-    refusal = chunk_refusal([row[fp.CHUNK] for row in rows])
+    wire.agree(group, rows)  # every rank, from the same rows, before anything else can raise
+    refusal = chunk_refusal([row[wire.CHUNK] for row in rows])
     if refusal is not None:
         raise FusedSyncError(refusal)
-    checking = [bool(row[fp.FLAGS] & fp.FLAG_CHECK) for row in rows]
+    checking = [bool(row[wire.FLAGS] & wire.FLAG_CHECK) for row in rows]
     if len(set(checking)) > 1:
         raise CheckSettingError(
             "torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on rank(s) "
@@ -339,7 +338,7 @@ def raise_failures(
 ) -> None:
     """After the headers: where some rank flagged that it could not prepare its states (``failure``, on this rank),
     raise one :class:`FusedSyncError` on every rank, naming each failing rank's error (from ``failure`` here)."""
-    failed = [r for r, row in enumerate(rows) if row[fp.FLAGS] & fp.FLAG_FAILED]
+    failed = [r for r, row in enumerate(rows) if row[wire.FLAGS] & wire.FLAG_FAILED]
     if not failed:
         return
     own = "" if failure is None else f"{type(failure).__name__}: {failure}"
@@ -371,8 +370,8 @@ def check_grad_modes(name: str, rows: list[list[int]], mode: str) -> None:
     """In global mode, refuse on every rank alike when the ranks disagree on grad mode while a state needs grad."""
     if mode != "global":
         return
-    grad = [bool(row[3] & fp.FLAG_GRAD_MODE) for row in rows]
-    requiring = [r for r, row in enumerate(rows) if row[3] & fp.FLAG_REQUIRES_GRAD]
+    grad = [bool(row[3] & wire.FLAG_GRAD_MODE) for row in rows]
+    requiring = [r for r, row in enumerate(rows) if row[3] & wire.FLAG_REQUIRES_GRAD]
     if requiring and len(set(grad)) > 1:
         raise GradModeMismatchError(
             f"torchmetrics_gradpatch: fused global-mode sync of {name}: the ranks disagree on grad mode. "
@@ -385,7 +384,7 @@ def check_grad_modes(name: str, rows: list[list[int]], mode: str) -> None:
 
 def node_wanted(rows: list[list[int]], mode: str) -> bool:
     """Whether global mode builds its node: some rank sends a tensor that requires grad, and grad mode is on."""
-    return mode == "global" and any(row[3] & fp.FLAG_REQUIRES_GRAD for row in rows) and torch.is_grad_enabled()
+    return mode == "global" and any(row[3] & wire.FLAG_REQUIRES_GRAD for row in rows) and torch.is_grad_enabled()
 
 
 @dataclass
@@ -394,12 +393,12 @@ class Exchanged:
     every rank reduces (``skip``: they have no pieces) and, once :func:`complete` ran, their values."""
 
     tables: list[Sequence[int]]
-    slots: list[Sequence[fp.State]]
+    slots: list[Sequence[wire.State]]
     gathered: list[list[list[torch.Tensor]]]
     skip: tuple[int, ...] = ()
     words: tuple[tuple[int, ...], ...] = ()  # every rank's description: what everything read from it depends on
     reduced: dict[int, torch.Tensor] | None = None
-    own: tuple[torch.Tensor, fp.Plan] | None = None  # this rank's buffer and plan: its pieces are not viewed back
+    own: tuple[torch.Tensor, wire.Plan] | None = None  # this rank's buffer and plan: its pieces are not viewed back
 
 
 def payloads(
@@ -422,30 +421,30 @@ def payloads(
     out.first = None  # the receive buffers live on in the views below only
     # an inline payload leaves out what its rank proposed to reduce: usable where that proposal was agreed, or empty
     if first is not None and all(
-        row[fp.FLAGS] & fp.FLAG_INLINE and (skip or row[fp.SIZE_REDUCED] == row[fp.SIZE]) for row in rows
+        row[wire.FLAGS] & wire.FLAG_INLINE and (skip or row[wire.SIZE_REDUCED] == row[wire.SIZE]) for row in rows
     ):
         buffers = first.regions
     else:
-        size = max(row[fp.SIZE_REDUCED if skip else fp.SIZE] for row in rows)
-        payload = fp.pack(words, out.sent, offsets, size, device)
-        buffers = fp.gather_payloads(payload, group, world_size)
+        size = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in rows)
+        payload = wire.pack(words, out.sent, offsets, size, device)
+        buffers = wire.gather_payloads(payload, group, world_size)
         del payload
     described = first.words if first is not None else [None] * world_size
     tables: list[Sequence[int]] = []
-    every: list[Sequence[fp.State]] = []
-    plans: list[fp.Plan] = []
+    every: list[Sequence[wire.State]] = []
+    plans: list[wire.Plan] = []
     described_words: list[tuple[int, ...]] = []
     for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
         known = described[r]
-        theirs = words if r == rank else known if known is not None else fp.words_of(buffer, row[1])
+        theirs = words if r == rank else known if known is not None else wire.words_of(buffer, row[1])
         described_words.append(tuple(theirs))
-        table, states, _, plan = fp.read(described_words[-1], tuple(skip))
+        table, states, _, plan = wire.read(described_words[-1], tuple(skip))
         tables.append(table)
         every.append(states)
         plans.append(plan)
     # this rank's own pieces are its own tensors (entries): viewed back only where global mode's node needs them
     gathered = [
-        fp.absent(plan) if r == rank else fp.unpack_planned(buffer, plan)
+        wire.absent(plan) if r == rank else wire.unpack_planned(buffer, plan)
         for r, (buffer, plan) in enumerate(zip(buffers, plans, strict=True))
     ]
     return Exchanged(tables, every, gathered, skip, tuple(described_words), own=(buffers[rank], plans[rank]))
@@ -463,8 +462,8 @@ def complete(
 ) -> None:
     """After validation: every rank's streamed pieces into ``got.gathered``, the agreed reductions into
     ``got.reduced`` (the collectives both need, decided from the exchanged facts alike on every rank)."""
-    chunk = min(row[fp.CHUNK] for row in rows)
-    traits = [fp.apart(words) for words in got.words]  # what the descriptions say, alike on every rank
+    chunk = min(row[wire.CHUNK] for row in rows)
+    traits = [wire.apart(words) for words in got.words]  # what the descriptions say, alike on every rank
     if any(streamed for streamed, _ in traits):
         own = [s.tensors for s in slots]
         transit.receive_stream(got.gathered, own, got.slots, got.skip, rank, group, staging, chunk)
@@ -473,7 +472,7 @@ def complete(
         got.reduced.update(_large.run(got, slots, rank, group, device))
 
 
-def validate(name: str, states: list[Local], every: Sequence[Sequence[fp.State]]) -> None:
+def validate(name: str, states: list[Local], every: Sequence[Sequence[wire.State]]) -> None:
     """Refuse, on every rank alike, what torchmetrics' sync cannot complete and one process could not hold.
 
     ``every[r][i]`` is rank ``r``'s description of ``states[i]``.
@@ -481,8 +480,12 @@ def validate(name: str, states: list[Local], every: Sequence[Sequence[fp.State]]
     for index, state in enumerate(states):
         described = {r: descs[index] for r, descs in enumerate(every)}
         kinds = {r: d.kind for r, d in described.items()}
-        if fp.KIND_OTHER in kinds.values() or len(set(kinds.values())) > 1:
-            words = {fp.KIND_TENSOR: "a tensor", fp.KIND_LIST: "a list of tensors", fp.KIND_OTHER: "something else"}
+        if wire.KIND_OTHER in kinds.values() or len(set(kinds.values())) > 1:
+            words = {
+                wire.KIND_TENSOR: "a tensor",
+                wire.KIND_LIST: "a list of tensors",
+                wire.KIND_OTHER: "something else",
+            }
             raise structure_error(
                 name,
                 state.attr,
@@ -492,7 +495,7 @@ def validate(name: str, states: list[Local], every: Sequence[Sequence[fp.State]]
         for r, d in described.items():
             if any(p.dtype is None for p in d.pieces):
                 raise structure_error(name, state.attr, "a dtype the fused sync does not know", {r: "an unknown dtype"})
-        if state.described.kind == fp.KIND_TENSOR:
+        if state.described.kind == wire.KIND_TENSOR:
             pieces = {r: d.pieces[0] for r, d in described.items()}
             if len({(p.dtype, p.shape) for p in pieces.values()}) > 1:
                 raise structure_error(
@@ -557,15 +560,15 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         out = outgoing(states)
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         states, out, failure = [], outgoing([]), error
-    flags = flags_of(states) | (fp.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
-    flags |= fp.FLAG_ASIDE if aside_here else 0
+    flags = flags_of(states) | (wire.FLAG_FAILED if failure is not None else 0)  # grad mode before the no_grad
+    flags |= wire.FLAG_ASIDE if aside_here else 0
     with torch.no_grad():
         rows = headers(out, flags, _fingerprint(metric, states), resolved, world_size, device)
         raise_failures(name, rows, failure, resolved, world_size, device)
-        if any(row[fp.FLAGS] & fp.FLAG_ASIDE for row in rows):
+        if any(row[wire.FLAGS] & wire.FLAG_ASIDE for row in rows):
             return False
         released = _large.release_cache(metric, _large.sent_apart(states))  # sync()'s copies: made again after
-        if len({row[fp.FINGERPRINT] for row in rows}) > 1:
+        if len({row[wire.FINGERPRINT] for row in rows}) > 1:
             held = gather_texts(describe(metric), resolved, world_size, device)
             raise structure_error(
                 "a Metric",
@@ -576,12 +579,12 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
         check_grad_modes(name, rows, mode)
         got = payloads(out, rows, rank, resolved, world_size, device)
         # what validate() finds depends on the descriptions, the Metric (its fingerprint) and which states are cat
-        valid = (got.words, rows[rank][fp.FINGERPRINT], tuple(s.is_cat for s in states))
+        valid = (got.words, rows[rank][wire.FINGERPRINT], tuple(s.is_cat for s in states))
         if valid not in _VALID:
             validate(name, states, got.slots)
             remember(_VALID, valid, None)
         complete(got, out, states, rows, rank, resolved, device, staging)
-    keep = [s.described.kind == fp.KIND_LIST and not s.is_cat for s in states]
+    keep = [s.described.kind == wire.KIND_LIST and not s.is_cat for s in states]
     synced = entries(states, got, [keep] * world_size, rank, world_size, group, node_wanted(rows, mode), device)
     reduce(metric, states, got.slots, synced, [got.reduced.get(s) if got.reduced else None for s in range(len(states))])
     _large.recopy(metric, _large.written(states, released))  # the local tensors are no longer held but by the cache
@@ -608,13 +611,13 @@ def entries(
     if node:
         plan = _fused_grad.Plan([], rank, world_size, group, device)
         places, inputs = [], []
-        viewed = fp.unpack_planned(*got.own) if got.own is not None else gathered[rank]
+        viewed = wire.unpack_planned(*got.own) if got.own is not None else gathered[rank]
         for r in range(world_size):
             for s, described in enumerate(got.slots[r]):
                 for i, piece in enumerate(described.pieces):
                     if piece.requires_grad:
                         value = gathered[r][s][i]
-                        if r == rank and value is fp.ABSENT:  # not sent apart nor streamed: in the buffer
+                        if r == rank and value is wire.ABSENT:  # not sent apart nor streamed: in the buffer
                             value = viewed[s][i]
                         plan.entries.append(_fused_grad.Entry(r, value, keep[r][s]))
                         places.append((r, s, i))
@@ -634,7 +637,7 @@ def entries(
 def reduce(
     metric: Any,
     states: list[Local],
-    every: Sequence[Sequence[fp.State]],
+    every: Sequence[Sequence[wire.State]],
     entries: list[list[list[torch.Tensor]]],
     reduced: list[torch.Tensor | None] | None = None,
 ) -> None:
@@ -651,7 +654,7 @@ def reduce(
             put(metric, state.attr, reduced[s])
             continue
         reduction = state.reduction
-        if state.described.kind == fp.KIND_TENSOR:
+        if state.described.kind == wire.KIND_TENSOR:
             gathered: Any = torch.stack([entries[r][s][0] for r in ranks])
         else:
             per_rank = [entries[r][s] for r in ranks]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchmetrics_gradpatch import _bytes, _gather
-from torchmetrics_gradpatch.fused import wire as fp
+from torchmetrics_gradpatch.fused import wire
 
 __all__ = ["devices", "forget", "receive_stream"]
 
@@ -41,15 +41,15 @@ def devices(metric_device: Any, group: Any) -> tuple[torch.device, torch.device 
 
 
 @functools.lru_cache(maxsize=128)
-def _stream_layout(states: tuple[fp.State, ...], skip: tuple[int, ...]) -> tuple[list[list[int]], int]:
+def _stream_layout(states: tuple[wire.State, ...], skip: tuple[int, ...]) -> tuple[list[list[int]], int]:
     # a steady exchange streams what it streamed before: its layout is read once
-    return fp.layout(states, 0, skip, streamed=True)
+    return wire.layout(states, 0, skip, streamed=True)
 
 
 def receive_stream(
     gathered: list[list[list[torch.Tensor]]],
     own: Sequence[Sequence[torch.Tensor]],
-    every: Sequence[Sequence[fp.State]],
+    every: Sequence[Sequence[wire.State]],
     skip: Sequence[int],
     rank: int,
     group: Any,
@@ -89,7 +89,7 @@ def receive_stream(
     for r, buffer in enumerate(receive):
         if buffer is None:
             continue
-        streamed = fp.unpack(buffer, every[r], layouts[r][0], skip)
+        streamed = wire.unpack(buffer, every[r], layouts[r][0], skip)
         for s, pieces in enumerate(streamed):
             for i, piece in enumerate(pieces):
                 if layouts[r][0][s][i] >= 0:
