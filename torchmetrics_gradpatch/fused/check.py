@@ -309,13 +309,10 @@ def _first(
     return None
 
 
-def _device(group: Any) -> torch.device | None:
-    return staging_device(group)  # where the group takes tensors: the current CUDA device under NCCL, else the CPU
-
-
 def _facts(mine: list[int], group: Any) -> list[list[int]]:
     """Every rank's ``mine`` (small integers, the same number on every rank): one collective, on every rank."""
-    found = torch.tensor(mine, dtype=torch.int64, device=_device(group))
+    # on the device the group takes tensors on: the current CUDA device under NCCL, else the CPU
+    found = torch.tensor(mine, dtype=torch.int64, device=staging_device(group))
     every = [torch.empty_like(found) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, found, group)
     return [[int(v) for v in row.tolist()] for row in every]
@@ -327,7 +324,7 @@ def _agree(text: str | None, what: str, group: Any, cause: BaseException | None)
 
     if not any(row[0] for row in _facts([int(text is not None)], group)):
         return
-    texts = gather_texts(text or "", group, dist.get_world_size(group), _device(group))
+    texts = gather_texts(text or "", group, dist.get_world_size(group), staging_device(group))
     differing = [(r, t) for r, t in enumerate(texts) if t]
     rank, first = differing[0]
     raise FusedSyncError(

@@ -370,8 +370,8 @@ def check_grad_modes(name: str, rows: list[list[int]], mode: str) -> None:
     """In global mode, refuse on every rank alike when the ranks disagree on grad mode while a state needs grad."""
     if mode != "global":
         return
-    grad = [bool(row[3] & wire.FLAG_GRAD_MODE) for row in rows]
-    requiring = [r for r, row in enumerate(rows) if row[3] & wire.FLAG_REQUIRES_GRAD]
+    grad = [bool(row[wire.FLAGS] & wire.FLAG_GRAD_MODE) for row in rows]
+    requiring = [r for r, row in enumerate(rows) if row[wire.FLAGS] & wire.FLAG_REQUIRES_GRAD]
     if requiring and len(set(grad)) > 1:
         raise GradModeMismatchError(
             f"torchmetrics_gradpatch: fused global-mode sync of {name}: the ranks disagree on grad mode. "
@@ -384,7 +384,9 @@ def check_grad_modes(name: str, rows: list[list[int]], mode: str) -> None:
 
 def node_wanted(rows: list[list[int]], mode: str) -> bool:
     """Whether global mode builds its node: some rank sends a tensor that requires grad, and grad mode is on."""
-    return mode == "global" and any(row[3] & wire.FLAG_REQUIRES_GRAD for row in rows) and torch.is_grad_enabled()
+    if mode != "global":
+        return False
+    return any(row[wire.FLAGS] & wire.FLAG_REQUIRES_GRAD for row in rows) and torch.is_grad_enabled()
 
 
 @dataclass
