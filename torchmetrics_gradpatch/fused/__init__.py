@@ -18,6 +18,7 @@ strategy (docs/fused-sync.md).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torchmetrics_gradpatch import _syncs
@@ -71,7 +72,6 @@ def reset() -> None:
 
     Every rank of a group must call it at the same point: the capacity is agreed, never exchanged. Never needed in a
     program; tests that reuse processes call it between cases."""
-    import sys
 
     def loaded(name: str) -> Any:
         return sys.modules.get(f"{__name__}.{name}")
@@ -103,6 +103,11 @@ def _install_collection() -> None:
     _compile.watch_dynamo()  # the graph breaks' wrapper, once dynamo is imported
     for site, _ in _collection_sites_all():
         site.install()
+    if "torchmetrics.metric" in sys.modules:
+        # the first look at torchmetrics' modules (each source read and compiled once) now, not inside a first sync
+        from torchmetrics_gradpatch.fused import aside
+
+        aside.aside()
 
 
 def _uninstall_collection() -> None:
