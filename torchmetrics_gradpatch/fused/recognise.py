@@ -286,6 +286,13 @@ def releases_of(module: str, found: str) -> str:
     return _table().get(module, {}).get(found, "")
 
 
+def release_of(name: str) -> str:
+    """The releases whose source the live module ``name`` has (``""``: none, or it is not imported)."""
+    module = sys.modules.get(name)
+    source = _source(name, module) if module is not None else None
+    return "" if source is None else releases_of(name, source.digest)
+
+
 class _Scope:
     """What one scope of a module's source (its top level, or a class body) binds by ``def``, ``class`` and
     ``import``, in every branch (a conditional definition may be any of its branches), and every name it binds
