@@ -434,7 +434,7 @@ def test_description_round_trip_and_alignment() -> None:
     assert all(o % wire.ALIGN == 0 for state in offsets for o in state) and size % wire.ALIGN == 0
     buffer = wire.pack(words, [[tensors[0]], tensors[1:], [torch.tensor([])]], offsets, size + 32, torch.device("cpu"))
     assert wire.words_of(buffer, len(words)) == words
-    unpacked = wire.unpack(buffer, described, offsets)
+    unpacked = wire.unpack(buffer, wire.views(described, offsets, ()))
     assert same(unpacked[0][0], tensors[0]) and same(unpacked[1], tensors[1:]) and unpacked[2][0].shape == (0,)
     assert not buffer[size:].any()  # padding is zeros, not this process's memory
 
@@ -801,21 +801,17 @@ def test_kept_send_buffer_gives_packs_bytes_and_zero_padding() -> None:
         row = list(range(wire.HEADER_WORDS))
         total = 8 * wire.HEADER_WORDS + size + 64
         cpu = torch.device("cpu")
-        kept = wire._pack_kept([*row, *words], [[t] for t in tensors], offsets, total, cpu).clone()
+        kept = wire._pack_kept(group, [*row, *words], [[t] for t in tensors], offsets, total, cpu).clone()
         return kept, wire.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, 8 * wire.HEADER_WORDS)
 
-    before = dict(wire._SENDS)
-    try:
-        first = [torch.full((3,), 7.0, dtype=torch.float64), torch.ones((), dtype=torch.complex128).conj()]
-        kept, reference = packed(first)
-        assert torch.equal(kept, reference)
-        # another layout of the same size: its own buffer, none of the first one's bytes in its padding
-        kept, reference = packed([torch.ones(1, dtype=torch.float64), torch.ones((), dtype=torch.complex128)])
-        assert torch.equal(kept, reference)
-        # the first layout again, other values: its kept buffer holds them
-        kept, reference = packed([-t for t in first])
-        assert torch.equal(kept, reference)
-        assert len(wire._SENDS) <= wire._KEPT
-    finally:  # the buffers kept for this test's layouts go; the process's others stay as they were
-        wire._SENDS.clear()
-        wire._SENDS.update(before)
+    group = wire.Group()  # a group's record of its own: the process's others stay as they were
+    first = [torch.full((3,), 7.0, dtype=torch.float64), torch.ones((), dtype=torch.complex128).conj()]
+    kept, reference = packed(first)
+    assert torch.equal(kept, reference)
+    # another layout of the same size: its own buffer, none of the first one's bytes in its padding
+    kept, reference = packed([torch.ones(1, dtype=torch.float64), torch.ones((), dtype=torch.complex128)])
+    assert torch.equal(kept, reference)
+    # the first layout again, other values: its kept buffer holds them
+    kept, reference = packed([-t for t in first])
+    assert torch.equal(kept, reference)
+    assert len(group.sends) <= wire.KEPT

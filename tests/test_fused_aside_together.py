@@ -24,23 +24,23 @@ from tests._ranks import run_ranks
 from tests.test_fused import worlds
 from tests.test_fused_step import alike
 from tests.test_fused_trust import batch, outcomes
-from torchmetrics_gradpatch.fused import sync as fused_sync_module
+from torchmetrics_gradpatch.fused import exchange
 
 
 @contextlib.contextmanager
 def single_syncs() -> Iterator[list[bool]]:
     """Whether each fused sync of one Metric inside synced (``False``: some rank stepped aside)."""
-    real, seen = fused_sync_module.fused_sync, []
+    real, seen = exchange.sync_metric, []
 
     def spy(*args: Any, **kwargs: Any) -> bool:
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    fused_sync_module.fused_sync = spy
+    exchange.sync_metric = spy
     try:
         yield seen
     finally:
-        fused_sync_module.fused_sync = real
+        exchange.sync_metric = real
 
 
 def _run(make: Callable[[], Any], rank: int, sync: str) -> list[Any]:

@@ -33,7 +33,7 @@ from tests.test_fused_forms import AP, AUROC, GLOBAL_HOOKS, Noisy, Pairs, TwoCla
 from tests.test_fused_step import Rows, RowsSquared, alike, exchanges
 from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch.fused import check
-from torchmetrics_gradpatch.fused import sync as fs
+from torchmetrics_gradpatch.fused import exchange
 
 
 def _raised(action: Any) -> str:
@@ -59,21 +59,21 @@ def _catches_a_real_difference(rank: int, world_size: int) -> None:
 
 def _catches_one_ranks_difference(rank: int, world_size: int) -> None:
     """A fused sync whose result is wrong on rank 1 only (a reduction broken there): every rank raises."""
-    real = fs.reduce
+    real = exchange.set_states
 
     def broken(metric: Any, states: Any, *args: Any, **kwargs: Any) -> None:
         real(metric, states, *args, **kwargs)
         if rank == 1:
             metric.sse = metric.sse + 1
 
-    fs.reduce = broken
+    exchange.set_states = broken
     try:
         metric = Rows()
         metric.update(*batch(rank, 2, 0))
         with tg.patched(sync="fused", check=True):
             text = _raised(metric.compute)
     finally:
-        fs.reduce = real
+        exchange.set_states = real
     assert every_rank(text) == [text] * world_size, text
     assert "the fused sync of Rows differs from torchmetrics' own sync on rank(s) [1]" in text, text
     assert "'Rows', state 'sse'" in text, text
@@ -360,7 +360,7 @@ def _misses_none(rank: int, world_size: int) -> None:
     assert len(seen) == 1 and every_rank(text) == [text] * world_size, text
     assert "a MetricCollection's forward's result: ['a'].values at index [0]: " in text, text
 
-    real = fs.reduce
+    real = exchange.set_states
 
     def broken(*args: Any, **kwargs: Any) -> None:
         if rank == 1:
@@ -369,12 +369,12 @@ def _misses_none(rank: int, world_size: int) -> None:
 
     metric = Rows()
     metric.update(*batch(rank, 2, 0))
-    fs.reduce = broken
+    exchange.set_states = broken
     try:
         with _watched(True) as (_, issued, _):
             text = _raised(metric.compute)
     finally:
-        fs.reduce = real
+        exchange.set_states = real
     assert every_rank(text) == [text] * world_size, text
     # both paths ran on every rank: the fused exchange first (its collective depends on torch), then torchmetrics'
     # own, which starts each state with a barrier
@@ -483,7 +483,7 @@ def _never_waits(rank: int, world_size: int) -> None:
         issued_here = calls() - before
         assert every_rank((text, issued_here)) == [(text, 1)] * world_size, (text, issued_here)
         assert text.startswith("torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on")
-        assert isinstance(_error(metrics, rank), fs.CheckSettingError)
+        assert isinstance(_error(metrics, rank), exchange.CheckSettingError)
 
 
 def batch_sizes(seed: int, k: int) -> list[int]:

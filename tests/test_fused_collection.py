@@ -116,30 +116,32 @@ def test_under_torch_compile_the_exchange_runs_behind_one_graph_break() -> None:
 
 
 def _a_shared_state_crosses_the_wire_once(rank: int, world_size: int) -> None:
-    from torchmetrics_gradpatch.fused import sync as fs
+    from torchmetrics_gradpatch.fused.exchange import Exchange
 
     rank = dist.get_rank()
     metrics = filled(classification, rank)
     members = [(str(k), m) for k, m in metrics.items(keep_base=True, copy_state=False)]
     prepared: list[Any] = []
-    original = fs.prepare_state
+    original = Exchange._prepared
 
-    def counting(metric: Any, attr: str, reduction: Any, rule: bool, stream_cpu: bool = False) -> Any:
+    def counting(self: Any, metric: Any, attr: str, reduction: Any, rule: bool) -> Any:
         prepared.append(attr)
-        return original(metric, attr, reduction, rule, stream_cpu)
+        return original(self, metric, attr, reduction, rule)
 
-    fs.prepare_state = counting  # type: ignore[assignment]
+    Exchange._prepared = counting  # type: ignore[method-assign]
     try:
         with tg.patched(sync="fused"):
             done = collection.sync_members(members, "local")
+            for synced in done.synced.values():
+                synced.set_through_sync()
     finally:
-        fs.prepare_state = original  # type: ignore[assignment]
+        Exchange._prepared = original  # type: ignore[method-assign]
     # four stat-score states, one confusion matrix, AUROC's and AP's preds and target, ECE's two lists
     assert sorted(prepared) == sorted(
         ["tp", "fp", "tn", "fn", "confmat", "preds", "target", "confidences", "accuracies"]
     )
-    for metric in done.synced:
-        metric.unsync()
+    for synced in done.synced.values():
+        synced.metric.unsync()
 
 
 def test_a_shared_state_crosses_the_wire_once() -> None:

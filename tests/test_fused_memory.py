@@ -28,7 +28,7 @@ from tests.test_fused import Probe, same, states, torchmetrics_sync, values, wor
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch import fused as _fused
 from torchmetrics_gradpatch.fused import large, wire
-from torchmetrics_gradpatch.fused.sync import placeholder_rule
+from torchmetrics_gradpatch.fused.internals import placeholder_rule
 
 THRESHOLD = 64  # bytes: a rank whose cat states hold this many sends them apart, in these tests
 #: Whether this torchmetrics' ``sync()`` caches copies of the states for ``unsync()`` (1.4 on; before, the states)

@@ -22,7 +22,7 @@ from tests._ranks import run_ranks
 from tests.test_fused import Probe, same, states, torchmetrics_sync, values, worlds
 from torchmetrics_gradpatch import fused as _fused
 from torchmetrics_gradpatch.fused import wire
-from torchmetrics_gradpatch.fused.sync import placeholder_rule
+from torchmetrics_gradpatch.fused.internals import placeholder_rule
 
 
 def probe(rank: int, rows: int, dtype: torch.dtype = torch.float32, empty: bool = False) -> Probe:
@@ -103,9 +103,9 @@ def _subgroup_and_skips(rank: int, world_size: int) -> None:
     if rank in (0, 1):  # rank 2 skips these exchanges: they are the pair's, and so is their record
         assert step(rank, pair, rows=1000 + rank) == 2
         assert step(rank, pair, rows=1000 + rank) == 1
-        assert wire.capacity(pair).data >= 4000
+        assert wire.Group.of(pair).capacity.data >= 4000
     assert step(rank, rows=4 + rank) == 1, "the pair's exchanges changed the world's capacity"
-    assert wire.capacity(None).data < 4000
+    assert wire.Group.of(None).capacity.data < 4000
     if rank in (0, 1):
         assert step(rank, pair, rows=1000 + rank) == 1
     destroy_subgroup(pair)
@@ -199,33 +199,33 @@ def test_the_capacity_rule() -> None:
 
     def row(size: int, words: int) -> list[int]:
         header = [0] * wire.HEADER_WORDS
-        header[1], header[wire.SIZE], header[wire.SIZE_REDUCED] = words, size + 4096, size
+        header[wire.WORDS], header[wire.SIZE], header[wire.SIZE_REDUCED] = words, size + 4096, size
         return header
 
     group = ("a group",)
     try:
-        assert wire.capacity(group) == wire.Capacity(0, 0)
-        wire.agree(group, [row(100, 6), row(90, 20)])  # the largest of every rank's: 100 bytes, 20 words
-        assert wire.capacity(group) == wire.Capacity(wire.INLINE_MIN, 32)
-        wire.agree(group, [row(1025, 6), row(wire.INLINE_MAX + 1, 6)])  # over the largest capacity: not counted
-        assert wire.capacity(group) == wire.Capacity(wire.INLINE_MIN, 32)
-        wire.agree(group, [row(1025, 6)])
-        assert wire.capacity(group) == wire.Capacity(2048, 32)
-        assert wire.capacity(("another group",)) == wire.Capacity(0, 0)
+        assert wire.Group.of(group).capacity == wire.Capacity(0, 0)
+        wire.Group.of(group).agree([row(100, 6), row(90, 20)])  # the largest of every rank's: 100 bytes, 20 words
+        assert wire.Group.of(group).capacity == wire.Capacity(wire.INLINE_MIN, 32)
+        wire.Group.of(group).agree([row(1025, 6), row(wire.INLINE_MAX + 1, 6)])  # over the largest capacity: not counted
+        assert wire.Group.of(group).capacity == wire.Capacity(wire.INLINE_MIN, 32)
+        wire.Group.of(group).agree([row(1025, 6)])
+        assert wire.Group.of(group).capacity == wire.Capacity(2048, 32)
+        assert wire.Group.of(("another group",)).capacity == wire.Capacity(0, 0)
         for _ in range(wire.WINDOW - 1):
-            wire.agree(group, [row(16, 2)])
-        assert wire.capacity(group) == wire.Capacity(2048, 8)  # the 1025-byte exchange is the oldest one kept
-        wire.agree(group, [row(16, 2)])
-        assert wire.capacity(group) == wire.Capacity(wire.INLINE_MIN, 2)
+            wire.Group.of(group).agree([row(16, 2)])
+        assert wire.Group.of(group).capacity == wire.Capacity(2048, 8)  # the 1025-byte exchange is the oldest one kept
+        wire.Group.of(group).agree([row(16, 2)])
+        assert wire.Group.of(group).capacity == wire.Capacity(wire.INLINE_MIN, 2)
         # layouts in a cycle (alternating batch sizes), then a change: after every exchange the capacity is the rule
         # applied to the last WINDOW exchanges, computed here from the needs themselves
         needs = [(16, 2)] * wire.WINDOW
         cycle = [(300, 2), (16, 2), (700, 40)] * wire.WINDOW + [(16, 2)] * (wire.WINDOW + 1) + [(2000, 9)]
         for size, words in cycle:
-            wire.agree(group, [row(size, words)])
+            wire.Group.of(group).agree([row(size, words)])
             needs = [*needs[1:], (size, words)]
             data = max(1 << (max(n for n, _ in needs) - 1).bit_length(), wire.INLINE_MIN)
             expected = wire.Capacity(data, min(1 << (max(w for _, w in needs) - 1).bit_length(), data // 8))
-            assert wire.capacity(group) == expected, (size, words)
+            assert wire.Group.of(group).capacity == expected, (size, words)
     finally:
         _fused.reset()

@@ -1,19 +1,9 @@
 """The fused sync: a Metric's whole sync in one exchange, registered with the core as the ``"fused"`` strategy.
 
-``patch(sync="fused")``, ``patched(sync="fused")`` or ``TORCHMETRICS_GRADPATCH_SYNC=fused`` make the core's
-``Metric._sync_dist`` replacement run :func:`fused_sync` whenever torchmetrics would sync with its own gather:
-one collective per Metric when its layout is steady (two after a change) instead of two or three per state, the
-same values bit for bit, and one :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank where ranks hold
-states of different structure (where torchmetrics' own sync can hang). While it is the strategy in force,
-``MetricCollection.compute()`` syncs every member in one exchange (:mod:`torchmetrics_gradpatch.fused.collection`),
-and so does a collection's ``forward`` for every member that syncs on step (:mod:`torchmetrics_gradpatch.fused.step`),
-each taking over only the members in a proven form (:mod:`torchmetrics_gradpatch.fused.forms`). A part whose
-torchmetrics functions are not recognised steps aside (:mod:`torchmetrics_gradpatch.fused.aside`); in check mode each
-fused sync is compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.check`).
-
-Importing this package registers the strategy and imports neither torch nor torchmetrics; the modules that do
-(``sync``, ``wire``, ``grad``, ``collection``, ``step``) load on the first sync. Every rank of a group must use the same
-strategy (docs/fused-sync.md).
+``patch(sync="fused")`` makes the core's ``Metric._sync_dist`` replacement run :func:`fused_sync`, and, while it is
+in force, ``MetricCollection.compute()`` (:mod:`.collection`) and ``forward`` (:mod:`.step`) sync their members in
+one exchange each (:mod:`.exchange`). Importing this package registers the strategy and imports neither torch nor
+torchmetrics. What it does and costs: docs/fused-sync.md; how: docs/design.md ("The fused exchange").
 """
 
 from __future__ import annotations
@@ -43,13 +33,13 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     (:mod:`torchmetrics_gradpatch.fused.check`).
     """
     from torchmetrics_gradpatch import _engine
-    from torchmetrics_gradpatch.fused import aside, check, sync
+    from torchmetrics_gradpatch.fused import aside, check, exchange
 
     # a rank that steps aside still sends its header, so that every rank steps aside with it
     unrecognised = aside.stepping_aside(aside.SINGLE)
 
     def fused() -> None:
-        if not sync.fused_sync(metric, process_group, mode, unrecognised):
+        if not exchange.sync_metric(metric, process_group, mode, unrecognised):
             _syncs.original_sync_dist()(metric, process_group=process_group)
 
     if _engine.effective_check():
@@ -78,8 +68,8 @@ def reset() -> None:
 
     if (wire := loaded("wire")) is not None:
         wire.forget()
-    if (sync := loaded("sync")) is not None:
-        sync.forget()
+    if (exchange := loaded("exchange")) is not None:
+        exchange.forget()
     if (collection := loaded("collection")) is not None:
         collection.forget()
     if (transit := loaded("transit")) is not None:

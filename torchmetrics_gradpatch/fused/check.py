@@ -19,7 +19,7 @@ Contract (docs/fused-sync.md, "Adopting it safely", explains it and lists what i
   any rank raises the same :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank (one collective more,
   three where something differs). Otherwise each rank goes on as the fused run left it, its error raised.
 * A value that cannot be judged is reported as not checked (one warning per run), never passed as equal.
-* :class:`~torchmetrics_gradpatch.fused.sync.CheckSettingError` (the ranks' check settings differ, raised on every
+* :class:`~torchmetrics_gradpatch.fused.exchange.CheckSettingError` (the ranks' check settings differ, raised on every
   rank at the exchange) goes up at once: the peers that do not check run no check collectives.
 """
 
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._gather import staging_device
-from torchmetrics_gradpatch.fused.sync import uneven_lists
+from torchmetrics_gradpatch.fused.exchange import uneven_lists
 
 __all__ = ["difference", "run"]
 
@@ -53,7 +53,7 @@ _FLAGS = ("_update_count", "_forward_cache", "_computed", "_is_synced", "_should
 # fused exchange itself (what the check is for: torchmetrics' path has no such step); refused (its own error)
 _RETURNED, _RAISED, _BROKE, _REFUSED = 0, 1, 2, 3
 _EXCHANGE_FILES = tuple(
-    f"{os.sep}fused{os.sep}{name}.py" for name in ("sync", "wire", "large", "reduced", "transit", "grad")
+    f"{os.sep}fused{os.sep}{name}.py" for name in ("exchange", "wire", "large", "reduced", "transit", "grad")
 )
 
 
@@ -320,7 +320,7 @@ def _facts(mine: list[int], group: Any) -> list[list[int]]:
 
 def _agree(text: str | None, what: str, group: Any, cause: BaseException | None) -> None:
     """Every rank learns every rank's finding (one collective, three where one differs) and raises alike."""
-    from torchmetrics_gradpatch.fused.sync import gather_texts
+    from torchmetrics_gradpatch.fused.exchange import gather_texts
 
     if not any(row[0] for row in _facts([int(text is not None)], group)):
         return
@@ -348,7 +348,7 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     """``fused()``, checked against ``reference()`` run from the same start (see the module docstring); ``root`` is
     the Metric or collection both change, ``what`` how messages name it. A collective over ``group`` (default: the
     world): every rank of it checks."""
-    from torchmetrics_gradpatch.fused.sync import CheckSettingError
+    from torchmetrics_gradpatch.fused.exchange import CheckSettingError
 
     before, rng = _Taken.of(root, copied=True), _rng()
     nested = bool(uneven_lists)  # inside another check's fused run (a member's own sync): that check warns

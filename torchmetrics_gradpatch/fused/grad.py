@@ -1,17 +1,11 @@
-"""The fused sync's global gradient mode: one autograd node for all of a sync's states, one backward collective.
+"""The fused exchange's global gradient mode: one autograd node for all of an exchange's states, one backward
+collective.
 
-In global mode (see :mod:`torchmetrics_gradpatch._global` for the semantics) rank ``j``'s tensor ``x_j`` receives
-``sum_r dL_r/dx_j``. The fused sync gathers every state in one buffer, so it builds one node for all of them: its
-inputs are this rank's own tensors that require grad, its outputs every rank's gathered copies of the tensors
-that required grad on their rank (the *differentiable entries*; every rank knows which from the exchanged
-descriptions). Its backward is global mode's own (:func:`torchmetrics_gradpatch._global.scatter_sum`): **one**
-``all_to_all_single`` of byte-packed gradients (mixed dtypes), after which each rank holds, for each of its own
-tensors, the sum of every rank's gradient.
-
-As in :mod:`torchmetrics_gradpatch._global`, a rank whose own tensors have no graph ties the node to a fresh
-zero-element leaf, so its loss still reaches the node and its ``backward()`` issues the same collective; every
-rank must run ``backward()`` through the synced values when the node is built. The backward is not itself
-differentiable (``once_differentiable``): double backward through a fused global sync raises.
+The node's inputs are this rank's own tensors that require grad; its outputs every rank's gathered copies of the
+tensors that required grad on their rank (every rank knows which from the exchanged descriptions). Its backward is
+global mode's own (:func:`torchmetrics_gradpatch._global.scatter_sum`): one ``all_to_all_single`` of byte-packed
+gradients. A rank with no graph ties the node to a zero-element leaf, so its ``backward()`` issues the same
+collective; double backward raises (``once_differentiable``). docs/gradient-modes.md has the semantics.
 """
 
 from __future__ import annotations
@@ -25,8 +19,6 @@ from torch.autograd.function import once_differentiable
 
 from torchmetrics_gradpatch._global import scatter_sum
 
-__all__ = ["Entry", "Plan", "apply"]
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -39,7 +31,7 @@ class Entry:
 
 
 @dataclass
-class Plan:
+class Node:
     """What the node needs, fixed at the forward. ``entries`` are in owner-rank order, then in state order; each
     rank's entries in that order are exactly its own inputs' order."""
 
@@ -52,7 +44,7 @@ class Plan:
 
 class _FusedGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, plan: Plan, leaf: torch.Tensor | None, *own: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, plan: Node, leaf: torch.Tensor | None, *own: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # owners, dtypes and shapes only: a graph that outlives the sync must not keep the receive buffers alive
         ctx.owners = [e.owner for e in plan.entries]
         ctx.dtypes = [e.value.dtype for e in plan.entries]
@@ -75,7 +67,7 @@ class _FusedGather(torch.autograd.Function):
         return (None, None, *inputs)
 
 
-def apply(plan: Plan, own: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def apply(plan: Node, own: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The differentiable entries as outputs of one node whose inputs are ``own`` (this rank's tensors that
     require grad, in the order of this rank's entries in ``plan``); a zero-element leaf stands in when none."""
     leaf = None if own else torch.empty(0, device=plan.device, requires_grad=True)

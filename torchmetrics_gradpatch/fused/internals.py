@@ -54,8 +54,8 @@ def reductions(metric: Any) -> dict[str, Any]:
 
 
 def defaults(metric: Any) -> dict[str, Any]:
-    """``state -> default`` (``_defaults``): every state, whatever its reduction."""
-    return metric._defaults  # type: ignore[no-any-return]
+    """``state -> default`` (``_defaults``): every state, whatever its reduction (none for another module)."""
+    return getattr(metric, "_defaults", {})
 
 
 def children(module: Any) -> dict[str, Any]:
@@ -68,17 +68,20 @@ def flag(metric: Any, name: str) -> Any:
     return getattr(metric, FLAGS[name])
 
 
-def put(module: Any, **values: Any) -> None:
-    """Set plain attributes (a state, a flag of :data:`FLAGS` by its name there) as ``Module.__setattr__`` stores
-    them, without its checks (a step sets hundreds); a name the instance does not hold yet, or a parameter, buffer
-    or module, goes through ``setattr``."""
+def put(module: Any, values: dict[str, Any]) -> None:
+    """Set plain attributes (states, flags) as ``Module.__setattr__`` stores them, without its checks (a step sets
+    hundreds); a name the instance does not hold yet, or a parameter, buffer or module, goes through ``setattr``."""
     attributes = module.__dict__
     for name, value in values.items():
-        name = FLAGS.get(name, name)
         if name in attributes and type(value) in _plain():
             attributes[name] = value
         else:
             setattr(module, name, value)
+
+
+def set_flags(metric: Any, **flags: Any) -> None:
+    """Set flags of :data:`FLAGS`, by their names there (:func:`put`)."""
+    put(metric, {FLAGS[name]: value for name, value in flags.items()})
 
 
 @functools.cache
@@ -89,17 +92,21 @@ def _plain() -> frozenset[type]:
 
 
 def sync_cache(metric: Any) -> dict[str, Any] | None:
-    """``sync()``'s copy of the local states for ``unsync()`` (``_cache``), where the Metric is not synced yet (a
-    fresh one: ``unsync()`` and ``reset()`` clear it)."""
+    """``sync()``'s copy of the local states for ``unsync()`` (``_cache``; ``unsync()`` and ``reset()`` clear it)."""
     cache = getattr(metric, "_cache", None)
-    return cache if isinstance(cache, dict) and not metric._is_synced else None
+    return cache if isinstance(cache, dict) else None
+
+
+def copies_states() -> bool:
+    """Whether ``sync()`` and ``forward()`` keep copies of the states (``_copy_state_dict``, 1.4 on), not the state
+    objects themselves."""
+    return release() >= Version("1.4")
 
 
 def copy_state_dict(metric: Any) -> dict[str, Any]:
-    """What ``sync()`` and ``forward()`` keep of the states: copies from 1.4 on (``_copy_state_dict``), the state
-    objects themselves before."""
-    if release() >= Version("1.4"):
-        return metric._copy_state_dict()  # type: ignore[no-any-return]
+    """What ``sync()`` and ``forward()`` keep of the states (the class's ``_copy_state_dict``, or the states)."""
+    if copies_states():
+        return type(metric)._copy_state_dict(metric)  # type: ignore[no-any-return]
     return {attr: getattr(metric, attr) for attr in metric._defaults}
 
 
@@ -134,9 +141,9 @@ def stand_down(metric: Any, name: str) -> None:
     del metric.__dict__[name]
 
 
-def link_compute_groups(collection: Any, linked: bool) -> None:
-    """``MetricCollection._state_is_copy``: ``compute()`` links compute groups' states again unless it is set."""
-    collection._state_is_copy = linked
+def set_state_is_copy(collection: Any, value: bool) -> None:
+    """``MetricCollection._state_is_copy``: while set, ``compute()`` does not link compute groups' states again."""
+    collection._state_is_copy = value
 
 
 def hooks_of(module: Any) -> tuple[Any, ...]:
@@ -155,6 +162,18 @@ def sequence_nr(node: Any) -> int | None:
     lack it: callers then assume the worst)."""
     numbered = getattr(node, "_sequence_nr", None)
     return None if numbered is None else int(numbered())
+
+
+def copy_all(into: list[Any], values: list[Any]) -> None:
+    """``into[i].copy_(values[i])`` for every ``i``: one call of torch's ``_foreach_copy_`` (2.1 on), else a loop."""
+    import torch
+
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is not None and into:
+        copy(into, values)
+    else:
+        for view, value in zip(into, values, strict=True):
+            view.copy_(value)
 
 
 def release() -> Version:

@@ -1,69 +1,29 @@
 """Large ``cat`` states: they cross in one collective apart from the payload, straight into the tensors the sync
 returns.
 
-torchmetrics gathers a ``cat`` state into one padded buffer per rank and then concatenates them; the payload does
-the same through its receive buffers (and gloo's ``all_gather`` copies through a flat buffer of the whole output
-besides). Either way a rank holds the gathered states two or three times at the sync's peak. Here the ``cat``
-states cost one buffer of their gathered size, and that buffer *is* the synced states:
-
-* **Which** (:func:`mark`, on the sending rank, from its own states): the one tensor of each ``cat`` list state
-  (after torchmetrics' step 1) that is not the empty-list placeholder, is not empty, has a dtype the format carries,
-  has no graph and is not streamed, when those tensors add up to :data:`LARGE_MIN_BYTES` or more on this rank.
-  Their descriptions say so (``separate``) and the payload leaves them out, so every rank knows from the exchanged
-  descriptions alone every piece that travels apart.
-* **One collective** (:func:`run`, after validation, alike on every rank; none where no rank marked a piece): a
-  zeroed buffer with a region per slot that some rank marked; every rank writes its own bytes there and the ranks
-  ``all_reduce`` it as int64 words. The ranks' bytes never overlap, so the sum carries nothing and every bit
-  arrives as its rank wrote it, whatever the dtype. No padding to the largest rank and no receive buffer per rank:
-  gloo's ``all_reduce`` works in place (its ``all_gather`` copies the whole output through a flat buffer).
-* **Concatenated in place**: where a slot is the same ``cat`` state on every rank (the same member table), no piece
-  of it has a graph or is streamed, and the ranks' tensors agree in dtype and trailing sizes, its region holds
-  every holder's tensor in rank order (the holders and placeholder rule of
-  :func:`torchmetrics_gradpatch.fused.sync.reduce`; a rank's unmarked tensor is written there too), so the region,
-  viewed as the dtype and shape, is torchmetrics' ``dim_zero_cat`` result bit for bit and is set as the state.
-  Otherwise only the marked pieces travel, each in an aligned region, viewed back as the pieces the payload would
-  have carried, and the ordinary step 3 follows.
-* **Written as values**: a rank's tensors are copied in as the values they read as (conjugate and negative views
-  resolved, as ``torch.cat`` resolves them), never through a byte view; what cannot be written so is left to step
-  1, before the header, so no rank fails after the others began the exchange.
-* **sync()'s cache**: the copies ``Metric.sync()`` makes of the local states (for ``unsync()``) are freed before
-  the buffer is made (:func:`release_cache`; a collection's members make none: :func:`uncopied`), and made again
-  from the buffer once the synced states are set (:func:`recopy`): ``unsync()`` restores copies, as torchmetrics'.
-
-So the ``cat`` states' part of a sync's peak is their gathered size plus at most 15 bytes of alignment per slot; the
-synced states share that one buffer's storage. The cost: a ring ``all_reduce`` moves about twice the bytes of a
-gather per rank; for states of megabytes it is as fast as gloo's ``all_gather`` or faster.
+Where this rank's ``cat`` states add up to :data:`LARGE_MIN_BYTES` (:func:`chosen`), their descriptions say
+``separate`` and the payload leaves them out. After validation (:func:`run`, alike on every rank) every rank writes
+its bytes into its own region of one zeroed buffer and the ranks ``all_reduce`` it as int64 words: the regions never
+overlap, so every bit arrives as written. Where a slot is the same ``cat`` state on every rank, its region *is* the
+concatenation torchmetrics' ``dim_zero_cat`` gives. ``sync()``'s copies of the local states are freed before the
+buffer is made and made again from it (:func:`release_cache`, :func:`uncopied`, :func:`recopy`), so a sync's peak
+holds the gathered states about once (docs/performance.md, "Memory").
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
-from torchmetrics_gradpatch.fused import wire
-
-__all__ = [
-    "LARGE_MIN_BYTES",
-    "defer",
-    "joined_in_place",
-    "mark",
-    "on_buffer",
-    "recopy",
-    "release_cache",
-    "run",
-    "sent_apart",
-    "uncopied",
-    "written",
-]
+from torchmetrics_gradpatch.fused import internals, wire
 
 #: Where this rank's ``cat`` states' tensors add up to at least this many bytes, they cross apart from the payload.
 LARGE_MIN_BYTES = 1 << 20
@@ -108,13 +68,14 @@ def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.
 _DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is joined or sent apart
 
 
-def _deferred(slot: Any) -> bool:
+def deferred(slot: Any) -> bool:
+    """Whether ``slot``'s step 1 is deferred (:func:`defer`): its tensors are joined, or written one by one, later."""
     return bool(slot.tensors) and slot.tensors[0] is _DEFERRED
 
 
 def _own(slot: Any) -> list[torch.Tensor]:
     """This rank's tensors of a state sent apart, in the order they are written: the deferred list, or the one."""
-    return list(slot.value) if _deferred(slot) else [slot.tensors[0]]
+    return list(slot.value) if deferred(slot) else [slot.tensors[0]]
 
 
 def _eligible(slot: Any) -> bool:
@@ -125,23 +86,11 @@ def _eligible(slot: Any) -> bool:
     return piece.dtype is not None and not piece.requires_grad and not piece.streamed and piece.nbytes > 0
 
 
-def mark(slots: Sequence[Any]) -> None:
-    """Mark the tensors of this rank's ``cat`` states separate, in ``slots`` (the fused sync's prepared states),
-    where together they reach :data:`LARGE_MIN_BYTES` (see the module docstring); join the deferred ones that are
-    not (:func:`defer`)."""
-    from torchmetrics.utilities.data import dim_zero_cat
-
-    cats = [slot for slot in slots if slot.is_cat]  # a steady sync's many small states are none of these
-    chosen = [slot for slot in cats if _eligible(slot)]
-    if sum(slot.described.pieces[0].nbytes for slot in chosen) < LARGE_MIN_BYTES:
-        chosen = []
-    sent = {id(slot) for slot in chosen}
-    for slot in cats:  # step 1 completed for the deferred states that stay in the payload (in place: the
-        if _deferred(slot) and id(slot) not in sent:  # collection's member states share the list)
-            slot.tensors[:] = [dim_zero_cat(slot.value).contiguous()]
-    for slot in chosen:
-        piece = dataclasses.replace(slot.described.pieces[0], separate=True)
-        slot.described = dataclasses.replace(slot.described, pieces=(piece,))
+def chosen(slots: Sequence[Any]) -> list[int]:
+    """The slots whose tensors this rank sends apart: its eligible ``cat`` states, where together they reach
+    :data:`LARGE_MIN_BYTES`."""
+    picked = [s for s, slot in enumerate(slots) if slot.is_cat and _eligible(slot)]
+    return picked if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES else []
 
 
 def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
@@ -154,8 +103,8 @@ def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
     size to the sync's peak. Done only where the cache is that fresh one (set while the Metric is not synced;
     ``unsync()`` and ``reset()`` clear it) and matches the state tensor for tensor.
     """
-    cache = getattr(metric, "_cache", None)
-    if not isinstance(cache, dict) or getattr(metric, "_is_synced", True):
+    cache = internals.sync_cache(metric)
+    if cache is None or internals.flag(metric, "is_synced"):  # not the fresh cache sync() has just made
         return []
     released = []
     for attr in attrs:
@@ -218,8 +167,8 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
     copy has the strides ``clone()`` gives (torchmetrics' copies). Where the bytes do not match the cache (not
     expected), the cached tensors themselves are cloned.
     """
-    cache = getattr(metric, "_cache", None)
-    if not isinstance(cache, dict):
+    cache = internals.sync_cache(metric)
+    if cache is None:
         return
     planned: list[tuple[list[Any], torch.Tensor, list[tuple[torch.Tensor, torch.device]]]] = []
     for attr, own in parts.items():
@@ -255,58 +204,30 @@ def uncopied(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> Iterator[
     on; before, ``sync()`` caches the states themselves, and nothing is done here) runs with those states emptied
     for that one call.
     """
-    copy = getattr(type(metric), "_copy_state_dict", None)
     lists = [attr for attr in parts if isinstance(getattr(metric, attr, None), list)]
-    if copy is None or not lists:
+    if not internals.copies_states() or not lists:  # before 1.4 sync() caches the states themselves
         yield
         return
     made: list[dict[str, Any]] = []
 
     def _copy_state_dict() -> dict[str, Any]:
         held = {attr: getattr(metric, attr) for attr in lists}
-        for attr in lists:
-            setattr(metric, attr, [])
+        internals.put(metric, {attr: [] for attr in lists})
         try:
-            cache: dict[str, Any] = copy(metric)
+            cache = internals.copy_state_dict(metric)
         finally:
-            for attr, value in held.items():
-                setattr(metric, attr, value)
+            internals.put(metric, held)
         cache.update({attr: [t.detach() for t in value] for attr, value in held.items()})
         made.append(cache)
         return cache
 
-    metric._copy_state_dict = _copy_state_dict  # an instance attribute, over the class's, while open
+    internals.stand_in(metric, "_copy_state_dict", _copy_state_dict)
     try:
         yield
     finally:
-        del metric._copy_state_dict
-    if made and getattr(metric, "_cache", None) is made[-1]:  # it synced here, and its synced states are set
+        internals.stand_down(metric, "_copy_state_dict")
+    if made and internals.sync_cache(metric) is made[-1]:  # it synced here, and its synced states are set
         recopy(metric, {attr: parts[attr] for attr in lists})
-
-
-def written(states: Sequence[Any], attrs: Iterable[str]) -> dict[str, torch.Tensor | None]:
-    """Per state of ``attrs``: this rank's tensors as :func:`run` wrote them (what :func:`recopy` copies from)."""
-    wanted = set(attrs)
-    return {state.attr: state.tensors[0] if state.tensors else None for state in states if state.attr in wanted}
-
-
-def joined_in_place(states: Sequence[Any], values: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-    """The ``cat`` states of ``states`` whose synced value :func:`run` made (``values``: each state's, or ``None``),
-    each with this rank's tensors as written (:func:`written`)."""
-    attrs = [state.attr for state, value in zip(states, values, strict=True) if state.is_cat and value is not None]
-    return written(states, attrs)
-
-
-def sent_apart(slots: Sequence[Any]) -> list[str]:
-    """The states of ``slots`` this rank sends apart."""
-    return [slot.attr for slot in slots if any(piece.separate for piece in slot.described.pieces)]
-
-
-def _cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """What ``torch.cat`` needs equal (0-d counts as 1-d; an empty 1-d tensor is skipped by it: ``None``)."""
-    if not shape:
-        return (1,)
-    return None if shape == (0,) else (len(shape), *shape[1:])
 
 
 def _concatenation(
@@ -322,7 +243,7 @@ def _concatenation(
     if any(p.requires_grad or p.streamed or p.dtype is None for p in pieces):
         return None
     real = {r: d.pieces[0] for r, d in enumerate(described) if d is not None and d.pieces and not d.placeholder}
-    keys = {key for key in (_cat_key(p.shape) for p in real.values()) if key is not None}
+    keys = {key for key in (wire.cat_key(p.shape) for p in real.values()) if key is not None}
     dtypes = {p.dtype for p in real.values()}
     if len(keys) != 1 or len(dtypes) != 1:
         return None
@@ -361,21 +282,29 @@ def _write(buffer: torch.Tensor, at: int, tensors: Sequence[torch.Tensor]) -> No
         at += n
 
 
-def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.device) -> dict[int, torch.Tensor]:
-    """After validation, alike on every rank: one collective for every slot that has a separate piece on some rank
-    (none where no rank has one).
+class Moved(NamedTuple):
+    """What :func:`run` brought: other ranks' separate pieces as ``(rank, slot, index, piece)``, this rank's tensors
+    as the buffer holds them now (slot -> view), and the slots concatenated in place (slot -> synced value)."""
 
-    ``got`` is the exchange (:class:`torchmetrics_gradpatch.fused.sync.Exchanged`), ``slots`` this rank's prepared
-    slots. Returns the slots concatenated in place (slot index -> its synced value); the separate pieces of the
-    others are put into ``got.gathered``. Each slot whose tensors this rank wrote holds them, once written, as the
-    buffer's view of them (``tensors``; what :func:`recopy` copies from) and no longer the local ones (``value``,
-    this sync's own list, is emptied), so that ``sync()``'s cache can be the last to hold those.
-    """
-    every: list[Sequence[wire.State]] = got.slots
-    same_tables = all(table == got.tables[0] for table in got.tables)
+    pieces: list[tuple[int, int, int, torch.Tensor]]
+    written: dict[int, torch.Tensor]
+    joined: dict[int, torch.Tensor]
+
+
+def run(
+    tables: Sequence[Any],
+    every: Sequence[Sequence[wire.State]],
+    slots: Sequence[Any],
+    rank: int,
+    group: Any,
+    device: Any,
+) -> Moved:
+    """After validation, alike on every rank: one collective for every slot that has a separate piece on some rank
+    (``every[r]``: rank ``r``'s descriptions; ``tables``: the member tables; ``slots``: this rank's)."""
+    same_tables = all(table == tables[0] for table in tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
     places: list[tuple[int, int, int, int, wire.Piece]] = []  # rank, slot, position, offset, piece
-    writes: list[tuple[int, Any, wire.Piece]] = []  # this rank's: offset, slot, the piece its tensors make there
+    writes: list[tuple[int, int, wire.Piece]] = []  # this rank's: offset, slot, the piece its tensors make there
     end = 0
     for s in range(max((len(states) for states in every), default=0)):
         described = [states[s] if s < len(states) else None for states in every]
@@ -387,31 +316,29 @@ def run(got: Any, slots: Sequence[Any], rank: int, group: Any, device: torch.dev
             sizes, dtype, shape = whole
             if sizes[rank]:
                 assert own is not None  # this rank holds the slot; for mypy
-                writes.append((end + sum(sizes[:rank]), own, own.described.pieces[0]))
+                writes.append((end + sum(sizes[:rank]), s, own.described.pieces[0]))
             wholes.append((s, end, sum(sizes), dtype, shape))
             end += _bytes.aligned(sum(sizes))
             continue
         for r, d in enumerate(described):  # only the separate pieces, each where the payload would have put it
-            known = [p for p in (d.pieces if d is not None else ()) if p.dtype is not None]
-            for i, piece in enumerate(known):
+            for i, piece in enumerate(p for p in (d.pieces if d is not None else ()) if p.dtype is not None):
                 if piece.separate:
                     if r == rank:
-                        assert own is not None  # this rank holds the slot; for mypy
-                        writes.append((end, own, piece))
+                        writes.append((end, s, piece))
                     places.append((r, s, i, end, piece))
                     end += _bytes.aligned(piece.nbytes)
     if end == 0:
-        return {}
+        return Moved([], {}, {})
     buffer = _allocate(end, device)
-    for at, slot, piece in writes:
-        _write(buffer, at, _own(slot))
-        assert piece.dtype is not None  # a written piece's dtype is known; for mypy
-        # in place: a collection's member states share these lists with the slot
-        slot.tensors[:] = [buffer[at : at + piece.nbytes].view(piece.dtype).view(piece.shape)]
-        if isinstance(slot.value, list):
-            slot.value.clear()
+    written = {}
+    for at, s, piece in writes:
+        _write(buffer, at, _own(slots[s]))
+        written[s] = _view(buffer, at, piece)
     _exchange(buffer, group)
-    for r, s, i, at, piece in places:
-        assert piece.dtype is not None  # known pieces only; for mypy
-        got.gathered[r][s][i] = buffer[at : at + piece.nbytes].view(piece.dtype).view(piece.shape)
-    return {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes}
+    pieces = [(r, s, i, _view(buffer, at, piece)) for r, s, i, at, piece in places]
+    return Moved(pieces, written, {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
+
+
+def _view(buffer: torch.Tensor, at: int, piece: wire.Piece) -> torch.Tensor:
+    assert piece.dtype is not None  # a written piece's dtype is known; for mypy
+    return buffer[at : at + piece.nbytes].view(piece.dtype).view(piece.shape)

@@ -1,31 +1,11 @@
 """Exact reductions: states whose reduction gives the same bits in any order are all-reduced, not gathered.
 
-torchmetrics gathers every state and reduces the stack, so what each rank receives grows with the world. For some
-states the stack is not needed: an integer ``sum`` (torchmetrics' ``dim_zero_sum`` gives ``int64`` for every
-integer and ``bool`` state, wrapping included) and an integer ``max`` or ``min`` come out bit for bit the same in
-any order, and so do a floating-point ``max`` or ``min`` over values without NaN, negative zero or subnormals
-(where ``torch.max`` over the stack and a reduction in another order can differ; subnormals under flush-to-zero).
-A ring all-reduce moves about twice the state per rank, whatever the world size.
-
-Which states (:func:`propose`): a tensor state of at least :data:`REDUCE_MIN_BYTES` that does not require grad,
-whose reduction is torchmetrics' own ``dim_zero_sum`` over ``bool``/``uint8``/``int8``/``int16``/``int32``/
-``int64``, or ``dim_zero_max``/``dim_zero_min`` over those or ``float16``/``bfloat16``/``float32``/``float64``
-(floating point: only where this rank's tensor holds no NaN, no ``-0.0`` and no subnormal), and whose reduction
-gives, on this torch, the dtype the all-reduce yields. Everything else (floating-point sums and means, lists,
-custom reductions, small states, anything with a graph) is gathered as before. A slot is reduced with the one
-reduction of every state that refers to it: the collection sync gives compute-group members that reduce a shared
-state differently a slot each.
-
-Agreement: each rank proposes from its own states; the header carries a digest of the proposal (slot, operation,
-dtypes, shape, where it is held; the collection's member table too). Every rank follows it only when every rank
-sent the same non-zero digest (:func:`agreed`); else every state is gathered, and the exchanged descriptions decide
-as before whether the ranks can be synced. So no state of one rank can make the ranks issue different collectives.
-
-The collectives (:func:`run`): one ``all_reduce`` per operation and transport dtype used, at most four: ``int64``
-SUM; ``int64`` MAX (integer max, and integer min as the max of the bitwise complement); ``float32`` MAX
-(``float16``, ``bfloat16`` and ``float32`` widened exactly; min as the max of the negation, which is exact without
-NaN, ``-0.0`` and subnormals); ``float64`` MAX. A state held on the CPU under a group that takes device tensors
-only crosses on the device in chunks (:func:`torchmetrics_gradpatch._gather.all_reduce_chunked`).
+An integer ``sum`` (torchmetrics' ``dim_zero_sum`` gives ``int64``), an integer ``max`` or ``min``, and a
+floating-point ``max`` or ``min`` over values without NaN, ``-0.0`` or subnormals come out bit for bit the same in
+any order; a tensor state of at least :data:`REDUCE_MIN_BYTES` with no graph and one of those is proposed
+(:func:`propose`). Every rank follows a proposal only where every rank sent the same digest (:func:`agreed`), so
+no state of one rank can make the ranks issue other collectives; then :func:`run` issues one ``all_reduce`` per
+operation and transport dtype (docs/fused-sync.md, "Exact reductions").
 """
 
 from __future__ import annotations
@@ -43,8 +23,6 @@ from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._gather import all_reduce_chunked
 from torchmetrics_gradpatch.fused import wire
 
-__all__ = ["REDUCE_MIN_BYTES", "Plan", "agreed", "propose", "run"]
-
 #: A state smaller than this rides in the payload: its own collective would cost more than the bytes it saves.
 REDUCE_MIN_BYTES = 64 * 1024
 
@@ -53,7 +31,7 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)
-class Entry:
+class Reduced:
     """One reduced slot: its index, the operation (``sum``, ``max``, ``min``), the dtype it is reduced in
     (``transport``) and comes out as (``result``), its shape, and whether it is held on the CPU and streamed."""
 
@@ -66,10 +44,10 @@ class Entry:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Proposal:
     """This rank's proposal: the slots it would reduce and the digest every rank compares (``0``: none)."""
 
-    entries: tuple[Entry, ...] = ()
+    entries: tuple[Reduced, ...] = ()
     digest: int = 0
     slots: tuple[int, ...] = field(default=())
 
@@ -122,7 +100,7 @@ def _order_free(tensor: torch.Tensor) -> bool:
     return not bool(torch.isnan(tensor).any()) and not bool((((bits & exponent) == 0) & (bits != 0)).any())
 
 
-def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Plan:
+def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
     """This rank's proposal for ``slots`` (the fused sync's prepared states: ``reduction``, ``tensors``,
     ``described``); ``table`` (the collection's member table) enters the digest, so ranks whose members map to
     other slots do not agree."""
@@ -144,12 +122,12 @@ def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Plan:
         wanted = torch.int64 if op == "sum" else piece.dtype
         if transport is None or result is None or result != wanted or not _order_free(tensor):
             continue
-        entries.append(Entry(index, op, transport, result, piece.shape, piece.streamed))
+        entries.append(Reduced(index, op, transport, result, piece.shape, piece.streamed))
     if not entries:
-        return Plan()
+        return Proposal()
     text = repr((list(table), [(e.slot, e.op, str(e.transport), str(e.result), e.shape, e.streamed) for e in entries]))
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1 | 1
-    return Plan(tuple(entries), digest, tuple(e.slot for e in entries))
+    return Proposal(tuple(entries), digest, tuple(e.slot for e in entries))
 
 
 def _hashable(value: object) -> bool:
@@ -160,26 +138,26 @@ def _hashable(value: object) -> bool:
     return True
 
 
-def agreed(rows: Sequence[Sequence[int]], plan: Plan) -> bool:
-    """Whether every rank follows the plan: every rank sent this rank's non-zero digest."""
-    return plan.digest != 0 and all(row[wire.PLAN] == plan.digest for row in rows)
+def agreed(rows: Sequence[Sequence[int]], proposal: Proposal) -> bool:
+    """Whether every rank follows the proposal: every rank sent this rank's non-zero digest."""
+    return proposal.digest != 0 and all(row[wire.PROPOSAL] == proposal.digest for row in rows)
 
 
-def _encode(entry: Entry, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _encode(entry: Reduced, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     moved = tensor.detach().to(device=device, dtype=entry.transport).reshape(-1)
     if entry.op != "min":
         return moved
     return torch.bitwise_not(moved) if entry.transport == torch.int64 else torch.neg(moved)
 
 
-def _decode(entry: Entry, flat: torch.Tensor) -> torch.Tensor:
+def _decode(entry: Reduced, flat: torch.Tensor) -> torch.Tensor:
     if entry.op == "min":
         flat = torch.bitwise_not(flat) if entry.transport == torch.int64 else torch.neg(flat)
     return flat.to(entry.result).view(entry.shape)
 
 
 def run(
-    plan: Plan,
+    proposal: Proposal,
     slots: Sequence[Any],
     group: Any,
     device: torch.device,
@@ -192,8 +170,8 @@ def run(
     ``chunk`` bytes (gloo: as it is); the others are built and reduced on ``device``. Values held on the CPU come
     back there.
     """
-    groups: dict[tuple[str, torch.dtype, bool], list[Entry]] = {}
-    for entry in plan.entries:
+    groups: dict[tuple[str, torch.dtype, bool], list[Reduced]] = {}
+    for entry in proposal.entries:
         key = ("sum" if entry.op == "sum" else "max", entry.transport, entry.streamed)
         groups.setdefault(key, []).append(entry)
     out: dict[int, torch.Tensor] = {}

@@ -1,55 +1,12 @@
 """One exchange per ``MetricCollection`` step: under the fused sync, ``forward`` syncs its step-syncing members at once.
 
-``SITE.install()`` replaces the class attribute ``torchmetrics.MetricCollection.forward`` (on every torchmetrics line
-from 0.11 to 1.9 it calls each member as ``m(*args, **m._filter_kwargs(**kwargs))`` and builds the result dict);
-``SITE.uninstall()`` puts the very same object back. While the engine's effective sync is ``"fused"`` and a process
-group is up, the replacement runs torchmetrics' own ``Metric._forward_full_state_update`` (the path every member
-with ``dist_sync_on_step=True`` takes) in two halves around one exchange:
-
-1. for each member that joins, in the collection's order: the lines before ``batch_val = self.compute()`` (the
-   update on the accumulated states, the flags, the saved states, ``reset()``, the update on the batch alone);
-2. one exchange of every joining member's batch states (:func:`torchmetrics_gradpatch.fused.collection.sync_members`,
-   the exchange ``compute()`` uses: the member table and every state, over the default group);
-3. torchmetrics' own collection ``forward``, with each joining member's ``forward`` standing in (an instance
-   attribute, for this one call) for the lines from ``compute()`` on: the exchange's synced batch states are set,
-   its own ``compute()`` runs without a sync of its own (so no copy of the batch states is kept for an ``unsync()``
-   that ``forward`` never calls), then the saved states, ``_update_count`` and flags are restored and
-   ``_forward_cache`` set, as torchmetrics does.
-
-A member that does not join and issues no collective (:mod:`torchmetrics_gradpatch.fused.forms`: it does not sync
-on step, or is not distributed) runs its own ``forward`` (and its hooks) in step 1, at its place in the collection's
-order, and step 3 collects its result. Every update therefore runs in torchmetrics' order, which keeps gradients
-bit for bit: backward sums the gradients an input gets from several members in the order their graphs were made.
-A batch state that is a tensor made before its member's update (an input kept as it is) is replaced by an alias
-made right after that update, where torchmetrics' own sync would consume it (:func:`_alias_older`).
-
-Why two halves and not each member's own ``forward`` with its sync recorded: a member's ``compute()`` goes on
-with its synced states the moment its sync returns, so one exchange for all needs every member's batch states
-before any member computes. The halves are torchmetrics' lines, the same on every line but one (the saved states
-are ``_copy_state_dict()`` from 1.4 on, the state objects themselves before), so forward values, the states after
-each step, gradients (local and global mode, one backward node for the whole exchange) and the epoch-end
-``compute()`` are torchmetrics' own, bit for bit. A member whose ``full_state_update`` is false takes this path
-too when it syncs on step (torchmetrics sends every ``dist_sync_on_step`` member through
-``_forward_full_state_update``).
-
-A rank that runs torchmetrics' own ``forward`` whole (a class it does not trust, or a function it does not
-recognise: :func:`torchmetrics_gradpatch.fused.collection.members_of`) sends its member table alone, flagged; then no
-member joins on any rank, and every rank runs each member whole, or finishes the ones it began, in order.
-A rank holding any other member (one not taken over that may issue collectives: a wrapper, hooks, its own
-``dist_sync_fn`` or group, a synced member) runs no member first: it sends its member table alone in the exchange's
-first collective, which its peers issue after their first halves (they issue none before it). From every rank's
-table, alike on every rank: where every rank ran its first halves, the exchange completes as above; else every rank
-runs each member in order (the ones taken over on every rank up to their ``compute()``, the others whole, with
-torchmetrics' own ``_sync_dist`` where the ranks' forms differ), then a second exchange syncs the ones taken over.
-Ranks whose forms differ so that torchmetrics' own sync would wait raise the same
-:class:`~torchmetrics_gradpatch.FusedSyncError` after the same collectives, every member begun put back as after
-its update of this batch. A rank where no member syncs on step runs no exchange, as torchmetrics' own ``forward``
-issues no collective there.
-
-Compute groups: ``forward``'s ``reset()`` gives each member states of its own for the batch (a group's shared state
-crosses once in ``compute()`` only); a list state that members share is taken apart after each first half, since
-torchmetrics 1.4 on clears a list in place in ``reset()``. Under ``torch.compile`` the whole of it runs behind one
-graph break. In check mode the step is compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.check`).
+``SITE`` replaces ``MetricCollection.forward`` (put back, the very same object, on uninstall). The replacement runs
+torchmetrics' own ``Metric._forward_full_state_update`` (the path of every member with ``dist_sync_on_step=True``) in
+two halves around one exchange: each joining member's lines up to ``batch_val = self.compute()``, in the
+collection's order; one :func:`~.collection.sync_members` of every joining member's batch states; then torchmetrics'
+own collection ``forward``, each joining member's ``forward`` standing in with the lines from ``compute()`` on, its
+synced batch states set first. Every update runs in torchmetrics' order, so values, states and gradients are its own
+bit for bit. Why two halves, and what happens where ranks hold other members: docs/design.md ("The fused step").
 """
 
 from __future__ import annotations
@@ -61,28 +18,9 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import Site
-from torchmetrics_gradpatch.fused import aside, forms
-
-__all__ = ["SITE"]
+from torchmetrics_gradpatch.fused import aside, forms, internals
 
 _MARK = "__torchmetrics_gradpatch_step__"  # set on our replacement, so it is told apart from another tool's
-
-
-@functools.cache
-def _sync() -> Any:
-    """:mod:`torchmetrics_gradpatch.fused.sync` (it imports torch), imported at the first step."""
-    from torchmetrics_gradpatch.fused import sync
-
-    return sync
-
-
-@functools.cache
-def _copies_states() -> bool:
-    """Whether this torchmetrics' forward saves the accumulated states as copies (``_copy_state_dict``, 1.4 on)."""
-    import torchmetrics
-    from packaging.version import Version
-
-    return Version(torchmetrics.__version__).release >= (1, 4)
 
 
 @dataclass
@@ -93,23 +31,20 @@ class _Pending:
     update_count: int
     compute_on_cpu: bool
     cache: dict[str, Any]
-    reduce: Callable[[], None] | None = field(default=None)
+    synced: Any = None  # the exchange's synced batch states (collection.Synced), once it ran
     finished: bool = False
     result: Any = None
 
     @classmethod
-    def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any], copies: bool) -> _Pending:
-        """torchmetrics' lines up to ``batch_val = self.compute()`` (attributes set through
-        :func:`~torchmetrics_gradpatch.fused.sync.put`)."""
-        put = _sync().put
+    def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pending:
+        """torchmetrics' lines up to ``batch_val = self.compute()``."""
         metric.update(*args, **kwargs)  # global accumulation
-        update_count = metric._update_count
+        update_count = internals.flag(metric, "update_count")
         compute_on_cpu = metric.compute_on_cpu
-        # _should_unsync: the states are restored below, not by compute()'s unsync
-        flags = {"_to_sync": metric.dist_sync_on_step, "_should_unsync": False, "compute_on_cpu": False}
-        _sync().put_all(metric, flags)
-        cache = metric._copy_state_dict() if copies else {attr: getattr(metric, attr) for attr in metric._defaults}
-        put(metric, "_enable_grad", True)  # allow grads for batch computation
+        # should_unsync: the states are restored below, not by compute()'s unsync
+        internals.set_flags(metric, to_sync=metric.dist_sync_on_step, should_unsync=False, compute_on_cpu=False)
+        cache = internals.copy_state_dict(metric)
+        internals.set_flags(metric, enable_grad=True)  # allow grads for batch computation
         metric.reset()
         first = _next_node()
         metric.update(*args, **kwargs)
@@ -128,34 +63,31 @@ class _Pending:
         if self.finished:
             return self.result
         metric = self.metric
-        if self.reduce is not None:
-            self.reduce()
-            _sync().put_all(metric, {"_is_synced": True, "_to_sync": False})
+        if self.synced is not None:
+            self.synced.set()
+            internals.set_flags(metric, is_synced=True, to_sync=False)
         batch_val = metric.compute()
         self.restore()
-        _sync().put(metric, "_forward_cache", batch_val)
+        internals.set_flags(metric, forward_cache=batch_val)
         self.finished, self.result = True, batch_val
         return batch_val
 
     def restore(self) -> None:
         """torchmetrics' "restore context" lines: the accumulated states, ``_update_count`` and the flags."""
         metric = self.metric
-        put_all = _sync().put_all
-        put_all(metric, self.cache)
-        put_all(
+        internals.put(metric, self.cache)
+        internals.set_flags(
             metric,
-            {
-                "_update_count": self.update_count,
-                "_is_synced": False,
-                "_should_unsync": True,
-                "_to_sync": metric.sync_on_compute,
-                "_computed": None,
-                "_enable_grad": False,
-                "compute_on_cpu": self.compute_on_cpu,
-            },
+            update_count=self.update_count,
+            is_synced=False,
+            should_unsync=True,
+            to_sync=metric.sync_on_compute,
+            computed=None,
+            enable_grad=False,
+            compute_on_cpu=self.compute_on_cpu,
         )
         if metric.compute_on_cpu:
-            metric._move_list_states_to_cpu()
+            internals.move_list_states_to_cpu(metric)
 
 
 @functools.cache
@@ -175,8 +107,8 @@ def _next_node() -> int | None:
 
     if not torch.is_grad_enabled():
         return None
-    numbered = getattr(_probe().view(()).grad_fn, "_sequence_nr", None)
-    return _UNNUMBERED if numbered is None else int(numbered()) + 1
+    numbered = internals.sequence_nr(_probe().view(()).grad_fn)
+    return _UNNUMBERED if numbered is None else numbered + 1
 
 
 def _older(value: Any, first: int) -> bool:
@@ -184,7 +116,7 @@ def _older(value: Any, first: int) -> bool:
     if not getattr(value, "requires_grad", False):
         return False
     node = value.grad_fn
-    return node is None or first == _UNNUMBERED or node._sequence_nr() < first
+    return node is None or first == _UNNUMBERED or (internals.sequence_nr(node) or 0) < first
 
 
 def _alias_older(metric: Any, first: int) -> None:
@@ -197,13 +129,13 @@ def _alias_older(metric: Any, first: int) -> None:
     made at the place torchmetrics' sync has. A state made by the update itself is consumed by this member's sync
     alone, in either order, and stays as it is (on torch 2.0, which cannot tell, it is aliased too: an alias
     changes no gradient)."""
-    for attr in metric._defaults:
+    for attr in internals.defaults(metric):
         value = getattr(metric, attr)
         if isinstance(value, list):
             if any(_older(each, first) for each in value):
-                _sync().put(metric, attr, [each.view_as(each) if _older(each, first) else each for each in value])
+                internals.put(metric, {attr: [each.view_as(each) if _older(each, first) else each for each in value]})
         elif _older(value, first):
-            _sync().put(metric, attr, value.view_as(value))
+            internals.put(metric, {attr: value.view_as(value)})
 
 
 @dataclass
@@ -224,7 +156,7 @@ def _shared_lists(members: list[tuple[str, Any]]) -> set[int]:
     seen: set[int] = set()
     shared: set[int] = set()
     for _, metric in members:
-        for attr, default in getattr(metric, "_defaults", {}).items():
+        for attr, default in internals.defaults(metric).items():
             if isinstance(default, list):  # a list state (one whose default is a tensor never holds a list)
                 value = getattr(metric, attr)
                 if isinstance(value, list):
@@ -240,7 +172,7 @@ def _own_lists(metric: Any, shared: set[int]) -> None:
     ``reset()`` would empty this member's batch list before it computes. The tensors are the same; the list
     object the next member updates is left as torchmetrics leaves it.
     """
-    for attr in metric._defaults:
+    for attr in internals.defaults(metric):
         value = getattr(metric, attr)
         if isinstance(value, list) and id(value) in shared:
             setattr(metric, attr, list(value))
@@ -251,14 +183,14 @@ class _Step:
 
     def __init__(self, members: list[tuple[str, Any]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.members, self.args, self.kwargs = members, args, kwargs
-        self.copies, self.shared = _copies_states(), _shared_lists(members)
+        self.shared = _shared_lists(members)
         self.pending: dict[int, _Pending] = {}
         self.steps: dict[int, _Pending | _Done] = {}  # by member index
 
     def begin(self, i: int) -> None:
         """The first half of member ``i``'s ``forward``, which joins an exchange."""
         metric = self.members[i][1]
-        begun = _Pending.begin(metric, self.args, metric._filter_kwargs(**self.kwargs), self.copies)
+        begun = _Pending.begin(metric, self.args, internals.filter_kwargs(metric, self.kwargs))
         if self.shared:
             _own_lists(metric, self.shared)
         self.pending[id(metric)] = self.steps[i] = begun
@@ -266,10 +198,12 @@ class _Step:
     def run(self, i: int) -> None:
         """Member ``i``'s own ``forward``, whole, with its hooks (it joins no exchange)."""
         metric = self.members[i][1]
-        self.steps[i] = _Done(metric, metric(*self.args, **metric._filter_kwargs(**self.kwargs)))
+        self.steps[i] = _Done(metric, metric(*self.args, **internals.filter_kwargs(metric, self.kwargs)))
 
-    def record(self, metric: Any, reduce: Callable[[], None]) -> None:
-        self.pending[id(metric)].reduce = reduce
+    def synced(self, outcome: Any) -> None:
+        """Hand each member the exchange synced its batch states."""
+        for synced in outcome.synced.values():
+            self.pending[id(synced.metric)].synced = synced
 
     def restore(self) -> None:
         """Every joining member not finished yet, as after its update of this batch (its accumulated states kept)."""
@@ -287,18 +221,18 @@ class _Step:
         try:
             for queue in queues.values():
                 metric = queue[0].metric
-                metric.__dict__["forward"] = functools.partial(_next, queue)  # what Module.__call__ runs for it now
+                internals.stand_in(metric, "forward", functools.partial(_next, queue))  # what Module.__call__ runs
                 stood_in.append(queue[0])
                 for each in queue:
                     if isinstance(each, _Done):  # its hooks ran with its own forward
-                        for name in forms.HOOKS:
+                        for name in internals.HOOKS:
                             if getattr(metric, name, None):
                                 each.hooks[name] = getattr(metric, name)
                                 setattr(metric, name, type(each.hooks[name])())
             return original(collection, *self.args, **self.kwargs)
         finally:
             for each in stood_in:
-                del each.metric.__dict__["forward"]
+                internals.stand_down(each.metric, "forward")
             for each in self.steps.values():
                 if isinstance(each, _Done):
                     for name, hooks in each.hooks.items():
@@ -356,7 +290,8 @@ def _exchange_and_forward(
         if staged:
             for i, code in enumerate(codes):
                 step.begin(i) if code == forms.JOINS else step.run(i)
-        outcome = fc.sync_members(members, mode, codes, step.record, staged, aside_here)
+        outcome = fc.sync_members(members, mode, codes, staged, aside_here)
+        step.synced(outcome)
         if not outcome.everywhere:
             # some rank has a member the exchange does not take over: from the same tables, every rank runs each
             # member in order, the ones that join everywhere up to their compute(), every other member whole (its
@@ -374,7 +309,7 @@ def _exchange_and_forward(
                         step.steps[i].finish()  # its sync differs between ranks: torchmetrics' own, now
             if outcome.joins:
                 again = [forms.JOINS if i in outcome.joins else forms.RAN for i in range(len(members))]
-                fc.sync_members(members, mode, again, step.record)
+                step.synced(fc.sync_members(members, mode, again))
     except BaseException:
         step.restore()
         raise

@@ -1,51 +1,11 @@
-"""The fused sync's wire format: a description of a Metric's states, one byte buffer for their data, and one
-collective for both in a steady exchange (two after a change).
+"""The fused exchange's wire format and each process group's agreed inline capacity.
 
-What one rank sends
--------------------
-* A **header** of :data:`HEADER_WORDS` int64 words, the same size on every rank: a format tag, the length of the
-  rank's description, the length of its payload, flags (grad mode on, some own tensor requires grad, the rank
-  could not prepare its states, its payload is inline, it sends a collection's member table alone), a fingerprint
-  of the Metric (class and state names, each state's reduction), the length of its payload when the states it
-  proposes to reduce are left out, a digest of that proposal (``0``: none; see
-  :mod:`torchmetrics_gradpatch.fused.reduced`), its chunk size for CPU-held states, and the inline capacity it used.
-* A **payload** of bytes: the description (int64 words), then every tensor's bytes, each at an offset aligned to
-  :data:`ALIGN` so that it can be viewed back as its dtype in place. Left out: the states every rank agreed to
-  reduce (:func:`layout`'s ``skip``), *separate* pieces (large ``cat`` states, which cross in a collective apart:
-  :mod:`torchmetrics_gradpatch.fused.large`), and *streamed* pieces: tensors held on the CPU while the exchange
-  runs on a device, which cross afterwards in chunks (:mod:`torchmetrics_gradpatch.fused.transit`).
-
-One collective, or two
-----------------------
-``all_gather`` needs the same size on every rank, and a payload's size depends on what the rank holds (list lengths,
-batch sizes). Collective 1 (:func:`gather_first`) sends the header followed by :attr:`Capacity.data` bytes, the
-group's **inline capacity**: a rank whose payload (with the states it proposes to reduce left out) fits puts it
-there and sets :data:`FLAG_INLINE`. Every rank reads every header and the first :attr:`Capacity.words` words after
-it (every rank's description) in one device-to-host read. When every rank inlined a payload in the layout the
-exchange uses, the exchange is complete; else collective 2 (:func:`gather_payloads`) moves every payload padded
-to the largest, as it always did, and every rank knows which from the same gathered flags. A steady exchange (the
-same layout as the group's recent ones) thus costs one collective; the first of a group, one whose payload grew
-past the capacity, or one with a payload over :data:`INLINE_MAX`, costs two.
-
-The capacity is agreed, never guessed: it is a function of a per-group record (:func:`capacity`) that
-:func:`agree` updates, on every rank, from the gathered headers of every fused exchange of that group, right
-after collective 1 and before anything can raise: the largest inline payload and description of the last
-:data:`WINDOW` exchanges, rounded up to a power of two (at least :data:`INLINE_MIN` bytes), ignoring exchanges
-whose largest payload exceeds :data:`INLINE_MAX`. Why the record is the same on every rank of a group: the group's
-collectives run in one order on all its ranks, every fused exchange on it is a collective of all of them, and each
-updates the record from the same gathered rows at the same point of that order; nothing else touches it. Which
-Metric object synced, whether a rank made its metric anew, reset it, holds other members, or skipped an exchange
-that therefore did not happen on that group (an exchange on a subgroup updates the subgroup's record only; a rank
-with nothing to sync issues no collective on any group), does not enter it. The record is keyed by the group
-object (weakly: a group destroyed and made anew starts afresh on every rank). The cost: every rank sends
-``capacity`` bytes more in collective 1 and receives ``world_size`` times that, at most :data:`INLINE_MAX` each.
-
-The description: ``[n, *table]`` (``n`` words a caller puts in front: the collection sync's member table; none
-for one Metric), the number of states, then per state ``[kind, placeholder, n_pieces]`` and per piece ``[dtype
-code, flags (requires_grad, streamed, separate), ndim, *shape]``. A tensor state is one piece; a list state is its
-elements. Dtype codes, sizes and alignment are :mod:`torchmetrics_gradpatch._bytes`'s, so they mean the same on
-every rank even where a torch lacks some dtype; a dtype a buffer cannot carry is described as
-:data:`UNKNOWN_DTYPE` and refused on every rank.
+A rank sends a header row of :data:`HEADER_WORDS` int64 words (its fields are named below), then a payload: its
+description (int64 words: :func:`encode`) and each piece's bytes at an offset aligned to :data:`ALIGN`, so a piece is
+viewed back as its dtype in place. Collective 1 (:func:`gather_first`) carries every header and, where it fits the
+group's inline capacity, every payload; collective 2 (:func:`gather_payloads`) the payloads padded to the largest.
+:class:`Group` holds what must evolve alike on every rank of a group. Format, capacity rule and why it agrees:
+docs/design.md ("The wire").
 """
 
 from __future__ import annotations
@@ -57,57 +17,21 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
+from torchmetrics_gradpatch.fused import internals
 
-__all__ = [
-    "ABSENT",
-    "ALIGN",
-    "FLAG_ASIDE",
-    "FLAG_CHECK",
-    "FLAG_FAILED",
-    "FLAG_INLINE",
-    "FLAG_UNSTAGED",
-    "HEADER_WORDS",
-    "INLINE_MAX",
-    "INLINE_MIN",
-    "KIND_LIST",
-    "KIND_OTHER",
-    "KIND_TENSOR",
-    "WINDOW",
-    "Capacity",
-    "First",
-    "Piece",
-    "State",
-    "absent",
-    "agree",
-    "apart",
-    "capacity",
-    "decode",
-    "encode",
-    "forget",
-    "gather_first",
-    "gather_payloads",
-    "layout",
-    "pack",
-    "piece_of",
-    "read",
-    "read_layout",
-    "sendable",
-    "tensor_state",
-    "unpack",
-    "unpack_planned",
-    "words_of",
-]
-
-FORMAT = 0x7467_6673_0005  # "tgfs", format 5: a rank running another format of this header size is told so
+TAG = 0x7467_6673_0006  # "tgfs", format 6: a rank running another format of this header size is told so
 HEADER_WORDS = 10  # 80 bytes: a multiple of ALIGN, so an inline payload's pieces can be viewed in place
-SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PLAN, CHUNK, CAPACITY = 2, 3, 4, 5, 6, 7, 8  # a header row's words
+# a header row's fields: the format tag, the description's length in words, the payload's size in bytes, flags, the
+# sender's fingerprint, the payload's size without what it proposes to reduce, that proposal's digest (0: none),
+# its chunk size for CPU-held states, and the inline capacity it used
+FORMAT, WORDS, SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PROPOSAL, CHUNK, CAPACITY = range(9)
 FLAG_GRAD_MODE = 1
 FLAG_REQUIRES_GRAD = 2
 FLAG_FAILED = 8  # this rank could not prepare its states: every rank raises after the header
@@ -232,44 +156,34 @@ def decode(words: Sequence[int]) -> tuple[list[int], list[State]]:
 
 #: how to view one rank's pieces in its buffer: per state, ``None`` where it is left out (reduced), else per piece
 #: of a known dtype its dtype, shape, strides and offset in elements (``-1``: not in this buffer)
-Plan = tuple[tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...] | None, ...]
+Views = tuple[tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...] | None, ...]
 
 
-def read(
-    words: tuple[int, ...], skip: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[State, ...], list[list[int]], Plan]:
-    """A rank's description read back: its table, its states, their payload offsets with ``skip`` left out, and how
-    to view them (:func:`unpack_planned`).
+class Described(NamedTuple):
+    """A rank's description read back: its table, its states, its payload's offsets and size with the reduced
+    states left out, whether it streams or sends apart some piece, and how to view its pieces (:func:`unpack`)."""
 
-    A pure function of the words: a steady exchange, whose ranks describe what they described before, reads each
-    description once (the result is shared; callers do not change it)."""
-    table, states, (offsets, _), _, plan = _read(words, skip)
-    return table, states, offsets, plan
-
-
-def read_layout(words: tuple[int, ...], skip: tuple[int, ...]) -> tuple[list[list[int]], int]:
-    """The payload offsets and size of the description ``words`` with ``skip`` left out (:func:`layout`), cached as
-    :func:`read` is."""
-    return _read(words, skip)[2]
-
-
-def apart(words: tuple[int, ...]) -> tuple[bool, bool]:
-    """Whether the description ``words`` has a streamed piece, and whether it has a separate one (cached)."""
-    return _read(words, ())[3]
+    table: tuple[int, ...]
+    states: tuple[State, ...]
+    offsets: list[list[int]]
+    size: int
+    streams: bool
+    separates: bool
+    views: Views
 
 
 @functools.lru_cache(maxsize=128)
-def _read(
-    words: tuple[int, ...], skip: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[State, ...], tuple[list[list[int]], int], tuple[bool, bool], Plan]:
+def read(words: tuple[int, ...], skip: tuple[int, ...] = ()) -> Described:
+    """The description ``words`` read back with the states ``skip`` left out of its payload: a steady exchange reads
+    each description once (the result is shared; callers do not change it)."""
     table, states = decode(words)
     pieces = [piece for state in states for piece in state.pieces]
-    traits = (any(p.streamed for p in pieces), any(p.separate for p in pieces))
     offsets, size = layout(states, 8 * len(words), skip)
-    return tuple(table), tuple(states), (offsets, size), traits, _plan(states, offsets, skip)
+    streams, separates = any(p.streamed for p in pieces), any(p.separate for p in pieces)
+    return Described(tuple(table), tuple(states), offsets, size, streams, separates, views(states, offsets, skip))
 
 
-def _plan(states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Sequence[int]) -> Plan:
+def views(states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Sequence[int]) -> Views:
     """How to view each piece of a buffer laid out by ``offsets`` (:func:`layout`)."""
     left_out = set(skip)
     return tuple(
@@ -282,6 +196,13 @@ def _plan(states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Seque
         )
         for s, (state, state_offsets) in enumerate(zip(states, offsets, strict=True))
     )
+
+
+def cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """What ``torch.cat`` needs equal (0-d counts as 1-d; an empty 1-d tensor is skipped by it: ``None``)."""
+    if not shape:
+        return (1,)
+    return None if shape == (0,) else (len(shape), *shape[1:])
 
 
 def layout(
@@ -355,41 +276,33 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
     return kept[1][n] if n < ALIGN else kept[0][:n]
 
 
-def unpack(
-    buffer: torch.Tensor, states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Sequence[int] = ()
-) -> list[list[torch.Tensor]]:
-    """Every piece of one rank's ``buffer`` (its payload, or its stream) viewed back as its dtype and shape (views
-    into ``buffer``, no copy). A piece not in it (offset ``-1``) is an empty stand-in, for the other buffer to fill;
-    a state in ``skip`` (reduced) has no pieces."""
-    return unpack_planned(buffer, _plan(states, offsets, skip))
-
-
-def unpack_planned(buffer: torch.Tensor, plan: Plan) -> list[list[torch.Tensor]]:
-    """:func:`unpack` by a :data:`Plan` (:func:`read`): one view of the buffer per dtype, one strided view of that
-    per piece."""
+def unpack(buffer: torch.Tensor, views: Views) -> list[list[torch.Tensor]]:
+    """Every piece of one rank's ``buffer`` (its payload, or its stream) viewed back as its dtype and shape (no copy):
+    one view of the buffer per dtype, one strided view of that per piece. A piece not in it is :data:`ABSENT`, for
+    another buffer to fill; a state left out (reduced) has no pieces."""
     typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
     out: list[list[torch.Tensor]] = []
-    for pieces in plan:
+    for pieces in views:
         if pieces is None:
             out.append([])
             continue
-        views = []
+        held = []
         for dtype, shape, strides, at in pieces:
             if at < 0:
-                views.append(ABSENT)
+                held.append(ABSENT)
                 continue
             found = typed.get(dtype)
             if found is None:
                 view = buffer.view(dtype)
                 found = typed[dtype] = (view, int(view.storage_offset()))
-            views.append(found[0].as_strided(shape, strides, found[1] + at))
-        out.append(views)
+            held.append(found[0].as_strided(shape, strides, found[1] + at))
+        out.append(held)
     return out
 
 
-def absent(plan: Plan) -> list[list[torch.Tensor]]:
-    """What :func:`unpack_planned` gives for a buffer holding none of its pieces: an empty stand-in for each."""
-    return [[] if pieces is None else [ABSENT] * len(pieces) for pieces in plan]
+def absent(views: Views) -> list[list[torch.Tensor]]:
+    """What :func:`unpack` gives for a buffer holding none of its pieces."""
+    return [[] if pieces is None else [ABSENT] * len(pieces) for pieces in views]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -415,57 +328,62 @@ class Capacity:
     words: int = 0
 
 
-@dataclass
-class _Record:
-    """A group's needs (largest inline payload, largest description) of its last :data:`WINDOW` exchanges (``None``
-    where an exchange's largest payload was over :data:`INLINE_MAX`), and the capacity they give."""
+class Group:
+    """What a process group's fused exchanges keep: the needs (largest inline payload and description; ``None`` over
+    :data:`INLINE_MAX`) of its last :data:`WINDOW` exchanges, the inline capacity they give, and the kept send buffers.
 
-    needs: deque[tuple[int, int] | None] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    capacity: Capacity = field(default_factory=Capacity)
+    Lifecycle: made at the group's first exchange (:meth:`of`, capacity 0, so that exchange costs two collectives);
+    agreed at every exchange (:meth:`agree`, on every rank from the same gathered rows, right after collective 1 and
+    before anything can raise, so the capacity is the same on every rank of the group); forgotten with the group
+    object (weakly keyed: a group made anew starts afresh on every rank) or by ``fused.reset()``, which every rank
+    calls at the same point. Nothing else changes it; why that keeps it alike: docs/design.md ("The wire")."""
 
+    _all: ClassVar[weakref.WeakKeyDictionary[Any, Group]] = weakref.WeakKeyDictionary()
+    _strong: ClassVar[dict[Any, Group]] = {}  # groups that take no weak reference (kept alive, as the group itself is)
 
-_RECORDS: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
-_STRONG: dict[Any, _Record] = {}  # groups that take no weak reference (kept alive, as the group itself is)
+    def __init__(self) -> None:
+        self.needs: deque[tuple[int, int] | None] = deque(maxlen=WINDOW)
+        self.capacity = Capacity()
+        #: collective 1's send buffers by layout (the newest :data:`KEPT`), each with the views its pieces are
+        #: copied into and which of the layout's tensors it holds: nothing reads one after its collective returned
+        self.sends: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
 
+    @classmethod
+    def of(cls, group: Any) -> Group:
+        key = dist.group.WORLD if group is None else group
+        try:
+            found = cls._all.get(key)
+            if found is None:
+                found = cls._all[key] = cls()
+        except TypeError:
+            found = cls._strong.setdefault(key, cls())
+        return found
 
-def _record(group: Any) -> _Record:
-    key = dist.group.WORLD if group is None else group
-    try:
-        found = _RECORDS.get(key)
-        if found is None:
-            found = _RECORDS[key] = _Record()
-    except TypeError:
-        found = _STRONG.setdefault(key, _Record())
-    return found
+    @classmethod
+    def forget(cls) -> None:
+        cls._all.clear()
+        cls._strong.clear()
+
+    def agree(self, rows: Sequence[Sequence[int]]) -> None:
+        """Record one exchange from its gathered header ``rows``."""
+        size = max(row[SIZE_REDUCED] for row in rows)
+        need = (size, max(row[WORDS] for row in rows)) if size <= INLINE_MAX else None
+        # the capacity is a function of the window: where the need a full window drops is the one added (a steady
+        # group's, or one whose layouts repeat in a cycle, as alternating batch sizes make), it is unchanged
+        unchanged = len(self.needs) == WINDOW and self.needs[0] == need
+        self.needs.append(need)
+        if unchanged:
+            return
+        needs = [need for need in self.needs if need is not None]
+        if not needs:
+            self.capacity = Capacity()
+            return
+        data = min(max(_power_of_two(max(n for n, _ in needs)), INLINE_MIN), INLINE_MAX)
+        self.capacity = Capacity(data, min(_power_of_two(max(w for _, w in needs)), data // 8))
 
 
 def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def capacity(group: Any) -> Capacity:
-    """``group``'s inline capacity for its next exchange: the same on every rank of it (see the module docstring)."""
-    return _record(group).capacity
-
-
-def agree(group: Any, rows: Sequence[Sequence[int]]) -> None:
-    """Record one exchange of ``group`` from its gathered header ``rows``: run on every rank after collective 1."""
-    record = _record(group)
-    size = max([row[SIZE_REDUCED] for row in rows])
-    need = (size, max([row[1] for row in rows])) if size <= INLINE_MAX else None
-    window = record.needs
-    # the capacity is a function of the window's needs: where the need that a full window drops is the one added
-    # (a steady group's, or one whose layouts repeat in a cycle, as alternating batch sizes make), it is unchanged
-    unchanged = len(window) == WINDOW and window[0] == need
-    window.append(need)
-    if unchanged:
-        return
-    needs = [need for need in window if need is not None]
-    if not needs:
-        record.capacity = Capacity()
-        return
-    data = min(max(_power_of_two(max(n for n, _ in needs)), INLINE_MIN), INLINE_MAX)
-    record.capacity = Capacity(data, min(_power_of_two(max(w for _, w in needs)), data // 8))
 
 
 @dataclass
@@ -493,16 +411,17 @@ def gather_first(
 
     ``header`` is the row without the format tag and the capacity; :data:`FLAG_INLINE` is added to its flags here.
     """
-    agreed = capacity(group)
+    kept = Group.of(group)
+    agreed = kept.capacity
     inline = 0 < size <= agreed.data and len(words) <= agreed.words
-    row = [FORMAT, *header, agreed.data]
+    row = [TAG, *header, agreed.data]
     row[FLAGS] |= FLAG_INLINE if inline else 0
     row += [0] * (HEADER_WORDS - len(row))
     total = _HEAD_BYTES + agreed.data
     if inline:
-        mine = _pack_kept([*row, *words], tensors, offsets, total, device, group)
+        mine = _pack_kept(kept, [*row, *words], tensors, offsets, total, device)
     else:
-        mine = _pack_kept(row, [], [], total, device, group)
+        mine = _pack_kept(kept, row, [], [], total, device)
     flat = torch.empty((world_size, total), dtype=torch.uint8, device=mine.device)
     _gather_rows(flat, mine, group)
     del mine
@@ -517,31 +436,23 @@ def gather_first(
     return First(rows, described, list(flat[:, _HEAD_BYTES:].unbind(0)))
 
 
-#: collective 1's send buffers, by layout (the newest :data:`_KEPT`): nothing reads one after the collective returns,
-#: so a steady exchange writes into the buffer of its layout, through views made once, instead of joining its pieces;
-#: with each, which of the layout's tensors (in order, all states' together) it holds
-_SENDS: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
-_KEPT = 8
-_copy_all = getattr(torch, "_foreach_copy_", None)  # one call for every piece, from torch 2.1 on
+KEPT = 8  # send buffers a group keeps
 
 
 def _pack_kept(
+    kept: Group,
     words: Sequence[int],
     tensors: Sequence[Sequence[torch.Tensor]],
     offsets: Sequence[Sequence[int]],
     size: int,
     device: torch.device,
-    group: Any = None,
 ) -> torch.Tensor:
-    """:func:`pack` (the pieces after the header) into the send buffer kept for this layout and ``group`` (a thread
-    syncing over another group never writes into a buffer in flight): the words, then each
-    piece copied into its view. The buffer is zeros when made and the same layout writes the same bytes of it, so
-    its padding stays zeros. The description (``words`` after the header) gives every piece's dtype and shape, so
-    a layout's key is the description and the offsets, and which pieces it holds (an offset, and an element) is the
-    layout's too.
-
-    On a CUDA device the key holds the current stream too: the collective that read a buffer was ordered before the
-    stream's next write by its ``wait()``, not before another stream's. Other devices take :func:`pack`."""
+    """:func:`pack` (the pieces after the header) into the send buffer ``kept`` holds for this layout, each piece
+    copied into a view made once. The buffer is zeros when made and a layout writes the same bytes of it, so its
+    padding stays zeros; the description (``words`` after the header) gives every piece's dtype and shape, so it
+    and the offsets are the layout. On CUDA the key holds the current stream too (the collective that read a buffer
+    is ordered before the stream's next write by its ``wait()``, not before another stream's); devices other than
+    CUDA and the CPU take :func:`pack`."""
     if device.type == "cuda":
         stream: int | None = torch.cuda.current_stream(device).cuda_stream
     elif device.type == "cpu":
@@ -550,25 +461,20 @@ def _pack_kept(
         return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
     at = tuple(itertools.chain.from_iterable(offsets))
     every = list(itertools.chain.from_iterable(tensors))
-    key = (id(group), device, stream, size, tuple(words[HEADER_WORDS:]), at)
-    kept = _SENDS.get(key)
-    if kept is None:
+    key = (device, stream, size, tuple(words[HEADER_WORDS:]), at)
+    found = kept.sends.get(key)
+    if found is None:
         held = [i for i, (offset, tensor) in enumerate(zip(at, every, strict=True)) if offset >= 0 and tensor.numel()]
         buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        kept = _SENDS[key] = (buffer, [_view(buffer, _HEAD_BYTES + at[i], every[i]) for i in held], held)
-        while len(_SENDS) > _KEPT:
-            _SENDS.pop(next(iter(_SENDS)))
-    buffer, views, held = kept
+        found = kept.sends[key] = (buffer, [_view(buffer, _HEAD_BYTES + at[i], every[i]) for i in held], held)
+        while len(kept.sends) > KEPT:
+            kept.sends.pop(next(iter(kept.sends)))
+    buffer, views, held = found
     head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
     if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
         head = head.pin_memory()
     buffer[: head.numel()].copy_(head, non_blocking=True)
-    pieces = [every[i] for i in held]
-    if _copy_all is not None and views:
-        _copy_all(views, pieces)
-    else:
-        for view, piece in zip(views, pieces, strict=True):
-            view.copy_(piece)
+    internals.copy_all(views, [every[i] for i in held])
     return buffer
 
 
@@ -604,8 +510,6 @@ def words_of(buffer: torch.Tensor, count: int) -> list[int]:
 
 
 def forget() -> None:
-    """Forget every group's capacity record and the kept send buffers and pads (``fused.reset``)."""
-    _RECORDS.clear()
-    _STRONG.clear()
-    _SENDS.clear()
+    """Forget every group's record and the kept pads (``fused.reset``)."""
+    Group.forget()
     _ZEROS.clear()

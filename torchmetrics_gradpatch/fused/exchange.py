@@ -1,0 +1,531 @@
+"""One fused exchange: this rank's states in, every rank's synced states out, over one process group.
+
+:class:`Exchange` owns what crosses (a *slot* per distinct state), its buffers and its phases, in this order:
+:meth:`~Exchange.add` (torchmetrics' step 1 for a state), :meth:`~Exchange.send` (collective 1, and 2 where a payload
+did not fit: :mod:`.wire`), :meth:`~Exchange.validate`, :meth:`~Exchange.settle` (the side channels: :mod:`.transit`,
+:mod:`.reduced`, :mod:`.large`) and :meth:`~Exchange.entries` (global mode's node: :mod:`.grad`); then
+:func:`set_states` is torchmetrics' step 3 for one Metric. The single sync (``fused_sync``), the collection's
+``compute()`` (:mod:`.collection`) and its step (:mod:`.step`) are adapters around it. Every error that the ranks'
+disagreement causes is raised on every rank, with the same text, after the same collectives. The design, and
+what each phase does to a state: docs/design.md ("The fused exchange").
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchmetrics_gradpatch import _bytes
+from torchmetrics_gradpatch._engine import effective_check
+from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
+from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
+from torchmetrics_gradpatch._modes import check_mode
+from torchmetrics_gradpatch.fused import grad, internals, large, reduced, transit, wire
+
+
+class CheckSettingError(FusedSyncError):
+    """The ranks' check settings differ: raised on every rank at collective 1 (a rank in check mode then knows that
+    its peers run no check collectives)."""
+
+
+@dataclass(slots=True)  # made for every state at every sync
+class Slot:
+    """One state as this rank sends it, after step 1: the value it was made from, its tensors, their description."""
+
+    reduction: Any
+    is_cat: bool
+    value: Any
+    tensors: list[torch.Tensor]
+    described: wire.State
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """A Metric's state in an exchange: its name, its reduction and its slot's index (compute groups share slots)."""
+
+    attr: str
+    reduction: Any
+    slot: int
+
+
+@functools.cache
+def _dim_zero_cat() -> Any:
+    from torchmetrics.utilities.data import dim_zero_cat  # the object torchmetrics.metric compares reductions with
+
+    return dim_zero_cat
+
+
+def is_cat(reduction: object) -> bool:
+    """Whether ``reduction`` is torchmetrics' ``dim_zero_cat``, compared as ``torchmetrics.metric`` compares it."""
+    return bool(reduction == _dim_zero_cat())
+
+
+def reduction_name(fn: object) -> str:
+    return "None" if fn is None else str(getattr(fn, "__qualname__", type(fn).__qualname__))
+
+
+def describe(metric: Any) -> str:
+    """``metric`` as errors name it to the other ranks: its class and each state's reduction."""
+    held = getattr(metric, "_reductions", {}).items()  # any object: what a rank holds where it should be a Metric
+    states = ", ".join(f"{a}: {reduction_name(r).removeprefix('dim_zero_')}" for a, r in held)
+    return f"{type(metric).__name__} ({states})"
+
+
+def fingerprint(metric: Any, key: str = "") -> int:
+    """The ``key`` a collection holds ``metric`` under, its class and its states' reductions, as one number."""
+    reductions = tuple(internals.reductions(metric).items())
+    try:
+        return _fingerprint(key, type(metric).__qualname__, reductions)
+    except TypeError:  # a reduction that cannot be hashed: not cached
+        return _fingerprint.__wrapped__(key, type(metric).__qualname__, reductions)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fingerprint(key: str, cls: str, reductions: tuple[tuple[str, Any], ...]) -> int:
+    text = "|".join([key, cls, *(f"{a}:{reduction_name(r)}" for a, r in reductions)])
+    return zlib.crc32(text.encode())
+
+
+def structure_error(what: str, attr: str | None, rule: str, seen: dict[int, str]) -> FusedSyncError:
+    """The error for a state (``attr``; ``None``: ``what`` as a whole) whose ranks break ``rule``; ``seen`` maps each
+    rank to what it holds."""
+    named = f"state {attr!r} of {what}" if attr is not None else what
+    held = "; ".join(f"rank {rank}: {value}" for rank, value in sorted(seen.items()))
+    return FusedSyncError(
+        f"torchmetrics_gradpatch: fused sync of {named}: {rule}. The ranks hold: {held}. Every rank of the group "
+        "raised this error after the same exchange, before changing any state; none is left waiting. Make every "
+        "rank hold states of the same structure, or sync with torchmetrics' own path (sync='torchmetrics')."
+    )
+
+
+def gather_texts(text: str, group: Any, world_size: int, device: Any) -> list[str]:
+    """Every rank's ``text`` (two collectives): called only where every rank found from the same exchanged facts that
+    an error must name what each rank holds."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group)
+    lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: data.numel()].copy_(data)
+    received = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(received, padded, group)
+    return [bytes(b[:n].tolist()).decode("utf-8", "replace") for b, n in zip(received, lengths, strict=True)]
+
+
+#: While check mode runs a fused sync it pushes a list here; each list state synced with other lengths on some rank is
+#: noted in it as ``(metric, attr)``: torchmetrics' own sync gathers those one by one and would wait.
+uneven_lists: list[list[tuple[Any, str]]] = []
+
+#: The exchanges whose descriptions validate() passed (the newest 64): a steady sync validates its layout once.
+_VALID: dict[Hashable, None] = {}
+
+
+def remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` under ``key`` in ``memo``, which holds its newest 64 entries."""
+    memo[key] = value
+    while len(memo) > 64:
+        memo.pop(next(iter(memo)))
+
+
+def forget() -> None:
+    """Forget the layouts validated once and the fingerprints (``fused.reset``)."""
+    _VALID.clear()
+    _fingerprint.cache_clear()
+
+
+_NOT_SENT = torch.empty(0, dtype=torch.uint8)  # a separate piece's stand-in: it holds no reference to the tensor
+
+
+class Exchange:
+    """One fused exchange over ``group`` (``None``: the default group) for states of Metrics on ``device``; ``name``
+    is what errors call its owner. Made per sync; its phases run once each, in order."""
+
+    def __init__(self, name: str, group: Any, device: Any, mode: str = "local") -> None:
+        self.name = name
+        self.group = dist.group.WORLD if group is None else group
+        self.world_size, self.rank = size_and_rank(self.group)
+        self.mode = check_mode(mode)
+        self.device, self.staging, self.stream_cpu = transit.devices(device, self.group)
+        self.slots: list[Slot] = []
+        self._keys: dict[Hashable, int] = {}
+        self.failure: Exception | None = None
+        # once sent, every rank's: header row, description words, table, slot descriptions, pieces (views of the
+        # receive buffers; this rank's are its own tensors), and the slots every rank reduced (skip) with their values
+        self.rows: list[list[int]] = []
+        self.words: tuple[tuple[int, ...], ...] = ()
+        self.tables: list[tuple[int, ...]] = []
+        self.every: list[tuple[wire.State, ...]] = []
+        self.gathered: list[list[list[torch.Tensor]]] = []
+        self.skip: tuple[int, ...] = ()
+        self.reduced: dict[int, torch.Tensor] = {}
+        self._proposal = reduced.Proposal()
+        self._own: tuple[torch.Tensor, wire.Views] | None = None
+
+    # -- phase 1: this rank's states, after torchmetrics' step 1 -----------------------------------------------------
+
+    def add(self, metric: Any, attr: str, reduction: Any, rule: bool, key: Hashable | None = None) -> int:
+        """Step 1 for ``metric``'s state ``attr``, exactly as ``_sync_dist`` does it (``rule``: the placeholder rule);
+        returns its slot. A state added before under ``key`` is that slot."""
+        if key is not None and (found := self._keys.get(key)) is not None:
+            return found
+        self.slots.append(self._prepared(metric, attr, reduction, rule))
+        if key is not None:
+            self._keys[key] = len(self.slots) - 1
+        return len(self.slots) - 1
+
+    def add_metric(self, metric: Any) -> list[State]:
+        """Step 1 for every state of ``metric``, in ``_sync_dist``'s order, a slot each."""
+        rule = internals.placeholder_rule(metric)
+        held = internals.reductions(metric).items()
+        return [State(attr, reduction, self.add(metric, attr, reduction, rule)) for attr, reduction in held]
+
+    def fail(self, error: Exception) -> None:
+        """This rank cannot send its states: its header says so, and every rank raises after collective 1."""
+        self.failure, self.slots = error, []
+
+    def _prepared(self, metric: Any, attr: str, reduction: Any, rule: bool) -> Slot:
+        value = getattr(metric, attr)
+        cat, streamed = is_cat(reduction), self.stream_cpu
+        # a conjugate or negative view is sent as the values it reads as (torchmetrics' torch.cat, pad or stack
+        # resolves it), resolved here, before the header: a byte view of it would raise on this rank alone
+        if isinstance(value, torch.Tensor):  # the common case first: a tensor state (a steady sync's, many of them)
+            tensor = _bytes.resolved(value).contiguous()
+            return Slot(reduction, cat, value, [tensor], wire.tensor_state(tensor, streamed and tensor.is_cpu))
+        placeholder = False
+        if cat and isinstance(value, list):
+            value = list(value)  # this sync's own list: emptied once the large path wrote its tensors
+            if len(value) > 1 or (value and isinstance(value[0], torch.Tensor) and _bytes.unresolved(value[0])):
+                deferred = large.defer(value, streamed)  # joined later, or written one by one
+                if deferred is not None:
+                    return Slot(reduction, True, value, *deferred)
+            if len(value) > 1:
+                value = [_dim_zero_cat()(value)]
+        if rule and cat and isinstance(value, list) and not value:
+            value, placeholder = [torch.tensor([], device=metric.device, dtype=metric.dtype)], True
+        if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+            tensors = [_bytes.resolved(v).contiguous() for v in value]
+            pieces = tuple(wire.piece_of(t, streamed and t.device.type == "cpu") for t in tensors)
+            return Slot(reduction, cat, value, tensors, wire.State(wire.KIND_LIST, pieces, placeholder))
+        return Slot(reduction, cat, value, [], wire.State(wire.KIND_OTHER, ()))
+
+    # -- phase 2: the collectives ------------------------------------------------------------------------------------
+
+    def send(
+        self, flags: int = 0, fingerprint: int = 0, table: Sequence[int] = (), placement: Sequence[int] = ()
+    ) -> list[list[int]]:
+        """Collective 1, and 2 where some payload did not fit: every rank's header row (returned), description and
+        pieces. ``flags``: the caller's (:data:`wire.FLAG_ASIDE`, :data:`wire.FLAG_UNSTAGED`); ``table``: words sent
+        in front of the description (a collection's member table); ``placement``: what a proposal to reduce must
+        agree on besides the slots. Raises on every rank alike where some rank failed or the ranks' settings differ."""
+        slots = self.slots
+        requires_grad = any(t.requires_grad for s in slots for t in s.tensors)
+        flags |= wire.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0
+        flags |= (wire.FLAG_REQUIRES_GRAD if requires_grad else 0) | (wire.FLAG_CHECK if effective_check() else 0)
+        flags |= wire.FLAG_FAILED if self.failure is not None else 0
+        for s in large.chosen(slots):  # large cat states leave the payload
+            piece = replace(slots[s].described.pieces[0], separate=True)
+            slots[s].described = replace(slots[s].described, pieces=(piece,))
+        for slot in slots:  # step 1 completed for the deferred states that stay in the payload
+            if large.deferred(slot) and not slot.described.pieces[0].separate:
+                slot.tensors[:] = [_dim_zero_cat()(slot.value).contiguous()]
+        words = wire.encode([s.described for s in slots], table)
+        self._proposal = proposal = reduced.propose(slots, placement)
+        whole = wire.read(tuple(words))
+        offsets, size = whole.offsets, whole.size
+        left = wire.read(tuple(words), proposal.slots) if proposal.slots else whole
+        offsets_reduced, size_reduced = left.offsets, left.size
+        # a separate piece is never packed; a piece of a dtype the format does not know (described with none) never sent
+        sent = [
+            s.tensors
+            if len(s.tensors) == 1 and not s.described.pieces[0].separate and s.described.pieces[0].dtype is not None
+            else [
+                _NOT_SENT if p.separate else wire.sendable(t)
+                for t, p in zip(s.tensors, s.described.pieces, strict=True)
+            ]
+            for s in slots
+        ]
+        header = [len(words), size, flags, fingerprint, size_reduced, proposal.digest, chunk_bytes()]
+        with torch.no_grad():
+            first = wire.gather_first(
+                header, words, sent, offsets_reduced, size_reduced, self.group, self.world_size, self.device
+            )
+            self.rows = rows = first.rows
+            self._refuse(rows)
+            self.skip = skip = proposal.slots if reduced.agreed(rows, proposal) else ()
+            # an inline payload leaves out what its rank proposed to reduce: usable where that was agreed, or empty
+            if all(
+                row[wire.FLAGS] & wire.FLAG_INLINE and (skip or row[wire.SIZE_REDUCED] == row[wire.SIZE])
+                for row in rows
+            ):
+                buffers = first.regions
+            else:
+                largest = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in rows)
+                buffers = wire.gather_payloads(
+                    wire.pack(words, sent, offsets_reduced if skip else offsets, largest, self.device),
+                    self.group,
+                    self.world_size,
+                )
+            inline = first.words
+            del first  # the receive buffers live on in the views below only
+            views = []
+            for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
+                known = words if r == self.rank else inline[r]
+                theirs = tuple(known if known is not None else wire.words_of(buffer, row[wire.WORDS]))
+                described = wire.read(theirs, skip)
+                self.words += (theirs,)
+                self.tables.append(described.table)
+                self.every.append(described.states)
+                views.append(described.views)
+            # this rank's own pieces are its own tensors: viewed back only where global mode's node needs them
+            self.gathered = [
+                wire.absent(v) if r == self.rank else wire.unpack(buffer, v)
+                for r, (buffer, v) in enumerate(zip(buffers, views, strict=True))
+            ]
+            self._own = (buffers[self.rank], views[self.rank])
+        return rows
+
+    def _refuse(self, rows: list[list[int]]) -> None:
+        """What every rank refuses right after collective 1, alike: another format, a chunk size setting that is not
+        valid, other check settings, a rank that could not prepare its states."""
+        if len({row[wire.FORMAT] for row in rows}) > 1:
+            raise FusedSyncError(
+                "torchmetrics_gradpatch: fused sync: the ranks run different versions of the fused sync's format ("
+                + "; ".join(f"rank {r}: {row[wire.FORMAT]:#x}" for r, row in enumerate(rows))
+                + "); install the same torchmetrics_gradpatch on every rank."
+            )
+        wire.Group.of(self.group).agree(rows)  # every rank, from the same rows, before anything else can raise
+        refusal = chunk_refusal([row[wire.CHUNK] for row in rows])
+        if refusal is not None:
+            raise FusedSyncError(refusal)
+        checking = [bool(row[wire.FLAGS] & wire.FLAG_CHECK) for row in rows]
+        if len(set(checking)) > 1:
+            raise CheckSettingError(
+                "torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on rank(s) "
+                f"{[r for r, c in enumerate(checking) if c]}, off on rank(s) "
+                f"{[r for r, c in enumerate(checking) if not c]}). Every rank raised this error after the same "
+                "exchange, before changing any state. Set check the same way on every rank (patch(check=...), "
+                "patched(check=...) or TORCHMETRICS_GRADPATCH_CHECK)."
+            )
+        failed = [r for r, row in enumerate(rows) if row[wire.FLAGS] & wire.FLAG_FAILED]
+        if failed:
+            own = "" if self.failure is None else f"{type(self.failure).__name__}: {self.failure}"
+            texts = gather_texts(own, self.group, self.world_size, self.device)
+            raise FusedSyncError(
+                f"torchmetrics_gradpatch: fused sync of {self.name}: rank(s) {failed} could not prepare their states "
+                f"for the sync ({'; '.join(f'rank {r}: {texts[r]}' for r in failed)}). Every rank raised this error "
+                "after the same exchange, before changing any state; none is left waiting. torchmetrics' own sync "
+                "raises the same on those ranks alone; fix what they hold."
+            ) from self.failure
+
+    def flagged(self, flag: int) -> bool:
+        """Whether some rank's header carries ``flag``."""
+        return any(row[wire.FLAGS] & flag for row in self.rows)
+
+    # -- phase 3: what the descriptions allow --------------------------------------------------------------------
+
+    def check_grad_modes(self) -> None:
+        """In global mode, refuse alike where the ranks disagree on grad mode while some state requires grad."""
+        if self.mode != "global":
+            return
+        grad_mode = [bool(row[wire.FLAGS] & wire.FLAG_GRAD_MODE) for row in self.rows]
+        requiring = [r for r, row in enumerate(self.rows) if row[wire.FLAGS] & wire.FLAG_REQUIRES_GRAD]
+        if requiring and len(set(grad_mode)) > 1:
+            raise GradModeMismatchError(
+                f"torchmetrics_gradpatch: fused global-mode sync of {self.name}: the ranks disagree on grad mode. "
+                f"Rank(s) {[r for r, g in enumerate(grad_mode) if not g]} synced with grad mode off, rank(s) "
+                f"{[r for r, g in enumerate(grad_mode) if g]} with it on, and rank(s) {requiring} hold states that "
+                "require grad. Sync with the same grad mode on every rank. Every rank raised this error after the "
+                "same exchange; none is left waiting."
+            )
+
+    def validate(self, name: str, states: list[State], views: Sequence[Sequence[wire.State]]) -> None:
+        """Refuse, alike on every rank, what torchmetrics' sync cannot complete and one process could not hold:
+        ``views[r][i]`` is rank ``r``'s description of ``states[i]``. Done once per layout (a steady sync's is)."""
+        key = (self.words, tuple((s.slot, is_cat(s.reduction)) for s in states))  # the views follow from these
+        if key in _VALID:
+            return
+        kinds = {wire.KIND_TENSOR: "a tensor", wire.KIND_LIST: "a list of tensors", wire.KIND_OTHER: "something else"}
+        for i, state in enumerate(states):
+            described = {r: held[i] for r, held in enumerate(views)}
+            kind = {r: d.kind for r, d in described.items()}
+            if wire.KIND_OTHER in kind.values() or len(set(kind.values())) > 1:
+                rule = "it must be a tensor, or a list of tensors, on every rank"
+                raise structure_error(name, state.attr, rule, {r: kinds[k] for r, k in kind.items()})
+            for r, d in described.items():
+                if any(p.dtype is None for p in d.pieces):
+                    raise structure_error(
+                        name, state.attr, "a dtype the fused sync does not know", {r: "an unknown dtype"}
+                    )
+            if kind[self.rank] == wire.KIND_TENSOR:
+                pieces = {r: d.pieces[0] for r, d in described.items()}
+                if len({(p.dtype, p.shape) for p in pieces.values()}) > 1:
+                    rule = (
+                        "a tensor state must have one dtype and shape on every rank (its gathered values are stacked)"
+                    )
+                    raise structure_error(
+                        name, state.attr, rule, {r: f"{p.dtype} {list(p.shape)}" for r, p in pieces.items()}
+                    )
+            elif is_cat(state.reduction):
+                real = {r: d.pieces[0] for r, d in described.items() if d.pieces and not d.placeholder}
+                if (
+                    len({p.dtype for p in real.values()}) > 1
+                    or len({wire.cat_key(p.shape) for p in real.values()} - {None}) > 1
+                ):
+                    rule = "the tensors of a 'cat' state must agree in dtype, number of dimensions and every size but "
+                    rule += "the first"
+                    raise structure_error(
+                        name, state.attr, rule, {r: f"{p.dtype} {list(p.shape)}" for r, p in real.items()}
+                    )
+        remember(_VALID, key, None)
+
+    # -- phase 4: the side channels ------------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """After validation, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
+        states cross (each side channel's collectives, none where the descriptions call for none)."""
+        chunk = min(row[wire.CHUNK] for row in self.rows)
+        traits = [wire.read(words) for words in self.words]
+        with torch.no_grad():
+            if any(each.streams for each in traits):
+                own = [s.tensors for s in self.slots]
+                for r, s, i, piece in transit.receive_stream(
+                    own, self.every, self.skip, self.rank, self.group, self.staging, chunk
+                ):
+                    self.gathered[r][s][i] = piece
+            if self.skip:
+                self.reduced = reduced.run(self._proposal, self.slots, self.group, self.device, self.staging, chunk)
+            if any(each.separates for each in traits):
+                moved = large.run(self.tables, self.every, self.slots, self.rank, self.group, self.device)
+                for r, s, i, piece in moved.pieces:
+                    self.gathered[r][s][i] = piece
+                for s, written in moved.written.items():  # the buffer holds them now: the local tensors can go
+                    self.slots[s].tensors[:] = [written]
+                    if isinstance(self.slots[s].value, list):
+                        self.slots[s].value.clear()
+                self.reduced.update(moved.joined)
+
+    # -- phase 5: every rank's entries -----------------------------------------------------------------------------
+
+    def entries(self, keep: list[list[bool]]) -> list[list[list[torch.Tensor]]]:
+        """Per rank, per slot, the entries torchmetrics' step 3 sees: this rank's own tensors (their graphs kept),
+        every other rank's gathered pieces; in global mode with a graph anywhere, the differentiable ones as the
+        outputs of one node. ``keep[r][s]``: rank ``r``'s slot ``s`` becomes list-state content, so its entries are
+        copies, not views of the buffers."""
+        gathered, rank = self.gathered, self.rank
+        result = [[list(pieces) for pieces in gathered[r]] for r in range(self.world_size)]
+        result[rank] = [list(slot.tensors) for slot in self.slots]
+        node = self.mode == "global" and self.flagged(wire.FLAG_REQUIRES_GRAD) and torch.is_grad_enabled()
+        if node:
+            plan = grad.Node(
+                [], rank, self.world_size, None if self.group is dist.group.WORLD else self.group, self.device
+            )
+            places, inputs = [], []
+            viewed = wire.unpack(*self._own) if self._own is not None else gathered[rank]
+            for r in range(self.world_size):
+                for s, described in enumerate(self.every[r]):
+                    for i, piece in enumerate(described.pieces):
+                        if piece.requires_grad:
+                            value = gathered[r][s][i]
+                            if r == rank and value is wire.ABSENT:  # not sent apart nor streamed: in the buffer
+                                value = viewed[s][i]
+                            plan.entries.append(grad.Entry(r, value, keep[r][s]))
+                            places.append((r, s, i))
+                            if r == rank:
+                                inputs.append(self.slots[s].tensors[i])
+            for (r, s, i), output in zip(places, grad.apply(plan, inputs), strict=True):
+                result[r][s][i] = output
+        for r in range(self.world_size):
+            if r != rank:
+                for s, pieces in enumerate(result[r]):
+                    if keep[r][s]:
+                        result[r][s] = [e if e.grad_fn is not None else e.clone() for e in pieces]
+        return result
+
+
+def set_states(
+    metric: Any,
+    states: Sequence[State],
+    views: Sequence[Sequence[wire.State]],
+    entries: list[list[list[torch.Tensor]]],
+    values: Sequence[torch.Tensor | None] = (),
+) -> None:
+    """torchmetrics' step 3 for ``metric``: per state, stack (a tensor state) or flatten (a list state: element ``i``
+    of every rank, then ``i + 1``; a rank with no ``i``-th element is skipped there), reduce and set.
+
+    ``views[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``; ``values[i]``,
+    where given and not ``None``, is its value reduced across the ranks already."""
+    if uneven_lists:  # in check mode: the list states whose lengths differ between ranks
+        for i, state in enumerate(states):
+            if len({len(held[i].pieces) for held in views}) > 1:
+                for noted in uneven_lists:  # an enclosing check's reference would run this sync too
+                    noted.append((metric, state.attr))
+    ranks = range(len(entries))
+    for i, state in enumerate(states):
+        if values and values[i] is not None:
+            internals.put(metric, {state.attr: values[i]})
+            continue
+        gathered: Any
+        if views[0][i].kind == wire.KIND_TENSOR:
+            gathered = torch.stack([entries[r][i][0] for r in ranks])
+        else:
+            per_rank = [entries[r][i] for r in ranks]
+            if is_cat(state.reduction):  # torchmetrics' placeholder where no rank holds data, else the holders'
+                holders = [r for r, held in enumerate(views) if held[i].pieces and not held[i].placeholder]
+                holders = holders or [r for r, held in enumerate(views) if held[i].pieces]
+                gathered = [per_rank[r][0] for r in holders]
+            else:
+                longest = max(len(pieces) for pieces in per_rank)
+                gathered = [pieces[k] for k in range(longest) for pieces in per_rank if k < len(pieces)]
+            if not gathered:
+                internals.put(metric, {state.attr: []})
+                continue
+        if state.reduction is None:
+            internals.put(metric, {state.attr: gathered})
+        elif callable(state.reduction):
+            internals.put(metric, {state.attr: state.reduction(gathered)})
+        else:
+            raise TypeError("reduction_fn must be callable or None")
+
+
+def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) -> bool:
+    """The single sync: ``metric``'s ``_sync_dist`` in one exchange over ``process_group`` (else the Metric's, else
+    the default group). Returns ``False``, having changed nothing, where some rank steps aside (``aside_here`` on
+    this rank: it sends its header alone); then every rank runs torchmetrics' own ``_sync_dist``."""
+    exchange = Exchange(type(metric).__name__, process_group or metric.process_group, metric.device, mode)
+    states: list[State] = []
+    try:
+        states = [] if aside_here else exchange.add_metric(metric)
+    except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
+        exchange.fail(error)
+        states = []
+    exchange.send(wire.FLAG_ASIDE if aside_here else 0, fingerprint(metric))
+    if exchange.flagged(wire.FLAG_ASIDE):
+        return False
+    slots = exchange.slots
+    # sync()'s copies of the states sent apart are freed before the buffer is made, and made again after
+    released = large.release_cache(
+        metric, [s.attr for s in states if any(p.separate for p in slots[s.slot].described.pieces)]
+    )
+    if len({row[wire.FINGERPRINT] for row in exchange.rows}) > 1:
+        held = gather_texts(describe(metric), exchange.group, exchange.world_size, exchange.device)
+        rule = "the ranks are syncing different metrics (another class, or other states or reductions)"
+        raise structure_error("a Metric", None, rule, dict(enumerate(held)))
+    exchange.check_grad_modes()
+    exchange.validate(exchange.name, states, exchange.every)
+    exchange.settle()
+    keep = [s.described.kind == wire.KIND_LIST and not s.is_cat for s in slots]
+    entries = exchange.entries([keep] * exchange.world_size)
+    set_states(metric, states, exchange.every, entries, [exchange.reduced.get(s.slot) for s in states])
+    # the local tensors are no longer held but by sync()'s cache: its copies are made from the buffer now
+    large.recopy(
+        metric,
+        {s.attr: slots[s.slot].tensors[0] if slots[s.slot].tensors else None for s in states if s.attr in released},
+    )
+    return True
