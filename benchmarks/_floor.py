@@ -1,7 +1,7 @@
 """The floor's collective: one gather of the bytes a steady fused exchange moves in its collective 1.
 
 A steady fused exchange sends, per rank, an 80-byte header (``wire.HEADER_WORDS`` int64 words) and the group's
-inline capacity (``wire.capacity(group).data`` bytes), and receives that from every rank. :func:`exchange_bytes`
+inline capacity (``wire.Group.of(group).capacity.data`` bytes), and receives that from every rank. :func:`exchange_bytes`
 reads those bytes for a group (read it after a warm-up fused exchange, when the capacity has settled), and
 :func:`collective` returns a function that issues one gather of that many bytes per rank on the group, into buffers
 made once: ``all_gather_single`` where torch has it (it renamed ``all_gather_into_tensor``, which then warns),
@@ -23,7 +23,7 @@ def exchange_bytes(group: Any) -> int:
     """Per rank, the bytes of ``group``'s next fused exchange's collective 1: the header and the inline capacity."""
     from torchmetrics_gradpatch.fused import wire
 
-    return 8 * wire.HEADER_WORDS + wire.capacity(group).data
+    return 8 * wire.HEADER_WORDS + wire.Group.of(group).capacity.data
 
 
 def collective(nbytes: int, group: Any) -> Callable[[], None]:

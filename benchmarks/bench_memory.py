@@ -146,7 +146,8 @@ def _rank_main(case: str, arm: str, elements: int) -> dict[str, Any]:
     _memory.reset_peak()
     started = time.perf_counter()
     if arm != "torchmetrics" and len(metrics) > 1:  # a collection: its one exchange
-        collection.sync_members([(str(i), m) for i, m in enumerate(metrics)], "local")
+        for synced in collection.sync_members([(str(i), m) for i, m in enumerate(metrics)], "local").synced.values():
+            synced.set_through_sync()
     else:
         for metric in metrics:
             metric.sync()

@@ -11,7 +11,7 @@ rotating from round to round:
 * ``torchmetrics``: ``Metric._sync_dist`` as torchmetrics ships it, with torchmetrics' gather;
 * ``fused``: :func:`torchmetrics_gradpatch.fused.fused_sync` in local mode;
 * ``floor``: per Metric, one ``all_gather_single`` (``all_gather_into_tensor`` on a torch without it) on the case's
-  group of the bytes a steady fused exchange moves in its collective 1: ``80 + wire.capacity(group).data`` bytes
+  group of the bytes a steady fused exchange moves in its collective 1: ``80 + wire.Group.of(group).capacity.data`` bytes
   per rank, the capacity read after the warm-up fused syncs of the case (and checked again at the end). Where the
   fused sync issues more collectives than that one (a large ``cat`` state's, a reduced state's), the floor leaves
   them out, and its ratio is marked ``*``;
@@ -89,7 +89,7 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
     from torchmetrics.utilities.distributed import gather_all_tensors
 
     from torchmetrics_gradpatch.fused import fused_sync
-    from torchmetrics_gradpatch.fused import wire as _fused_pack
+    from torchmetrics_gradpatch.fused import wire
 
     torch.set_num_threads(1)
     original = Metric.__dict__["_sync_dist"]
@@ -150,8 +150,8 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
                 [v] if isinstance(v, torch.Tensor) else list(v)
                 for v in (getattr(metric, a) for a in metric._reductions)
             ]
-            described = [_fused_pack.State(0, tuple(_fused_pack.piece_of(t) for t in p)) for p in pieces]
-            packed += _fused_pack.layout(described, 8 * len(_fused_pack.encode(described)))[1]
+            described = [wire.State(0, tuple(wire.piece_of(t) for t in p)) for p in pieces]
+            packed += wire.layout(described, 8 * len(wire.encode(described)))[1]
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         ratios: dict[str, list[float]] = {"torchmetrics": [], "floor": [], "floor, synced": []}
         for round_ in range(rounds):

@@ -2,7 +2,7 @@
 
 ``TMGP_FUSED_PROBE=<dir>``: every fused Metric sync a process completes appends a line, its gradient mode, to
 ``<dir>/<pid>``, written at once (pool workers are killed at the end of a run, so nothing waits for exit). It
-watches for the package's ``fused.sync`` module (where the sync is looked up at every call) instead of importing
+watches for the package's ``fused.exchange`` module (where the sync is looked up at every call) instead of importing
 it, so a process imports exactly what it would without this file.
 
 ``TMGP_IMPORT_PACKAGE=1``: import ``torchmetrics_gradpatch`` at start, so upstream's spawned ranks and pool workers,
@@ -24,7 +24,7 @@ if os.environ.get("TMGP_FUSED_PROBE"):
     import wrapt
 
     def _count_fused_syncs(module: Any) -> None:
-        run = module.fused_sync
+        run = module.sync_metric
         probe = os.environ["TMGP_FUSED_PROBE"]
 
         @functools.wraps(run)
@@ -35,9 +35,9 @@ if os.environ.get("TMGP_FUSED_PROBE"):
                     out.write(mode + "\n")
             return synced
 
-        module.fused_sync = counted
+        module.sync_metric = counted
 
-    wrapt.register_post_import_hook(_count_fused_syncs, "torchmetrics_gradpatch.fused.sync")
+    wrapt.register_post_import_hook(_count_fused_syncs, "torchmetrics_gradpatch.fused.exchange")
 
 if os.environ.get("TMGP_IMPORT_PACKAGE") == "1":
     import torchmetrics_gradpatch  # noqa: F401  (patches at import, in the mode and with the sync the environment names)
