@@ -22,6 +22,8 @@ CHUNK_ENV = "TORCHMETRICS_GRADPATCH_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 #: The largest chunk size accepted: it crosses in an int64 header word, and sums of it must stay int64 too.
 MAX_CHUNK_BYTES = 2**62
+#: How every error raised alike on every rank after an exchange ends.
+RAISED_ALIKE = "Every rank of the group raised this error after the same exchange; none is left waiting."
 
 
 def chunk_bytes() -> int:
@@ -46,8 +48,7 @@ def chunk_refusal(sizes: Sequence[int]) -> str | None:
         return None
     return (
         f"torchmetrics_gradpatch: {CHUNK_ENV} is not a whole number of bytes from 1 to {MAX_CHUNK_BYTES} on rank(s) "
-        f"{bad}. Set it alike on every rank (default {DEFAULT_CHUNK_BYTES}), or unset it. Every rank raised this error "
-        "after the same exchange; none is left waiting."
+        f"{bad}. Set it alike on every rank (default {DEFAULT_CHUNK_BYTES}), or unset it. {RAISED_ALIKE}"
     )
 
 

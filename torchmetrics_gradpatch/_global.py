@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._errors import GradModeMismatchError
-from torchmetrics_gradpatch._gather import exchange, gather_entries, gather_local, size_and_rank
+from torchmetrics_gradpatch._gather import RAISED_ALIKE, exchange, gather_entries, gather_local, size_and_rank
 
 _REQUIRES_GRAD = 1  # flag bits each rank sends in its header
 _GRAD_MODE = 2
@@ -29,7 +29,6 @@ _INLINE_DIMS = 6  # the body holds a shape of up to this many dims, or a scalar'
 _HEADER_WORDS = _BODY + _INLINE_DIMS
 _OK, _CONJUGATE = 0, 1  # status codes
 _CAUSES = {_CONJUGATE: "the tensor has the conjugate bit set; call .resolve_conj() on it before gathering"}
-_END = "Every rank of the group raised this error after the same exchange; none is left waiting."
 
 
 def _fresh(entry: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -238,14 +237,15 @@ def _refusal(rows: list[list[int]]) -> RuntimeError | None:
             if (ranks := [r for r in stopped if rows[r][_STATUS] == status])
         )
         return RuntimeError(
-            f"torchmetrics_gradpatch: global-mode gather: rank(s) {stopped} cannot take part ({causes}). {_END}"
+            f"torchmetrics_gradpatch: global-mode gather: rank(s) {stopped} cannot take part ({causes}). {RAISED_ALIKE}"
         )
     dtypes = [row[_DTYPE] for row in rows]
     if dtypes.count(dtypes[0]) != len(dtypes):
         each = ", ".join(f"rank {r}: {_bytes.dtype_name(code)}" for r, code in enumerate(dtypes))
         return RuntimeError(
             f"torchmetrics_gradpatch: global-mode gather: the ranks disagree on the dtype of the gathered tensor "
-            f"({each}, ranks within the gather's group). Every rank must gather a tensor of the same dtype. {_END}"
+            f"({each}, ranks within the gather's group). Every rank must gather a tensor of the same dtype. "
+            f"{RAISED_ALIKE}"
         )
     ndims = [row[_NDIM] for row in rows]
     if ndims.count(ndims[0]) != len(ndims):
@@ -256,7 +256,7 @@ def _refusal(rows: list[list[int]]) -> RuntimeError | None:
         return RuntimeError(
             f"torchmetrics_gradpatch: global-mode gather: the ranks disagree on the number of dimensions of the "
             f"gathered tensor ({each}, ranks within the gather's group). Every rank must gather a tensor with the "
-            f"same number of dimensions; each dimension's size may differ. {_END}"
+            f"same number of dimensions; each dimension's size may differ. {RAISED_ALIKE}"
         )
     return None
 
@@ -272,7 +272,7 @@ def grad_mode_error(what: str, verb: str, grad: Sequence[bool], requiring: Seque
         f"(torch.no_grad() or inference mode), rank(s) {on} with it on (ranks within the group), and rank(s) "
         f"{list(requiring)} hold a tensor that requires grad. The backward of global mode is a collective, so either "
         "every rank or no rank must build it: run the metric's forward, compute or sync with the same grad mode on "
-        f"every rank, e.g. the same torch.no_grad() block everywhere. {_END}"
+        f"every rank, e.g. the same torch.no_grad() block everywhere. {RAISED_ALIKE}"
     )
 
 
