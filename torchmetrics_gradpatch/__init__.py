@@ -21,10 +21,6 @@ Public names:
 * :class:`UnsupportedVersionError`, :class:`GradModeMismatchError`, :class:`FusedSyncError` -- the errors the package
   raises (the last: the ranks' states cannot be synced together by the fused sync, docs/fused-sync.md).
 
-Layout: the core (version gate, target, gathers, modes, engine, switches, status) imports no feature; the
-features -- ``fused`` (the fused sync, registered with the core as a sync strategy) and ``cli`` (the command
-line) -- import the core. This module is the facade that imports both.
-
 Gradient modes are named case-insensitively everywhere (``"Global"`` is ``"global"``), in the API and in
 ``TORCHMETRICS_GRADPATCH_MODE`` alike, and so are sync strategies (``TORCHMETRICS_GRADPATCH_SYNC=fused``).
 ``TORCHMETRICS_GRADPATCH_AUTOPATCH=0`` imports without patching, ``TORCHMETRICS_GRADPATCH_CHECK=1`` turns the sync

@@ -1,18 +1,9 @@
-"""The public switches: ``patch``, ``unpatch``, ``is_patched``, ``compile_support``, and the environment variables.
+"""The public switches (``patch``, ``unpatch``, ``is_patched``, ``compile_support``) and the environment variables.
 
-Role: check what the caller gave (a clear error naming the argument) and change the engine through its functions;
-read ``TORCHMETRICS_GRADPATCH_MODE`` / ``TORCHMETRICS_GRADPATCH_SYNC`` / ``TORCHMETRICS_GRADPATCH_CHECK`` /
-``TORCHMETRICS_GRADPATCH_AUTOPATCH`` (a ``ValueError`` naming the variable and its allowed values).
-:func:`patched` lives in :mod:`torchmetrics_gradpatch._blocks`, :func:`status` in
-:mod:`torchmetrics_gradpatch._status`; the state model they share is in docs/design.md.
-
-Invariants:
-
-* importing this module changes nothing: the package's ``__init__`` applies the environment once, through
-  :func:`apply_environment`, which records what the import found (:func:`at_import`, for ``status()``);
-* once torchmetrics' gather has been refused, :func:`patch`, :func:`~torchmetrics_gradpatch.patched` and
-  :func:`compile_support` raise that refusal and change nothing (the engine decides it, docs/design.md);
-* every variable is read by one function (:func:`_read`), so each names itself and its allowed values alike.
+Contract: check what the caller gave (an error naming the argument) and change the engine through its functions;
+importing this module changes nothing (the package's ``__init__`` calls :func:`apply_environment` once); every
+variable is read by :func:`_read`, so each error names the variable and its allowed values alike. The variables and
+the switches for users: docs/api.md; the state they share: docs/design.md ("The state").
 """
 
 from __future__ import annotations
@@ -24,26 +15,6 @@ from dataclasses import dataclass
 from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch._syncs import STRATEGIES, check_sync
-
-__all__ = [
-    "AUTOPATCH_ENV",
-    "CHECK_ENV",
-    "MODE_ENV",
-    "SYNC_ENV",
-    "ImportChoice",
-    "apply_environment",
-    "at_import",
-    "autopatch_requested",
-    "check_choice",
-    "check_pairing",
-    "check_requested",
-    "compile_support",
-    "is_patched",
-    "mode_requested",
-    "patch",
-    "sync_requested",
-    "unpatch",
-]
 
 AUTOPATCH_ENV = "TORCHMETRICS_GRADPATCH_AUTOPATCH"
 CHECK_ENV = "TORCHMETRICS_GRADPATCH_CHECK"

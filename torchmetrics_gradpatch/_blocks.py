@@ -1,21 +1,11 @@
 """``patched()``: the context manager and decorator that keeps the patch in force for a block or a call.
 
-Role: turn ``with patched(...):`` / ``@patched`` into the engine's :func:`~torchmetrics_gradpatch._engine.enter_block`
-and :func:`~torchmetrics_gradpatch._engine.exit_block`, one record per entry.
-
-Invariants:
-
-* a block object exits only what it entered: each ``with`` entry is closed by its own exit, and an ``__exit__``
-  called by hand on a block with no entry open (never entered, or exited already) raises ``RuntimeError``;
-* entering and leaving through ``with`` is indivisible with respect to asynchronous exceptions (a Ctrl-C) as far
-  as CPython allows: ``with`` looks ``__exit__`` up *before* it calls ``__enter__``, so each entry gets its own
-  exit object, held only by the ``with`` statement, and the engine's record of the entry holds a weak reference
-  to it. However an interrupt lands -- inside ``__enter__``, or before ``__exit__`` ran a line -- once the
-  ``with`` statement is gone so is that object, and the engine drops the record (docs/design.md, "The state
-  model"). An entry made by calling ``__enter__()`` by hand (or through ``contextlib.ExitStack``) has no such
-  object and stays open until exited;
-* blocks nest, may close in any order and from any thread; a block entered in one thread and exited by hand in
-  another closes that thread's newest entry of the block, else the block's newest.
+Contract: each entry is one engine record (:func:`._engine.enter_block`), closed by its own exit; an ``__exit__``
+called by hand with no entry open raises ``RuntimeError``. ``with`` looks ``__exit__`` up before it calls
+``__enter__``, so each entry gets its own exit object, held only by the ``with`` statement, and the engine's record
+holds a weak reference to it: however a Ctrl-C lands, the record goes with the statement (docs/design.md, "The
+state"). Blocks nest, close in any order and from any thread; an exit by hand in another thread closes that
+thread's newest entry of the block, else the block's newest.
 """
 
 from __future__ import annotations
@@ -34,8 +24,6 @@ from torchmetrics_gradpatch import _engine
 from torchmetrics_gradpatch._api import check_choice, check_pairing
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch._syncs import check_sync
-
-__all__ = ["patched"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 ExitFunction = Callable[[type[BaseException] | None, BaseException | None, TracebackType | None], None]
@@ -71,18 +59,7 @@ class _Exit:
 
 
 class _Patched:
-    """What :func:`patched` returns: a context manager and decorator keeping the patch in force.
-
-    ``with patched(): ...`` and ``@patched()`` nest, are thread-safe and, on exit, undo only their own entry
-    (also when the block raises), so the state found at entry is restored unless the block itself called
-    :func:`patch` or :func:`unpatch`. As a decorator, each call of the function opens its own block; coroutine
-    functions are supported (the block spans the awaited call). Generator functions are refused, because a
-    block around a suspended generator would leak into the code that iterates it.
-
-    ``patched(mode="global")`` (or ``"local"``) also sets the gradient mode while the block is open and no
-    newer block with a mode is; ``patched()`` leaves the mode alone. ``sync=`` does the same for the sync strategy,
-    ``check=`` (``True`` or ``False``) for the sync check.
-    """
+    """What :func:`patched` returns: a context manager and decorator keeping the patch in force (see there)."""
 
     __exit__ = _Exit()
 
@@ -170,8 +147,10 @@ def patched(mode: str | F | None = None, sync: str | None = None, check: bool | 
     ``patched(check=True)`` (or ``False``) whether each fused sync also runs torchmetrics' own sync and compares;
     ``check`` must be ``True``, ``False`` or ``None`` (a ``TypeError`` otherwise), and is not ``True`` beside
     ``sync="torchmetrics"`` (a ``ValueError``: nothing would be checked).
-    Blocks nest, are thread-safe and, on exit, undo only their own entry (also when the block raises); see
-    :class:`_Patched` for decorating coroutine and generator functions.
+    Blocks nest, are thread-safe and, on exit, undo only their own entry (also when the block raises), so the
+    state found at entry is restored unless the block itself called :func:`patch` or :func:`unpatch`. As a
+    decorator, each call opens its own block; a coroutine function's block spans the awaited call, and generator
+    functions are refused (``TypeError``): the block would leak into the code that iterates the generator.
     """
     if callable(mode):  # @patched without parentheses: Python passed the decorated function as ``mode``
         return _Patched()(mode)

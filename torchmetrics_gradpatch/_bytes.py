@@ -1,15 +1,7 @@
-"""Tensors as bytes on the wire: a dtype's code, its size, and aligned byte offsets, for every exchange of the package.
+"""Tensors as bytes on the wire, for every exchange of the package: a dtype's code, its size, and aligned offsets.
 
-Role: the one definition of how a dtype is named in an exchanged header or description (:func:`code`, read back with
-:func:`dtype_of`), of how many bytes a tensor takes (:func:`nbytes`), and of where the pieces of a packed byte
-buffer start (:func:`offsets`, every piece aligned to :data:`ALIGN`). Global mode's header, the fused sync's
-descriptions and payloads, and both backward passes use it.
-
-Invariants:
-
-* a code is the CRC-32 of the dtype's name, so it means the same on every rank whatever torch each runs; a rank
-  whose torch lacks the dtype reads it as ``None``, never as another dtype;
-* importing this module imports torch (callers are the gathers and the fused sync, which have already).
+Contract: a code is the CRC-32 of the dtype's name, so it means the same on every rank whatever torch each runs; a
+rank whose torch lacks the dtype reads it as ``None``, never as another dtype. Imports torch.
 """
 
 from __future__ import annotations
@@ -20,21 +12,6 @@ import zlib
 from collections.abc import Iterable
 
 import torch
-
-__all__ = [
-    "ALIGN",
-    "aligned",
-    "as_bytes",
-    "code",
-    "dtype_name",
-    "dtype_of",
-    "itemsize",
-    "nbytes",
-    "offsets",
-    "plain",
-    "resolved",
-    "unresolved",
-]
 
 #: Every packed piece starts at a multiple of this, so its bytes can be viewed as any dtype (complex128: 16).
 ALIGN = 16

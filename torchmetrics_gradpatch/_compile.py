@@ -1,18 +1,9 @@
-"""The ``torch.compile`` version shim: torch's "is dynamo tracing?" check and a graph break, on torch 2.0 to 2.15.
+"""The ``torch.compile`` shim, torch 2.0 to 2.15: :func:`check` (is dynamo tracing the caller?) and
+:func:`run_eagerly` (call a function behind a graph break). Why: docs/design.md ("torch.compile").
 
-Role: the two things the gathers need from ``torch.compile`` -- :func:`check` (``True`` while dynamo traces the
-caller, ``False`` in eager mode) and :func:`run_eagerly` (call a function behind a graph break, so it runs in eager
-mode exactly as without ``torch.compile``). Why the gather is not traced: docs/design.md, "torch.compile".
-
-Invariants:
-
-* a leaf: it imports no module of this package and knows neither the engine nor the gradient modes; callers hand
-  it the function to run;
-* importing it imports neither torch nor ``torch._dynamo``: torch is imported on the first :func:`check`, and the
-  compiler-disable wrapper :func:`run_eagerly` needs is made by a post-import hook when dynamo is imported
-  (``torch.compile`` imports it before tracing anything); :func:`watch_dynamo` registers that hook, once;
-* ``torch.compiler.is_compiling`` / ``torch.compiler.disable`` are used where they exist (torch >= 2.3 / 2.1),
-  ``torch._utils.is_compiling`` on torch 2.1 and 2.2, dynamo's own on torch 2.0 once dynamo is imported.
+Contract: a leaf that imports no module of this package; importing it imports neither torch nor ``torch._dynamo``
+(torch on the first :func:`check`; the disable wrapper is made by a post-import hook once dynamo is imported,
+registered by :func:`watch_dynamo`).
 """
 
 from __future__ import annotations
@@ -21,8 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import wrapt
-
-__all__ = ["check", "is_compiling", "run_eagerly", "watch_dynamo"]
 
 
 def _find_is_compiling() -> Callable[[], bool]:

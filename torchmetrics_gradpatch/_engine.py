@@ -1,38 +1,10 @@
-"""The patch engine: swap the code of torchmetrics' own gather for a trampoline, and put the very same code back.
+"""The patch engine: the one owner of the process's patch state, and the swap of torchmetrics' gather's code.
 
-Role: the one owner of the process's patch state (docs/design.md, "The state model"): the ``patch()`` switch,
-the open ``patched()`` blocks, the modes, the sync strategies, the sync check, compile support, and what that means
-for torchmetrics' function and ``Metric._sync_dist``. Every change goes through a function here (:func:`set_manual`,
-:func:`enter_block`, :func:`exit_block`, :func:`set_defaults`) and :func:`observe` takes one consistent reading of
-it for ``status()``.
-
-Invariants:
-
-* all state changes happen under one lock; :func:`dispatch`, the hot path, reads without it what the last change
-  decided (``_State.gather``), so a gather never sees half a change;
-* a refusal is atomic: torchmetrics' gather is recognised (:func:`~torchmetrics_gradpatch._target.recognise`)
-  before its code or ``Metric._sync_dist`` is changed; once it is refused, :attr:`_State.refusal` says why, what
-  needs the gather is held back (asked for, not in force, nothing installed) and every change that would put it
-  in force raises the same error and is undone;
-* ``Metric._sync_dist`` is replaced (:mod:`torchmetrics_gradpatch._syncs`: the effective sync strategy, behind one
-  graph break under ``torch.compile``) exactly while the patch is in force and the effective strategy is not
-  torchmetrics' own or the trampoline is wanted, and torchmetrics' own function object comes back otherwise;
-* only ``__code__`` of torchmetrics' own function (the one its ``torchmetrics.metric`` namespace and
-  ``Metric._sync_dist``'s default hold, whatever the module attribute now holds) is ever changed, by one
-  assignment, and the original code object itself is what comes back;
-* a ``patched()`` block is one record, stored or deleted by one bytecode under the lock; a record tied to a
-  ``with`` statement that no longer exists (an asynchronous exception interrupted its ``__enter__`` or
-  ``__exit__``) is dropped at the next state change or reading of the state (docs/design.md);
-* what is derived from the records and switches (counts, mode, the gather dispatch calls, ``__code__``,
-  ``Metric._sync_dist``) is brought in line by :func:`_settle`, and ``_State.settled`` is cleared before every
-  change and set only when that has run to its end: an asynchronous exception landing in between leaves it
-  clear, and the next change, reading of the state or dispatched gather settles again.
-
-Reloading this module (or the package) is not supported: a reload makes a second state that knows nothing of
-what the first one swapped (docs/design.md, "Non-goals").
-
-Longer than the package's other modules because every transition and the code swap share one lock and one set of
-helpers (``_refresh``, ``_sync``, ``_sweep``); split, the lock and those helpers would be reached across modules.
+Contract: every change goes through :func:`set_manual`, :func:`enter_block`, :func:`exit_block` or
+:func:`set_defaults` under one lock; :func:`dispatch`, the hot path, reads without it what the last change decided;
+:func:`observe` takes one consistent reading for ``status()``. The state, refusals, Ctrl-C and what is installed
+when: docs/design.md ("The state"). One module because every transition and the code swap share the lock and its
+helpers (``_refresh``, ``_sync``, ``_sweep``). Reloading it is not supported (docs/design.md, "Non-goals").
 """
 
 from __future__ import annotations
@@ -52,24 +24,6 @@ from torchmetrics_gradpatch import _compile, _modes, _syncs
 from torchmetrics_gradpatch._errors import UnsupportedVersionError
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, held_functions, own_function, recognise
 
-__all__ = [
-    "DISPATCH_NAME",
-    "Observation",
-    "configure",
-    "dispatch",
-    "effective_check",
-    "effective_mode",
-    "effective_sync",
-    "enter_block",
-    "exit_block",
-    "in_force",
-    "installed",
-    "observe",
-    "refresh",
-    "set_defaults",
-    "set_manual",
-    "snapshot",
-]
 #: The one name the trampoline looks up: put into torchmetrics' module namespace (the patched function's
 #: ``__globals__``) when the trampoline is first installed, and left there, so a call already inside the
 #: trampoline while another thread unpatches still finds it.
@@ -143,11 +97,8 @@ _TRAMPOLINE_CODE: types.CodeType = _trampoline.__code__
 
 
 def dispatch(result: Any, group: Any = None) -> list[Any]:
-    """Entry point of the trampoline: the effective mode's gather while in force, else the original.
-
-    The hot path of every patched gather: three attribute reads, torch's is_compiling check and one call. A change
-    that an asynchronous exception cut short is finished first, unless another thread is making a change now.
-    """
+    """Entry point of the trampoline, the hot path: the effective mode's gather while in force, else the original.
+    A change an asynchronous exception cut short is finished first, unless another thread is making one now."""
     if not _state.settled and _lock.acquire(blocking=False):
         try:
             _sweep()
@@ -165,10 +116,8 @@ def dispatch(result: Any, group: Any = None) -> list[Any]:
 
 
 def _adopt(module: types.ModuleType) -> None:
-    """Recognise torchmetrics' gather in ``module`` and bring it in line with the current state.
-
-    A refusal is recorded (``_state.refusal``) before it is raised, and nothing has been changed by then.
-    """
+    """Recognise torchmetrics' gather in ``module`` and bring it in line with the state. A refusal is recorded
+    (``_state.refusal``) before it is raised, with nothing changed."""
     with _lock:
         if _state.refusal is not None:
             raise UnsupportedVersionError(_state.refusal)
@@ -192,12 +141,9 @@ def _adopt(module: types.ModuleType) -> None:
 def _on_import(module: types.ModuleType) -> None:
     """wrapt post-import hook for ``torchmetrics.utilities.distributed`` (wrapt fires each hook once).
 
-    On native torchmetrics the gather is only looked at while the trampoline is wanted: in local mode nothing is
-    patched there, so an unrecognised (future) gather must not make ``import torchmetrics`` fail.
-
-    A refusal is raised from torchmetrics' import, after the state is settled with the refusal: what was asked for
-    is held back, so ``Metric._sync_dist`` is not replaced when ``torchmetrics.metric`` is imported (now or by a
-    later ``import torchmetrics``) and nothing of torchmetrics is changed.
+    On native torchmetrics the gather is looked at only while the trampoline is wanted, so an unrecognised (future)
+    gather never makes ``import torchmetrics`` fail in local mode. A refusal is raised from torchmetrics' import
+    once the state is settled with it, so nothing of torchmetrics is changed then or later.
     """
     with _lock:
         _state.hook_registered = False
@@ -226,9 +172,7 @@ def _chosen(blocks: list[tuple[int, _T]], manual: _T, default: _T) -> _T:
 
 def _refresh() -> None:
     """Recompute what is derived from the records and switches: counts, the mode, what dispatch calls. Under lock.
-
-    The gather is looked up only once torchmetrics' gather is recognised: torch is imported by then.
-    """
+    The gather is looked up only once torchmetrics' is recognised: torch is imported by then."""
     records = _state.records
     _state.blocks = len(records)
     _state.block_modes = (
@@ -286,14 +230,8 @@ def _sync() -> None:
 
 
 def _sync_metric() -> None:
-    """Replace ``Metric._sync_dist`` while in force with a feature's strategy or the trampoline wanted; else put it
-    back.
-
-    The replacement runs the effective strategy, behind one graph break under ``torch.compile``
-    (:mod:`torchmetrics_gradpatch._syncs`). A strategy replaces torchmetrics' method, not its gather, so it is
-    installed on native torchmetrics too. Only a replacement the engine asked for is taken out, so
-    :mod:`torchmetrics_gradpatch._syncs` used directly is left alone.
-    """
+    """Replace ``Metric._sync_dist`` (:mod:`._syncs`, on native torchmetrics too) while in force with a feature's
+    strategy or the trampoline wanted; else take out the replacement the engine asked for, and no other."""
     # the flag is set before and cleared after the (idempotent) call, so an interrupted one is finished later
     if _state.in_force and (_state.sync != "torchmetrics" or _wanted()):
         _state.sync_replaced = True
@@ -354,10 +292,8 @@ def _ensure_hook() -> None:
 def _settle() -> None:
     """Bring the derived fields, ``__code__`` and ``Metric._sync_dist`` in line with the records and switches.
 
-    Under ``_lock``, after a change that cleared ``_state.settled``; each step is idempotent, so running it again
-    after an asynchronous exception cut it short finishes it. An error of ours (an ``Exception``, such as the
-    refusal to overwrite another tool's code) would only be raised again by every retry, so it leaves the state
-    settled, as it stands.
+    Under ``_lock``; each step is idempotent, so a run an asynchronous exception cut short is finished by the next.
+    An error of ours (an ``Exception``) would be raised again by every retry, so it leaves the state settled.
     """
     try:
         _refresh()
@@ -371,11 +307,9 @@ def _settle() -> None:
 def _change(undo: Callable[[], object], *, asks: bool = False) -> None:
     """Settle after a change (``_state.settled`` cleared by the caller); on failure ``undo`` it and re-raise.
 
-    ``asks``: the change asks for the patch (``patch()``, a block, compile support); if what it leaves asked for
-    needs a gather that was refused, it raises that refusal before anything is swapped.
-
-    An error of ours (an ``Exception``: refused before anything was swapped) leaves the undone state settled; an
-    asynchronous exception may have cut the swap short, so the next reading of the state settles it again.
+    ``asks``: the change asks for the patch, so a refusal of the gather it needs is raised before anything is
+    swapped. An asynchronous exception may have cut the swap short: the state is then left for the next reading
+    to settle.
     """
     try:
         if asks:
@@ -391,12 +325,8 @@ def _change(undo: Callable[[], object], *, asks: bool = False) -> None:
 
 
 def configure(*, native: bool, torchmetrics_version: str) -> None:
-    """Record what the version gate found, and adopt torchmetrics now if it is already imported.
-
-    Before 1.6 the gather is recognised at once (or when torchmetrics is imported), so an unrecognised
-    torchmetrics is refused by the import; on native torchmetrics nothing is looked at until the trampoline is
-    wanted.
-    """
+    """Record what the version gate found. Before 1.6, recognise the gather now (or when torchmetrics is imported),
+    so an unrecognised one is refused by the import; on native torchmetrics nothing is looked at until needed."""
     with _lock:
         _state.native = native
         _state.torchmetrics_version = torchmetrics_version
@@ -407,11 +337,8 @@ def configure(*, native: bool, torchmetrics_version: str) -> None:
 def set_manual(
     on: bool, mode: str | None = None, *, by: str = "patch()", sync: str | None = None, check: bool | None = None
 ) -> None:
-    """``patch()`` / ``unpatch()`` (``by="import"``: the import's own patch); idempotent.
-
-    Turning it on sets the mode, sync and check ``patch()`` stands for: ``mode`` / ``sync`` / ``check``, or the
-    default when ``None``.
-    """
+    """``patch()`` / ``unpatch()`` (``by="import"``: the import's own patch); idempotent. Turning it on sets the
+    mode, sync and check ``patch()`` stands for (``None``: the default)."""
     with _lock:
         _sweep()
         previous = _state.manual, _state.manual_mode, _state.manual_from, _state.manual_sync, _state.manual_check
@@ -461,9 +388,8 @@ def enter_block(
     """Open one ``patched()`` block and return its token, which :func:`exit_block` takes.
 
     ``mode`` / ``sync`` / ``check``: what the block sets while no newer block sets one (``None``: leaves it alone).
-
     ``alive``: a weak reference to what keeps the block's ``with`` statement alive; once it is dead the block is
-    closed whether or not its exit ran (see the module docstring).
+    closed whether or not its exit ran.
     """
     with _lock:
         _sweep()
@@ -490,10 +416,8 @@ def exit_block(token: int | None = None) -> None:
 
 
 def _sweep() -> None:
-    """Finish a change cut short, and drop the records whose ``with`` statement no longer exists.
-
-    Under the lock, before any use of the records or the derived state.
-    """
+    """Finish a change cut short and drop the records whose ``with`` statement is gone. Under the lock, before any
+    use of the records or the derived state."""
     if not _state.settled:
         _settle()
     if not _state.records:
@@ -539,19 +463,14 @@ class Observation(NamedTuple):
     installed: bool  #: our trampoline is torchmetrics' function's code now (in force or not)
     imported: bool  #: ``torchmetrics.utilities.distributed`` is imported
     function: Any  #: torchmetrics' own gather (``None`` when torchmetrics is not imported)
-    held: dict[
-        str, Any
-    ]  #: what each path into the gather holds (:func:`~torchmetrics_gradpatch._target.held_functions`)
+    held: dict[str, Any]  #: what each path into the gather holds (:func:`._target.held_functions`)
     sync_dist: str | None  #: the strategy ``Metric._sync_dist``'s replacement runs now, ``None`` when not in place
     sites: tuple[str, ...]  #: further sites the strategy in force has put in place
 
 
 def observe() -> Observation:
-    """Read the engine and what torchmetrics' paths hold, under the lock.
-
-    torchmetrics' function is the adopted one, or (native torchmetrics in local mode, never adopted) the one
-    torchmetrics holds, reported without judging its signature.
-    """
+    """Read the engine and what torchmetrics' paths hold, under the lock. The function is the adopted one, or (never
+    adopted: native torchmetrics in local mode) the one torchmetrics holds, not judged."""
     with _lock:
         _sweep()
         module = sys.modules.get(TARGET_MODULE)

@@ -1,13 +1,8 @@
-"""Every error this package raises of its own.
-
-This module imports nothing, so every other module (the torch-free version gate, the CLI, the gathers, the
-features) can import it without loading torch or creating a cycle. The classes are re-exported by the package's
-``__init__`` and report themselves under that public name (``torchmetrics_gradpatch.FusedSyncError``).
+"""Every error this package raises of its own. Imports nothing, so any module may import it; the classes report
+themselves under the public name (``torchmetrics_gradpatch.FusedSyncError``).
 """
 
 from __future__ import annotations
-
-__all__ = ["FusedSyncError", "GradModeMismatchError", "UnsupportedVersionError"]
 
 
 class UnsupportedVersionError(ImportError):

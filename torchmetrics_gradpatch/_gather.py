@@ -1,23 +1,9 @@
-"""The graph-preserving gather ("local" mode): torchmetrics 1.6.0's ``gather_all_tensors``, for any torchmetrics.
+"""Local mode's gather (torchmetrics 1.6.0's ``gather_all_tensors`` on any torchmetrics) and what both modes share.
 
-Role: the unpatched gather, except that the caller's own tensor is put back at the caller's index (the rank
-*within* ``group``), so autograd flows through that entry; every other entry is a plain value. It also holds the
-data step both modes share (:func:`gather_entries`) and :func:`size_and_rank`.
-
-Invariants:
-
-* The same collectives in the same order as the unpatched gather of torchmetrics 0.11 to 1.9 (``barrier``, the
-  shapes' ``all_gather`` for non-scalars, the data's ``all_gather``), so patched and unpatched ranks cannot
-  deadlock each other; the same results and errors, a non-member of ``group`` included.
-* Every other entry is bit for bit the unpatched one (the same zeroed buffers, padding and trimming); no
-  gathered copy of the caller's own tensor outlives the call; no warning (uneven results are sliced with a tuple).
-* It knows nothing of global mode (:mod:`torchmetrics_gradpatch._global`); :mod:`torchmetrics_gradpatch._modes`
-  chooses between the two.
-* A tensor held on the CPU under a group that takes device tensors only (NCCL; torchmetrics #2477) crosses on the
-  current CUDA device in chunks of at most :func:`chunk_bytes` per rank and comes back on the CPU
-  (:func:`staging_device`, :func:`all_gather_chunked`, :func:`all_reduce_chunked`, shared with the fused sync).
-  Every rank of the group must hold the tensor on the CPU then, and use the same chunk size. Gloo groups take CPU
-  tensors as they are.
+Contract: the unpatched gather's collectives in its order, its results and its errors, except that the caller's
+entry is its own tensor, graph and all; a CPU tensor under NCCL crosses on the CUDA device in chunks and comes back
+on the CPU. See docs/design.md ("What each rank gets back") and docs/fused-sync.md ("States held on the CPU under
+NCCL").
 """
 
 from __future__ import annotations
@@ -32,24 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-__all__ = [
-    "CHUNK_ENV",
-    "all_gather_chunked",
-    "all_reduce_chunked",
-    "chunk_bytes",
-    "chunk_refusal",
-    "gather_entries",
-    "gather_local",
-    "size_and_rank",
-    "staging_device",
-]
-
 CHUNK_ENV = "TORCHMETRICS_GRADPATCH_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 32 * 2**20
-
-
 #: The largest chunk size accepted: it crosses in an int64 header word, and sums of it must stay int64 too.
 MAX_CHUNK_BYTES = 2**62
+#: How every error raised alike on every rank after an exchange ends.
+RAISED_ALIKE = "Every rank of the group raised this error after the same exchange; none is left waiting."
 
 
 def chunk_bytes() -> int:
@@ -74,8 +48,7 @@ def chunk_refusal(sizes: Sequence[int]) -> str | None:
         return None
     return (
         f"torchmetrics_gradpatch: {CHUNK_ENV} is not a whole number of bytes from 1 to {MAX_CHUNK_BYTES} on rank(s) "
-        f"{bad}. Set it alike on every rank (default {DEFAULT_CHUNK_BYTES}), or unset it. Every rank raised this error "
-        "after the same exchange; none is left waiting."
+        f"{bad}. Set it alike on every rank (default {DEFAULT_CHUNK_BYTES}), or unset it. {RAISED_ALIKE}"
     )
 
 
@@ -173,6 +146,34 @@ def _all_gather(buffers: list[torch.Tensor], tensor: torch.Tensor, group: Any) -
         dist.all_gather(buffers, tensor, group)
 
 
+def exchange(tensor: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
+    """Every rank's ``tensor`` (the same size on every rank) as the rows of one tensor, row ``r`` rank ``r``'s: one
+    ``all_gather`` into zeroed rows, on ``tensor``'s device."""
+    received = torch.zeros((world_size, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather(list(received.unbind()), tensor, group)
+    return received
+
+
+def _pad(shapes: Sequence[Sequence[int]], rank: int) -> list[int]:
+    """``F.pad``'s widths that bring rank ``rank``'s tensor to the largest size on every dimension of ``shapes``."""
+    most = [max(sizes) for sizes in zip(*shapes, strict=True)]
+    pad: list[int] = []
+    for have, top in zip(reversed(shapes[rank]), reversed(most), strict=True):
+        pad.extend((0, top - have))
+    return pad
+
+
+def _trimmed(
+    result: torch.Tensor, buffers: Sequence[torch.Tensor | None], shapes: Sequence[Sequence[int]], rank: int
+) -> list[torch.Tensor]:
+    """Each rank's padded buffer trimmed back to its shape, and ``result`` itself at ``rank``. A tuple index: a
+    list index is deprecated from torch 2.8 and warns."""
+    return [
+        result if r == rank else buffer[tuple(slice(n) for n in shape)]  # type: ignore[index]
+        for r, (buffer, shape) in enumerate(zip(buffers, shapes, strict=True))
+    ]
+
+
 def _gather_equal(
     result: torch.Tensor,
     world_size: int,
@@ -195,43 +196,28 @@ def gather_entries(
     rank: int,
     new_buffer: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like,
 ) -> list[torch.Tensor]:
-    """One ``all_gather`` of the data, given every rank's shape: one entry per rank, the caller's own at ``rank``.
+    """One ``all_gather`` of the data, given every rank's shape (``shapes``, all lists or all tuples): one entry per
+    rank, ``result`` itself at ``rank`` (the caller's rank within ``group``), every other entry without a graph.
 
-    ``shapes[i]`` is the shape of group rank ``i``'s tensor as a sequence of ints, every one of the same type
-    (all lists or all tuples: the caller exchanged them); ``rank`` is the caller's rank within ``group``. Equal
-    shapes are gathered as they are. Otherwise every rank pads its tensor to the largest size on every dimension,
-    the padded tensors are gathered and each entry is trimmed back to its rank's shape (sliced with a tuple: a list
-    index is deprecated from torch 2.8 and warns). The entry at ``rank`` is ``result`` itself, so its graph is
-    kept; every other entry is a buffer without a graph, and no gathered copy of the caller's own tensor outlives
-    the call.
-
-    Both modes' forwards use it, so they trim and order entries the same way. ``new_buffer`` allocates the receive
-    buffers: local mode keeps torchmetrics' zeroed ones; global mode, whose ranks have first agreed on dtype and
-    shapes (so ``all_gather`` writes every element), takes ``torch.empty_like``.
+    Uneven shapes are padded to the largest and trimmed back. Both modes' forwards use it, so they trim and order
+    entries alike. ``new_buffer`` allocates the receive buffers: torchmetrics' zeroed ones in local mode,
+    ``torch.empty_like`` in global mode, whose ranks have agreed on dtype and shapes first.
     """
     if shapes.count(shapes[0]) == len(shapes):  # one C-level pass; this runs at every sync of every metric state
         return _gather_equal(result, len(shapes), group, rank, new_buffer)
-    max_shape = [max(sizes) for sizes in zip(*shapes, strict=True)]
-    pad: list[int] = []
-    for have, most in zip(reversed(shapes[rank]), reversed(max_shape), strict=True):
-        pad.extend((0, most - have))
     with torch.no_grad():
-        padded = F.pad(result, pad)
+        padded = F.pad(result, _pad(shapes, rank))  # a copy, conjugate and negative views resolved
         buffers = [new_buffer(padded) for _ in shapes]
         dist.all_gather(buffers, padded, group)
-    del padded
-    return [
-        result if idx == rank else buffer[tuple(slice(n) for n in shape)]
-        for idx, (buffer, shape) in enumerate(zip(buffers, shapes, strict=True))
-    ]
+    del padded  # no gathered copy of the caller's own tensor outlives the call
+    return _trimmed(result, buffers, shapes, rank)
 
 
 def size_and_rank(group: Any) -> tuple[int, int]:
     """``group``'s size and this process's rank within it, as ``dist.get_world_size`` / ``dist.get_rank`` give them.
 
-    For a process group object (what every member of a group holds) both are plain C++ getters, far cheaper than
-    the ``torch.distributed`` functions. Anything else (an uninitialised default group, a non-member's
-    placeholder, for which both are -1) goes through those functions, so their errors and answers stay as they are.
+    A process group object answers with C++ getters, far cheaper; anything else (an uninitialised default group, a
+    non-member's placeholder) goes through those functions, so their errors and answers stay as they are.
     """
     if isinstance(group, dist.ProcessGroup):
         return group.size(), group.rank()
@@ -239,15 +225,8 @@ def size_and_rank(group: Any) -> tuple[int, int]:
 
 
 def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
-    """Gather ``result`` from every rank of ``group``; the local entry keeps its autograd graph.
-
-    Tensors must have the same number of dimensions on every rank; each dimension may differ, in which case
-    the tensors are padded to the largest size, gathered and trimmed back (as torchmetrics does).
-
-    Returns a list with one tensor per rank of ``group`` (``None``: the default group), in group-rank order. The
-    entry at this rank's index is ``result.contiguous()`` itself (``result`` when it is already contiguous), so
-    gradients flow back to ``result`` through it; every other entry is a tensor without a graph.
-    """
+    """Gather ``result`` from every rank of ``group`` (``None``: the default group), in group-rank order; the entry
+    at this rank's index is ``result.contiguous()`` itself, graph and all, every other entry a plain tensor."""
     if group is None:
         group = dist.group.WORLD
 
@@ -273,22 +252,16 @@ def gather_local(result: torch.Tensor, group: Any | None = None) -> list[torch.T
 def _gather_staged(
     result: torch.Tensor, world_size: int, group: Any, rank: int, staging: torch.device
 ) -> list[torch.Tensor]:
-    """:func:`gather_local` for a CPU tensor under a group that takes device tensors only (NCCL; torchmetrics
-    #2477): the shapes and each rank's chunk size cross on ``staging`` in one ``all_gather`` (scalars too), then the
-    padded data in chunks of the smallest chunk size; the entries are CPU tensors, as on gloo."""
+    """:func:`gather_local` for a CPU tensor under a group that takes device tensors only (NCCL): the shapes and
+    each rank's chunk size cross on ``staging`` in one ``all_gather`` (scalars too), then the padded data in chunks
+    of the smallest chunk size; the entries are CPU tensors, as on gloo."""
     local = torch.tensor([*result.shape, chunk_bytes()], dtype=torch.int64, device=staging)
-    everyone = torch.empty(world_size * local.numel(), dtype=torch.int64, device=staging)
-    dist.all_gather(list(everyone.view(world_size, -1).unbind(0)), local, group=group)
-    rows = everyone.view(world_size, -1).tolist()
+    rows = exchange(local, group, world_size).tolist()
     refusal = chunk_refusal([row[-1] for row in rows])
     if refusal is not None:
         raise ValueError(refusal)
     shapes = [row[:-1] for row in rows]
-    chunk = min(row[-1] for row in rows)
-    max_shape = [max(sizes) for sizes in zip(*shapes, strict=True)]
-    pad: list[int] = []
-    for have, most in zip(reversed(shapes[rank]), reversed(max_shape), strict=True):
-        pad.extend((0, most - have))
+    pad = _pad(shapes, rank)
     with torch.no_grad():
         padded = F.pad(result, pad) if any(pad) else result.detach()
         buffers = [torch.zeros_like(padded) if r != rank else None for r in range(world_size)]
@@ -298,8 +271,5 @@ def _gather_staged(
             dst.copy_(mine[start : start + dst.numel()])
 
         receive = [b.reshape(-1).view(torch.uint8) if b is not None else None for b in buffers]
-        all_gather_chunked(receive, fill, mine.numel(), group, rank, staging, chunk)
-    return [
-        result if r == rank else buffer[tuple(slice(n) for n in shape)]  # type: ignore[index]
-        for r, (buffer, shape) in enumerate(zip(buffers, shapes, strict=True))
-    ]
+        all_gather_chunked(receive, fill, mine.numel(), group, rank, staging, min(row[-1] for row in rows))
+    return _trimmed(result, buffers, shapes, rank)

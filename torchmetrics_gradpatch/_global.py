@@ -1,21 +1,9 @@
-"""The "global" gradient mode: a gather whose backward gives each rank every rank's gradient for its tensor.
+"""Global mode's gather: local mode's values, and a backward that gives each rank every rank's gradient for its
+tensor, in one ``all_to_all_single``.
 
-Role: :func:`gather_global` returns local mode's values, bit for bit; when some rank's tensor requires grad and
-grad mode is on everywhere, every entry on every rank is an output of one autograd node whose backward is one
-``all_to_all_single`` summing, on rank ``j``, every rank's gradient for entry ``j``. Semantics and rules for
-users: docs/gradient-modes.md; the exchange protocol and the choice of collectives: docs/design.md.
-
-Invariants:
-
-* Every rank decides from data every rank sent in full: a fixed-size header (status, flags, dtype, ndim, the
-  shape or a scalar's bytes) gathered into zeroed buffers; the data step follows only once the headers agree.
-* What can stop one rank (a conjugate bit) is found before the first collective and sent in the header; a
-  disagreement on dtype, ndim or grad mode is read from the headers. Either way every rank raises the same
-  error, naming the ranks and the cause, after the same exchange: none is left waiting.
-* Forward: one collective for a scalar (its value rides in the header), two otherwise (one more above six
-  dimensions, or when a rank's scalar cannot be read as bytes). A non-member of ``group`` takes the local
-  gather's path, as the unpatched gather would.
-* Every rank of the group gathers in global mode and, when the node is built, runs ``backward()`` through it.
+Contract: every rank decides from the same fixed-size headers, so every rank takes the same branch: the data step,
+or the same error on every rank after the same exchange, none left waiting. Rules for users:
+docs/gradient-modes.md; the header, the collectives and why: docs/design.md ("Global mode's exchange").
 """
 
 from __future__ import annotations
@@ -29,9 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._errors import GradModeMismatchError
-from torchmetrics_gradpatch._gather import gather_entries, gather_local, size_and_rank
-
-__all__ = ["GradModeMismatchError", "gather_global", "scatter_sum"]
+from torchmetrics_gradpatch._gather import RAISED_ALIKE, exchange, gather_entries, gather_local, size_and_rank
 
 _REQUIRES_GRAD = 1  # flag bits each rank sends in its header
 _GRAD_MODE = 2
@@ -43,7 +29,6 @@ _INLINE_DIMS = 6  # the body holds a shape of up to this many dims, or a scalar'
 _HEADER_WORDS = _BODY + _INLINE_DIMS
 _OK, _CONJUGATE = 0, 1  # status codes
 _CAUSES = {_CONJUGATE: "the tensor has the conjugate bit set; call .resolve_conj() on it before gathering"}
-_END = "Every rank of the group raised this error after the same exchange; none is left waiting."
 
 
 def _fresh(entry: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -239,13 +224,6 @@ def _own_header(result: torch.Tensor, flags: int) -> torch.Tensor:
     return header
 
 
-def _exchange(tensor: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
-    """One ``all_gather`` of ``tensor`` (the same size on every rank) into zeroed rows: row ``r`` is rank ``r``'s."""
-    received = torch.zeros((world_size, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather(list(received.unbind()), tensor, group)
-    return received
-
-
 def _refusal(rows: list[list[int]]) -> RuntimeError | None:
     """The error every rank raises when the headers say the data step cannot run (``None``: it can)."""
     first = rows[0]
@@ -259,14 +237,15 @@ def _refusal(rows: list[list[int]]) -> RuntimeError | None:
             if (ranks := [r for r in stopped if rows[r][_STATUS] == status])
         )
         return RuntimeError(
-            f"torchmetrics_gradpatch: global-mode gather: rank(s) {stopped} cannot take part ({causes}). {_END}"
+            f"torchmetrics_gradpatch: global-mode gather: rank(s) {stopped} cannot take part ({causes}). {RAISED_ALIKE}"
         )
     dtypes = [row[_DTYPE] for row in rows]
     if dtypes.count(dtypes[0]) != len(dtypes):
         each = ", ".join(f"rank {r}: {_bytes.dtype_name(code)}" for r, code in enumerate(dtypes))
         return RuntimeError(
             f"torchmetrics_gradpatch: global-mode gather: the ranks disagree on the dtype of the gathered tensor "
-            f"({each}, ranks within the gather's group). Every rank must gather a tensor of the same dtype. {_END}"
+            f"({each}, ranks within the gather's group). Every rank must gather a tensor of the same dtype. "
+            f"{RAISED_ALIKE}"
         )
     ndims = [row[_NDIM] for row in rows]
     if ndims.count(ndims[0]) != len(ndims):
@@ -277,22 +256,23 @@ def _refusal(rows: list[list[int]]) -> RuntimeError | None:
         return RuntimeError(
             f"torchmetrics_gradpatch: global-mode gather: the ranks disagree on the number of dimensions of the "
             f"gathered tensor ({each}, ranks within the gather's group). Every rank must gather a tensor with the "
-            f"same number of dimensions; each dimension's size may differ. {_END}"
+            f"same number of dimensions; each dimension's size may differ. {RAISED_ALIKE}"
         )
     return None
 
 
-def _mismatch(flags: list[int]) -> GradModeMismatchError:
-    off = [r for r, f in enumerate(flags) if not f & _GRAD_MODE]
-    on = [r for r, f in enumerate(flags) if f & _GRAD_MODE]
-    requiring = [r for r, f in enumerate(flags) if f & _REQUIRES_GRAD]
+def grad_mode_error(what: str, verb: str, grad: Sequence[bool], requiring: Sequence[int]) -> GradModeMismatchError:
+    """The error every rank raises when, in global mode, the ranks' grad modes (``grad``, by group rank) differ while
+    the ranks ``requiring`` hold a tensor that requires grad. ``what`` names the operation ("global-mode gather"),
+    ``verb`` is its past tense ("gathered")."""
+    off = [r for r, g in enumerate(grad) if not g]
+    on = [r for r, g in enumerate(grad) if g]
     return GradModeMismatchError(
-        "torchmetrics_gradpatch: global-mode gather: the ranks disagree on grad mode. "
-        f"Rank(s) {off} gathered with grad mode off (torch.no_grad() or inference mode), rank(s) {on} with it on "
-        f"(ranks within the gather's group), and the tensor of rank(s) {requiring} requires grad. The backward of "
-        "a global-mode gather is a collective, so either every rank or no rank must build it: gather (run the "
-        "metric's forward/compute) with the same grad mode on every rank, e.g. the same torch.no_grad() block "
-        "everywhere. Every rank of the group raised this error after the same exchange; none is left waiting."
+        f"torchmetrics_gradpatch: {what}: the ranks disagree on grad mode. Rank(s) {off} {verb} with grad mode off "
+        f"(torch.no_grad() or inference mode), rank(s) {on} with it on (ranks within the group), and rank(s) "
+        f"{list(requiring)} hold a tensor that requires grad. The backward of global mode is a collective, so either "
+        "every rank or no rank must build it: run the metric's forward, compute or sync with the same grad mode on "
+        f"every rank, e.g. the same torch.no_grad() block everywhere. {RAISED_ALIKE}"
     )
 
 
@@ -311,16 +291,16 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
         return gather_local(result, group)
     flags = (_REQUIRES_GRAD if result.requires_grad else 0) | (_GRAD_MODE if torch.is_grad_enabled() else 0)
     with torch.no_grad():
-        received = _exchange(_own_header(result, flags), resolved, world_size)
+        received = exchange(_own_header(result, flags), resolved, world_size)
     rows: list[list[int]] = received.tolist()
     refusal = _refusal(rows)  # every rank reads the same rows, so every rank takes the same branch from here
     if refusal is not None:
         raise refusal
     all_flags = [row[_FLAGS] for row in rows]
-    any_requires_grad = any(f & _REQUIRES_GRAD for f in all_flags)
-    grad_modes = {bool(f & _GRAD_MODE) for f in all_flags}
-    if any_requires_grad and len(grad_modes) > 1:
-        raise _mismatch(all_flags)
+    requiring = [r for r, f in enumerate(all_flags) if f & _REQUIRES_GRAD]
+    grad = [bool(f & _GRAD_MODE) for f in all_flags]
+    if requiring and len(set(grad)) > 1:
+        raise grad_mode_error("global-mode gather", "gathered", grad, requiring)
     ndim = result.ndim
     if ndim == 0 and not any(f & _NOT_INLINE for f in all_flags):
         body = received.view(torch.uint8)[:, _BODY * 8 : _BODY * 8 + result.element_size()]
@@ -332,10 +312,10 @@ def gather_global(result: torch.Tensor, group: Any | None = None) -> list[torch.
         else:  # every rank has this many dims (the headers agree), so every rank takes this exchange too
             with torch.no_grad():
                 shape = torch.tensor(result.shape, dtype=torch.int64, device=result.device)
-                shapes = _exchange(shape, resolved, world_size).tolist()
+                shapes = exchange(shape, resolved, world_size).tolist()
         # every rank knows every shape and the dtypes agree: the data all_gather writes every element of every buffer
         entries = gather_entries(result, shapes, resolved, rank, torch.empty_like)
-    if not (any_requires_grad and grad_modes == {True}):
+    if not (requiring and all(grad)):
         return entries
     leaf = (
         None if result.requires_grad else torch.empty(0, dtype=result.dtype, device=result.device, requires_grad=True)

@@ -1,17 +1,6 @@
-"""The gradient modes: their names, the one rule for spelling them, and the one place that maps a mode to its gather.
-
-Role: ``"local"`` is :func:`torchmetrics_gradpatch._gather.gather_local` (torchmetrics 1.6 semantics);
-``"global"`` is :func:`torchmetrics_gradpatch._global.gather_global` (every entry carries a graph). Only this
-module knows both; the engine's dispatch and the public :func:`gather_all_tensors` take their function from
-:data:`GATHERS` (docs/gradient-modes.md).
-
-Invariants:
-
-* :func:`check_name` is the one spelling rule for every name a user gives (a mode or a sync strategy, through the
-  API, an environment variable or the command line): case-insensitive, surrounding blanks ignored; anything else,
-  of any type, is a ``ValueError`` naming the argument and the allowed names;
-* importing this module imports neither torch nor the gathers: each gather is imported on first use and kept in
-  :data:`GATHERS`, so ``import torchmetrics_gradpatch`` stays torch-free.
+"""The gradient modes: their names, the one spelling rule for every name a user gives (:func:`check_name`), and
+the one map from a mode to its gather (:data:`GATHERS`, filled on first use so the package's import stays
+torch-free). The modes: docs/gradient-modes.md.
 """
 
 from __future__ import annotations
@@ -24,7 +13,6 @@ from torchmetrics_gradpatch import _compile
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GATHERS", "MODES", "check_mode", "check_name", "gather_all_tensors", "gather_for"]
 
 #: The gradient modes, see docs/gradient-modes.md.
 MODES = ("local", "global")

@@ -1,20 +1,9 @@
-"""One class attribute of torchmetrics that this package replaces: now, or the moment its module is imported.
+"""One class attribute of torchmetrics replaced now or the moment its module is imported (a ``wrapt`` hook), and
+the marks this package's replacements carry.
 
-A :class:`Site` names the attribute (its module, class and name) and how to wrap it: ``wrap(original)`` returns the
-replacement. Its contract:
-
-* :meth:`Site.install` replaces the attribute at once when its module is imported, else the moment it is (a
-  ``wrapt`` post-import hook). While the module is still being imported its class may not exist yet: the hook,
-  registered before that import began, applies it once the import is done.
-* Idempotent: :meth:`~Site.install` wraps at most once, :meth:`~Site.uninstall` restores at most once.
-* :meth:`Site.uninstall` puts back the identical original object, the replacement's ``__wrapped__``.
-* The replacement carries the attribute ``mark`` (true), which tells it apart from another tool's.
-* When another tool has replaced the attribute on top of this package's, :meth:`~Site.uninstall` leaves theirs in
-  place and warns (``RuntimeWarning``).
-* :meth:`Site.installed` says whether the attribute currently is this package's replacement.
-
-``after``, if given, runs each time the attribute has been brought in line with what was asked (the class being
-there), for work that must follow the replacement. This module imports neither torch nor torchmetrics.
+Contract of :class:`Site`: install and uninstall are idempotent; uninstall puts back the identical original (the
+replacement's ``__wrapped__``), or leaves another tool's replacement on top of ours in place and warns; ``after``
+runs each time the attribute is brought in line. Imports neither torch nor torchmetrics.
 """
 
 from __future__ import annotations
@@ -26,7 +15,12 @@ from typing import Any
 
 import wrapt
 
-__all__ = ["Site"]
+# The mark each replacement carries (true), so it is told apart from another tool's: Metric._sync_dist's, a
+# MetricCollection's compute and its forward.
+SYNC_MARK = "__torchmetrics_gradpatch_sync__"
+COLLECTION_MARK = "__torchmetrics_gradpatch_collection__"
+STEP_MARK = "__torchmetrics_gradpatch_step__"
+MARKS = (SYNC_MARK, COLLECTION_MARK, STEP_MARK)
 
 
 class Site:

@@ -1,22 +1,10 @@
-"""``status()``: what is patched, where, in which gradient mode and sync strategy, with or without the sync check,
-and why.
+"""``status()``: what is patched, where, in which gradient mode and sync strategy, with or without the check, and why.
 
-Role: turn one reading of the engine (:func:`torchmetrics_gradpatch._engine.observe`, taken under its lock) into
-:class:`Status`, its JSON and its text; the command line prints the same object. Every field comes from that one
-reading (plus the installed versions and the environment), so a status never contradicts itself:
-
-* ``state in ("patched", "native", "pending")`` only while ``in_force``, and ``bool(applied_to) == (state ==
-  "patched")``;
-* ``state == "refused"`` exactly when the patch is asked for (``switched_on_by`` or ``open_blocks``) and
-  ``refused`` holds back what it asks for: nothing is applied then;
-* ``state == "patched"`` only when our trampoline *is* torchmetrics' code now **and** the patch is in force (a
-  trampoline another tool put back after ``unpatch()`` runs the original, and is not reported as patched);
-* ``sync_applied_to`` lists every other place this package has replaced now, so ``applied_to`` and it together
-  are everything a default install puts in place, each saying why it is replaced;
-* each line of the text is true of this process: the import line names ``TORCHMETRICS_GRADPATCH_AUTOPATCH`` only
-  when the import found it set.
-
-The JSON fields are listed for users in docs/api.md.
+Contract: every field comes from one reading of the engine (:func:`._engine.observe`, under its lock) plus the
+installed versions and the environment, so a status never contradicts itself: ``state`` is ``"patched"``,
+``"native"`` or ``"pending"`` only while in force, ``"patched"`` only while our trampoline is torchmetrics' code,
+``"refused"`` exactly while the patch is asked for and held back; ``applied_to`` and ``sync_applied_to`` together
+are everything replaced now. The fields for users: docs/api.md ("Status").
 """
 
 from __future__ import annotations
@@ -29,8 +17,6 @@ from torchmetrics_gradpatch import _engine, _syncs
 from torchmetrics_gradpatch._api import AUTOPATCH_ENV, CHECK_ENV, MODE_ENV, SYNC_ENV, at_import
 from torchmetrics_gradpatch._target import TARGET_MODULE, TARGET_NAME, describe
 from torchmetrics_gradpatch._version import installed_version
-
-__all__ = ["Status", "status"]
 
 _GATHER = f"{TARGET_MODULE}.{TARGET_NAME}"
 

@@ -1,20 +1,11 @@
 """The sync strategies, and the one replacement of ``torchmetrics.Metric._sync_dist`` that runs them.
 
-While the patch is in force and either a strategy other than torchmetrics' own is chosen or the trampoline is
-installed, the engine sets ``Metric._sync_dist`` to :func:`_replacement`'s function. It runs the effective strategy
-when the sync function is torchmetrics' own gather (any other ``dist_sync_fn`` goes to torchmetrics' method
-unchanged), and inside ``torch.compile`` it runs the whole sync behind one graph break: dynamo never traces
-torchmetrics' ``apply_to_collection`` (torch 2.15's dynamo cannot guard it for a ``cat`` state) nor a strategy's
-packing. :func:`uninstall` puts the very same original function object back (a
-:class:`~torchmetrics_gradpatch._site.Site` does the replacing).
-
-Strategies are registered, never imported: ``"torchmetrics"`` (torchmetrics' own collectives) is built in; a
-feature (``torchmetrics_gradpatch.fused``) calls :func:`register` with its sync function and, optionally, an
-``install``/``uninstall`` pair for further patch sites it needs while it is the strategy in force.
-
-Every rank of a group must use the same strategy: strategies issue different collectives. This module imports
-neither torch nor torchmetrics; :func:`install` applies at once when ``torchmetrics.metric`` is imported, else the
-moment it is (a ``wrapt`` post-import hook).
+Contract: while the engine asks (:func:`install`), ``Metric._sync_dist`` runs the chosen strategy when the sync
+function is torchmetrics' own gather (any other ``dist_sync_fn`` goes to torchmetrics' method unchanged), behind
+one graph break under ``torch.compile`` (docs/design.md, "torch.compile"); :func:`uninstall` puts the very same
+function object back. ``"torchmetrics"`` is built in; a feature calls :func:`register` with its sync and the further
+sites it needs while in force. Every rank of a group must use the same strategy. Imports neither torch nor
+torchmetrics.
 """
 
 from __future__ import annotations
@@ -28,23 +19,7 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile
 from torchmetrics_gradpatch._modes import check_name
-from torchmetrics_gradpatch._site import Site
-
-__all__ = [
-    "STRATEGIES",
-    "Strategy",
-    "check_sync",
-    "guarded",
-    "install",
-    "installed",
-    "original_sync_dist",
-    "own_sync",
-    "register",
-    "stepped_aside",
-    "uninstall",
-]
-
-_MARK = "__torchmetrics_gradpatch_sync__"  # set on our replacement, so it is told apart from another tool's
+from torchmetrics_gradpatch._site import SYNC_MARK, Site
 
 
 @dataclass(frozen=True)
@@ -152,7 +127,7 @@ def _apply_sites() -> None:
 
 #: ``Metric._sync_dist``; each time it is brought in line (on install, uninstall, or at the end of the import of
 #: ``torchmetrics.metric``), the chosen strategy's further sites follow.
-_SITE = Site("torchmetrics.metric", "Metric", "_sync_dist", _MARK, _replacement, after=_apply_sites)
+_SITE = Site("torchmetrics.metric", "Metric", "_sync_dist", SYNC_MARK, _replacement, after=_apply_sites)
 
 
 def install(sync: str = "torchmetrics", *, mode: str | Callable[[], str] = "local") -> None:

@@ -1,15 +1,8 @@
 """What the patch targets: torchmetrics' own gather, the paths that reach it, and whether it is one we know.
 
-Role: find the function to patch (:func:`own_function`), list what each of torchmetrics' paths into it holds now
-(:func:`held_functions`, also what ``status()`` reports), and refuse an unknown gather (:func:`recognise`).
-
-Invariants:
-
-* torchmetrics' own function is the one defined in ``torchmetrics.utilities.distributed`` (its ``__globals__`` are
-  that module's namespace): another tool that replaced the module attribute with a function of its own does not
-  get its function patched, as long as ``torchmetrics.metric`` or ``Metric._sync_dist``'s default still holds
-  torchmetrics' function;
-* nothing here changes anything: it only looks, and raises :class:`UnsupportedVersionError` naming why not.
+Contract: it only looks, and raises :class:`UnsupportedVersionError` naming why not. torchmetrics' own function is
+the one defined in ``torchmetrics.utilities.distributed``, so another tool's function in the module attribute is
+not patched while another path still holds torchmetrics' (docs/design.md).
 """
 
 from __future__ import annotations
@@ -20,8 +13,6 @@ import types
 from typing import Any
 
 from torchmetrics_gradpatch._errors import UnsupportedVersionError
-
-__all__ = ["TARGET_MODULE", "TARGET_NAME", "describe", "held_functions", "own_function", "recognise"]
 
 TARGET_MODULE = "torchmetrics.utilities.distributed"
 TARGET_NAME = "gather_all_tensors"

@@ -1,13 +1,7 @@
-"""Version gate: decide, before anything is touched, whether this pair of torch and torchmetrics is supported.
+"""Version gate: whether this torch and torchmetrics are supported, decided before torch or torchmetrics is imported.
 
-Why a separate module: the gate must run first and must not import torch or torchmetrics. On a refused
-version the package raises before any object in torchmetrics has been looked at, so "refuse without touching
-anything" holds by construction. Versions are read from the installed distributions' metadata (cheap, no
-import) unless the module is already imported, in which case its own ``__version__`` wins (it is what runs).
-
-Versions are parsed with :mod:`packaging`, so local labels (``2.13.0+cpu``) and pre-releases
-(``2.16.0.dev20261101``) compare the way pip compares them. For the minimum torch we compare the *release*
-part: ``2.0.0rc1`` and ``2.0.0.dev...`` builds are the 2.0 line and are accepted.
+Versions come from the installed distributions' metadata, or an imported module's ``__version__`` (what runs), and
+are compared with :mod:`packaging` as pip compares them.
 """
 
 from __future__ import annotations
