@@ -1,7 +1,7 @@
 """The floor's collective: one gather of the bytes a steady fused exchange moves in its collective 1.
 
 A steady fused exchange sends, per rank, an 80-byte header (``wire.HEADER_WORDS`` int64 words) and the group's
-inline capacity (``wire.Group.of(group).capacity.data`` bytes), and receives that from every rank. :func:`exchange_bytes`
+inline capacity (``wire.Group``), and receives that from every rank. :func:`exchange_bytes`
 reads those bytes for a group (read it after a warm-up fused exchange, when the capacity has settled), and
 :func:`collective` returns a function that issues one gather of that many bytes per rank on the group, into buffers
 made once: ``all_gather_single`` where torch has it (it renamed ``all_gather_into_tensor``, which then warns),

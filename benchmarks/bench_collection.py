@@ -16,7 +16,7 @@ the arms' order rotating from round to round (every member's cached result is dr
 * ``floor``: ``compute()`` of the same collection with every member's ``distributed_available_fn`` returning
   ``False`` (torchmetrics' own, no sync), then one ``all_gather_single`` (``all_gather_into_tensor`` on a torch
   without it) on the default group of the bytes a steady fused exchange moves in its collective 1:
-  ``80 + wire.Group.of(group).capacity.data`` bytes per rank, the capacity read after the warm-up of ``fused`` (and checked
+  ``80`` + the group's inline capacity in bytes per rank, the capacity read after the warm-up of ``fused`` (and checked
   again at the end). The collectives the fused exchange issues beside that one (the reduced states' ``all_reduce``)
   are not in the floor;
 * ``floor, synced``: ``compute()`` with torchmetrics' own sync, every member's ``_sync_dist`` standing in for

@@ -17,8 +17,9 @@ arm when timed). Arms, in rotating order from round to round, each ``--steps`` s
 * ``floor``: the collection built with ``distributed_available_fn=lambda: False`` for every member (torchmetrics'
   own forward path, less the sync) and, right after its forward, inside the step, one ``all_gather_single``
   (``all_gather_into_tensor`` on a torch without it) on the default group of the bytes a steady fused exchange
-  moves in its one collective: ``80 + wire.Group.of(group).capacity.data`` bytes per rank, the capacity read after the warm-up
-  of ``one exchange`` (and checked again at the end). Its forward and the loss's backward count, as in every arm;
+  moves in its one collective: ``80`` + the group's inline capacity in bytes per rank, the capacity read after the
+  warm-up of ``one exchange`` (and checked again at the end). Its forward and the loss's backward count, as in
+  every arm;
   in global mode the floor has no backward collective;
 * ``floor, synced``: the floor with what a sync gives each member computed on: each member's ``_sync_dist`` stands
   in (an instance attribute) for torchmetrics' own without communication, every other rank's copy of a state this

@@ -14,7 +14,7 @@ Each part is timed by a wrapper around the function that does it (``time.perf_co
 microsecond a call, a few dozen calls a step), per step, on every rank: the forward and the backward of the metric
 loss; within the fused forward, the first halves (``step._Step.begin``: torchmetrics' lines before ``compute()``),
 the exchange (``collection.sync_members``) and its collective (``wire._gather_rows``), the reductions of the gathered
-states (``exchange.set_states``: torchmetrics' stacking and reductions); in both arms, torchmetrics' ``compute()`` of the
+states (``exchange.set_states``: torchmetrics' stacking, reductions); in both arms, torchmetrics' ``compute()`` of the
 members (each member's ``compute``), on local states in the floor and on synced states in the fused step. Reported
 per part, wall time and CPU time: the median per step over all steps of a rank, the largest rank's. The exchange's
 "rest" in CPU time is the package's own CPU per step, its collectives excluded. It imports nothing from ``tests/``.
@@ -91,7 +91,8 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
     for members in metrics.values():
         for member in members.values():
             member.compute = timed(member.compute, "compute")  # the instance's wrapped compute, as forward calls it
-    places = [(step._Step, "begin", "begin"), (collection, "sync_members", "exchange"), (exchange, "set_states", "reduce")]
+    places = [(step._Step, "begin", "begin"), (collection, "sync_members", "exchange")]
+    places.append((exchange, "set_states", "reduce"))
     places.append((wire, "_gather_rows", "collective"))
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in places]
     for owner, name, part in places:

@@ -11,7 +11,7 @@ rotating from round to round:
 * ``torchmetrics``: ``Metric._sync_dist`` as torchmetrics ships it, with torchmetrics' gather;
 * ``fused``: :func:`torchmetrics_gradpatch.fused.fused_sync` in local mode;
 * ``floor``: per Metric, one ``all_gather_single`` (``all_gather_into_tensor`` on a torch without it) on the case's
-  group of the bytes a steady fused exchange moves in its collective 1: ``80 + wire.Group.of(group).capacity.data`` bytes
+  group of the bytes a steady fused exchange moves in its collective 1: ``80`` + the group's inline capacity in bytes
   per rank, the capacity read after the warm-up fused syncs of the case (and checked again at the end). Where the
   fused sync issues more collectives than that one (a large ``cat`` state's, a reduced state's), the floor leaves
   them out, and its ratio is marked ``*``;
@@ -88,8 +88,7 @@ def _rank_main(rounds: int, cases: dict[str, int]) -> dict[str, Any]:
     from torchmetrics import Metric
     from torchmetrics.utilities.distributed import gather_all_tensors
 
-    from torchmetrics_gradpatch.fused import fused_sync
-    from torchmetrics_gradpatch.fused import wire
+    from torchmetrics_gradpatch.fused import fused_sync, wire
 
     torch.set_num_threads(1)
     original = Metric.__dict__["_sync_dist"]

@@ -32,8 +32,7 @@ from tests.test_fused import same, worlds
 from tests.test_fused_forms import AP, AUROC, GLOBAL_HOOKS, Noisy, Pairs, TwoClass, batch, build, draw, global_hook, run
 from tests.test_fused_step import Rows, RowsSquared, alike, exchanges
 from torchmetrics_gradpatch._errors import FusedSyncError
-from torchmetrics_gradpatch.fused import check
-from torchmetrics_gradpatch.fused import exchange
+from torchmetrics_gradpatch.fused import check, exchange
 
 
 def _raised(action: Any) -> str:

@@ -207,7 +207,7 @@ def test_the_capacity_rule() -> None:
         assert wire.Group.of(group).capacity == wire.Capacity(0, 0)
         wire.Group.of(group).agree([row(100, 6), row(90, 20)])  # the largest of every rank's: 100 bytes, 20 words
         assert wire.Group.of(group).capacity == wire.Capacity(wire.INLINE_MIN, 32)
-        wire.Group.of(group).agree([row(1025, 6), row(wire.INLINE_MAX + 1, 6)])  # over the largest capacity: not counted
+        wire.Group.of(group).agree([row(1025, 6), row(wire.INLINE_MAX + 1, 6)])  # over the largest: not counted
         assert wire.Group.of(group).capacity == wire.Capacity(wire.INLINE_MIN, 32)
         wire.Group.of(group).agree([row(1025, 6)])
         assert wire.Group.of(group).capacity == wire.Capacity(2048, 32)

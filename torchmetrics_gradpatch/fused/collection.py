@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine, _syncs
-from torchmetrics_gradpatch._site import Site
+from torchmetrics_gradpatch._site import COLLECTION_MARK, Site
 from torchmetrics_gradpatch.fused import aside, forms, internals, large, membership, wire
 
-_MARK = "__torchmetrics_gradpatch_collection__"  # set on our replacement, so it is told apart from another tool's
 _MEMBER_WORDS = 4  # per member in the table: fingerprint, form, needs, detail; then its slot references
 
 
@@ -418,7 +417,7 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 #: ``MetricCollection.compute``, replaced by ``SITE.install()`` (now, or when ``torchmetrics.collections`` is
 #: imported; idempotent) and put back, the very same object, by ``SITE.uninstall()``
-SITE = Site("torchmetrics.collections", "MetricCollection", "compute", _MARK, _replacement)
+SITE = Site("torchmetrics.collections", "MetricCollection", "compute", COLLECTION_MARK, _replacement)
 
 
 def forget() -> None:

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._engine import effective_check
-from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
+from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
+from torchmetrics_gradpatch._global import grad_mode_error
 from torchmetrics_gradpatch._modes import check_mode
 from torchmetrics_gradpatch.fused import grad, internals, large, reduced, transit, wire
 
@@ -337,13 +338,7 @@ class Exchange:
         grad_mode = [bool(row[wire.FLAGS] & wire.FLAG_GRAD_MODE) for row in self.rows]
         requiring = [r for r, row in enumerate(self.rows) if row[wire.FLAGS] & wire.FLAG_REQUIRES_GRAD]
         if requiring and len(set(grad_mode)) > 1:
-            raise GradModeMismatchError(
-                f"torchmetrics_gradpatch: fused global-mode sync of {self.name}: the ranks disagree on grad mode. "
-                f"Rank(s) {[r for r, g in enumerate(grad_mode) if not g]} synced with grad mode off, rank(s) "
-                f"{[r for r, g in enumerate(grad_mode) if g]} with it on, and rank(s) {requiring} hold states that "
-                "require grad. Sync with the same grad mode on every rank. Every rank raised this error after the "
-                "same exchange; none is left waiting."
-            )
+            raise grad_mode_error(f"fused global-mode sync of {self.name}", "synced", grad_mode, requiring)
 
     def validate(self, name: str, states: list[State], views: Sequence[Sequence[wire.State]]) -> None:
         """Refuse, alike on every rank, what torchmetrics' sync cannot complete and one process could not hold:

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine
-from torchmetrics_gradpatch._site import Site
+from torchmetrics_gradpatch._site import STEP_MARK, Site
 from torchmetrics_gradpatch.fused import aside, forms, internals
-
-_MARK = "__torchmetrics_gradpatch_step__"  # set on our replacement, so it is told apart from another tool's
 
 
 @dataclass
@@ -336,4 +334,4 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
 
 #: ``MetricCollection.forward``, replaced by ``SITE.install()`` (now, or when ``torchmetrics.collections`` is
 #: imported; idempotent) and put back, the very same object, by ``SITE.uninstall()``
-SITE = Site("torchmetrics.collections", "MetricCollection", "forward", _MARK, _replacement)
+SITE = Site("torchmetrics.collections", "MetricCollection", "forward", STEP_MARK, _replacement)
