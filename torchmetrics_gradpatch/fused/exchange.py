@@ -73,7 +73,7 @@ def reduction_name(fn: object) -> str:
 
 def describe(metric: Any) -> str:
     """``metric`` as errors name it to the other ranks: its class and each state's reduction."""
-    held = getattr(metric, "_reductions", {}).items()  # any object: what a rank holds where it should be a Metric
+    held = internals.reductions(metric).items()  # any object: what a rank holds where it should be a Metric
     states = ", ".join(f"{a}: {reduction_name(r).removeprefix('dim_zero_')}" for a, r in held)
     return f"{type(metric).__name__} ({states})"
 

@@ -49,8 +49,9 @@ GLOBAL_HOOKS = tuple(f"_global{name}" for name in HOOKS)
 
 
 def reductions(metric: Any) -> dict[str, Any]:
-    """``state -> reduction`` in ``add_state`` order (``_reductions``): what ``_sync_dist`` syncs, in its order."""
-    return metric._reductions  # type: ignore[no-any-return]
+    """``state -> reduction`` in ``add_state`` order (``_reductions``): what ``_sync_dist`` syncs, in its order (none
+    for another object)."""
+    return getattr(metric, "_reductions", {})
 
 
 def defaults(metric: Any) -> dict[str, Any]:

@@ -33,16 +33,10 @@ on_buffer: Callable[[torch.Tensor], None] | None = None
 
 
 def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.State] | None:
-    """Step 1 for a ``cat`` list of several tensors, or of one conjugate or negative view, deferred: the prepared
-    state's tensors (a stand-in until :func:`mark`; the state's value keeps the list) and its description, as the
-    one tensor ``dim_zero_cat`` would make; ``None`` where the tensors do not join as plain bytes (other dtypes,
-    devices or layouts, a graph, other trailing sizes, an empty 1-d tensor among others) and step 1 runs as
-    torchmetrics does.
-
-    :func:`mark` joins them where the state stays in the payload (``torch.cat`` resolves views); sent apart, each
-    tensor is copied into the buffer as the values it reads as, in turn, so the rank never holds its own states
-    joined, or resolved, besides the synced ones.
-    """
+    """Step 1 for a ``cat`` list of several tensors (or one conjugate or negative view), deferred: a stand-in and
+    the description of the one tensor ``dim_zero_cat`` would make; ``None`` where they do not join as plain bytes.
+    Sent apart, each tensor is written into the buffer in turn, so the rank never holds its states joined besides
+    the synced ones; else the exchange joins them before the header."""
     if not all(isinstance(t, torch.Tensor) for t in value):
         return None
     first = value[0]
@@ -94,15 +88,9 @@ def chosen(slots: Sequence[Any]) -> list[int]:
 
 
 def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
-    """Let ``metric.sync()``'s cache of the local states hold this rank's own tensors of the ``cat`` states
-    ``attrs`` (those sent apart) instead of the copies it has just made, so the copies are freed before the buffer
-    is made; :func:`recopy` makes them again once the synced states are set. Returns the states so released.
-
-    torchmetrics' ``sync()`` clones every local state into ``_cache`` right before it calls ``_sync_dist`` (which
-    is this sync), and ``unsync()`` sets the states back from it: the clones add this rank's share of the gathered
-    size to the sync's peak. Done only where the cache is that fresh one (set while the Metric is not synced;
-    ``unsync()`` and ``reset()`` clear it) and matches the state tensor for tensor.
-    """
+    """Let the copies ``sync()`` has just cached of the ``cat`` states ``attrs`` (sent apart) be this rank's own
+    tensors, so those copies are freed before the buffer is made (they add this rank's share to the peak);
+    :func:`recopy` makes them again once the synced states are set. Returns the states so released."""
     cache = internals.sync_cache(metric)
     if cache is None or internals.flag(metric, "is_synced"):  # not the fresh cache sync() has just made
         return []
@@ -128,15 +116,9 @@ def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
 
 
 def _return_freed_memory() -> None:
-    """Give the heap pages that free memory holds back to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere).
-
-    States built by many ``update()`` calls are many small tensors, and so are the copies ``sync()`` makes of them:
-    glibc serves those from its heap, and freeing them leaves their pages resident, so the buffer made next would
-    add to them (measured: 1.3x to 1.64x the gathered states by peak resident memory with 200 or 2,000 batches per
-    rank, 1.01x with one). Large tensors are mapped apart and unmapped when freed, so this matters for small ones
-    only. Not making those copies would mean replacing ``Metric.sync()``, which makes them before this sync runs;
-    giving the pages back costs one walk of the heap's free chunks (about 2 ms after 4,000 copies of 20 to 40 KB).
-    """
+    """Give the heap pages free memory holds back to the OS (glibc's ``malloc_trim(0)``): copies of many small
+    tensors leave their pages resident once freed, and the buffer made next would add to them (about 2 ms after
+    4,000 copies; docs/performance.md, "Memory")."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -156,17 +138,10 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
-    """Make ``metric._cache``'s entries of the ``cat`` states in ``parts`` copies again, as ``sync()`` made them,
-    where :func:`release_cache` or :func:`uncopied` left this rank's own tensors there; called once the synced
-    states are set, so that ``unsync()`` restores copies, as torchmetrics' own sync does, never the caller's tensors.
-
-    ``parts[attr]`` is this rank's tensors of the state as :func:`run` wrote them into the buffer (contiguous, one
-    after another), and the copies are made from those bytes, after every cached tensor is dropped and the freed
-    memory is given back (:func:`_return_freed_memory`): where the cache held the last reference, the copies take
-    the place of the local tensors, and the peak never holds the local states twice while the buffer exists. Each
-    copy has the strides ``clone()`` gives (torchmetrics' copies). Where the bytes do not match the cache (not
-    expected), the cached tensors themselves are cloned.
-    """
+    """Make ``sync()``'s cached ``cat`` states ``parts`` copies again, as ``sync()`` made them, where
+    :func:`release_cache` or :func:`uncopied` left this rank's own tensors there (so ``unsync()`` restores copies).
+    ``parts[attr]`` is this rank's tensors as the buffer holds them: the copies are made from those bytes, after the
+    cached tensors are dropped and their memory given back, so the peak never holds the local states twice."""
     cache = internals.sync_cache(metric)
     if cache is None:
         return
@@ -195,15 +170,9 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
 
 @contextlib.contextmanager
 def uncopied(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> Iterator[None]:
-    """While open, the cache that ``metric.sync()`` makes holds the ``cat`` list states ``parts`` (those joined in
-    place; :func:`joined_in_place`) as this rank's own tensors, detached, instead of copies; on leaving, once the
-    synced states are set, :func:`recopy` makes the copies.
-
-    For a collection's members, whose ``sync()`` runs after the exchange: copies made there would add to a peak
-    that already holds the buffer, while the local states are still held. ``_copy_state_dict`` (torchmetrics 1.4
-    on; before, ``sync()`` caches the states themselves, and nothing is done here) runs with those states emptied
-    for that one call.
-    """
+    """While open, the cache ``metric.sync()`` makes holds the ``cat`` list states ``parts`` (joined in place) as
+    this rank's own tensors instead of copies, which would add to a peak that holds the buffer; on leaving, where it
+    synced, :func:`recopy` makes the copies."""
     lists = [attr for attr in parts if isinstance(getattr(metric, attr, None), list)]
     if not internals.copies_states() or not lists:  # before 1.4 sync() caches the states themselves
         yield
@@ -261,21 +230,10 @@ def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
     return buffer
 
 
-def _exchange(buffer: torch.Tensor, group: Any) -> None:
-    """Every rank's bytes into every rank's ``buffer`` (each rank wrote its own, zeros elsewhere): one
-    ``all_reduce`` of the bytes as int64 words. The ranks' bytes never overlap, so no addition carries: each word
-    sums to the bits its writers put in, whatever the dtype and wherever a rank's bytes begin."""
-    dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, group)
-
-
 def _write(buffer: torch.Tensor, at: int, tensors: Sequence[torch.Tensor]) -> None:
-    """``tensors``' values into ``buffer`` from byte ``at`` on, one after another, each contiguous.
-
-    Copied as the values they read as (a conjugate or negative view is resolved by the copy, as ``torch.cat``
-    resolves it), never through a byte view of their memory, which a view refuses: nothing here can fail on one
-    rank after the other ranks have begun the exchange (what cannot be written as plain bytes, :func:`defer` and
-    :func:`mark` leave to step 1, before the header).
-    """
+    """``tensors``' values into ``buffer`` from byte ``at`` on, one after another: copied as the values they read
+    as (a conjugate view resolved, as ``torch.cat`` resolves it), never through a byte view, which could fail on
+    this rank alone once the others have begun."""
     for tensor in tensors:
         n = _bytes.nbytes(tensor.shape, tensor.dtype)
         buffer[at : at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
@@ -334,7 +292,8 @@ def run(
     for at, s, piece in writes:
         _write(buffer, at, _own(slots[s]))
         written[s] = _view(buffer, at, piece)
-    _exchange(buffer, group)
+    # the ranks' bytes never overlap, so summing them as int64 words carries nothing: every bit arrives as written
+    dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, group)
     pieces = [(r, s, i, _view(buffer, at, piece)) for r, s, i, at, piece in places]
     return Moved(pieces, written, {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
 

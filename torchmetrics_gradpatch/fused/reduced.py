@@ -86,13 +86,9 @@ _EXPONENTS = {
 
 
 def _order_free(tensor: torch.Tensor) -> bool:
-    """Whether a floating-point max/min over ``tensor``'s values gives the same bits in any order, in any
-    floating-point mode: no NaN, no ``-0.0`` and no subnormal value.
-
-    A subnormal is refused because under ``torch.set_flush_denormal(True)`` torch compares it as zero, so which of
-    it and ``+0.0`` a maximum returns depends on the order it meets them. The test reads the bits (an exponent of
-    all zeros, and not ``+0.0``), which the floating-point mode cannot change.
-    """
+    """Whether a floating-point max/min over ``tensor`` gives the same bits in any order, in any floating-point
+    mode: no NaN, no ``-0.0``, no subnormal (under ``set_flush_denormal(True)`` one compares as zero). Read from
+    the bits, which the mode cannot change."""
     if not tensor.is_floating_point():
         return True
     as_int, exponent = _EXPONENTS[tensor.dtype]
