@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchmetrics_gradpatch import _bytes
+from torchmetrics_gradpatch import _bytes, _gather
 from torchmetrics_gradpatch._engine import effective_check
 from torchmetrics_gradpatch._errors import FusedSyncError
 from torchmetrics_gradpatch._gather import chunk_bytes, chunk_refusal, size_and_rank
@@ -108,16 +108,12 @@ def structure_error(what: str, attr: str | None, rule: str, seen: dict[int, str]
 def gather_texts(text: str, group: Any, world_size: int, device: Any) -> list[str]:
     """Every rank's ``text`` (two collectives): called only where every rank found from the same exchanged facts that
     an error must name what each rank holds."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size, group)
-    lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    lengths = _gather.exchange(torch.tensor([data.numel()], device=device), group, world_size)[:, 0].tolist()
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[: data.numel()].copy_(data)
-    received = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(received, padded, group)
-    return [bytes(b[:n].tolist()).decode("utf-8", "replace") for b, n in zip(received, lengths, strict=True)]
+    rows = _gather.exchange(padded, group, world_size).cpu()
+    return [bytes(row[:n].tolist()).decode("utf-8", "replace") for row, n in zip(rows, lengths, strict=True)]
 
 
 #: While check mode runs a fused sync it pushes a list here; each list state synced with other lengths on some rank is
