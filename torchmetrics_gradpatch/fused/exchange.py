@@ -135,6 +135,7 @@ def forget() -> None:
     """Forget the layouts validated once and the fingerprints (``fused.reset``)."""
     _VALID.clear()
     _fingerprint.cache_clear()
+    reduced.forget()
 
 
 _NOT_SENT = torch.empty(0, dtype=torch.uint8)  # a separate piece's stand-in: it holds no reference to the tensor

@@ -185,3 +185,8 @@ def run(
             out[entry.slot] = _decode(entry, flat[at : at + n])
             at += n
     return out
+
+
+def forget() -> None:
+    """Forget the result dtypes found once (``fused.reset``)."""
+    _result_dtype.cache_clear()

@@ -51,13 +51,10 @@ class _Pending:
         return cls(metric, update_count, compute_on_cpu, cache)
 
     def finish(self, *_: Any, **__: Any) -> Any:
-        """torchmetrics' lines from ``batch_val = self.compute()`` on; stands in for the member's ``forward`` (its
-        arguments were used by :meth:`begin`). Once finished, it returns that value again.
-
-        Where the exchange synced the member, its synced batch states are set first, as its ``sync()`` would set
-        them (``_is_synced``), and its ``compute()`` runs without a sync of its own. What that skips is the copy
-        of the batch states ``sync()`` keeps for ``unsync()``, which ``forward`` never calls (it restores the
-        accumulated states itself); else the member syncs in its ``compute()``."""
+        """torchmetrics' lines from ``batch_val = self.compute()`` on, standing in for the member's ``forward``; once
+        finished, it returns that value again. Where the exchange synced the member, its synced batch states are
+        set first, as ``sync()`` sets them, and ``compute()`` runs without a sync (and without the copy for an
+        ``unsync()`` that ``forward`` never calls)."""
         if self.finished:
             return self.result
         metric = self.metric
@@ -118,15 +115,9 @@ def _older(value: Any, first: int) -> bool:
 
 
 def _alias_older(metric: Any, first: int) -> None:
-    """Give each batch state of ``metric`` that is a tensor made before its batch update (an input it keeps as it
-    is, as ``CatMetric`` and the ``cat`` states of ``CosineSimilarity`` do) a node of its own, made now.
-
-    Backward sums the gradients that such a tensor gets from several members in the order their nodes were made.
-    In torchmetrics' ``forward`` this member's sync consumes the tensor before the next member's update does; here
-    it syncs after every member's update, so it consumes an alias (a view, which passes its gradient on as it is)
-    made at the place torchmetrics' sync has. A state made by the update itself is consumed by this member's sync
-    alone, in either order, and stays as it is (on torch 2.0, which cannot tell, it is aliased too: an alias
-    changes no gradient)."""
+    """Give each batch state of ``metric`` that is a tensor made before its batch update (an input it keeps, as
+    ``CatMetric`` does) an alias made now, where torchmetrics' own sync would consume it: backward sums an input's
+    gradients in the order their nodes were made (docs/design.md, "The fused step")."""
     for attr in internals.defaults(metric):
         value = getattr(metric, attr)
         if isinstance(value, list):
@@ -163,13 +154,8 @@ def _shared_lists(members: list[tuple[str, Any]]) -> set[int]:
 
 
 def _own_lists(metric: Any, shared: set[int]) -> None:
-    """Give ``metric`` its batch list states as lists of its own where another member holds the same list object.
-
-    torchmetrics (1.4 on) clears a list state in place in ``reset()``, and in its ``forward`` each member computes
-    before the next member's ``reset()``; here every member's first half runs first, so the next member's
-    ``reset()`` would empty this member's batch list before it computes. The tensors are the same; the list
-    object the next member updates is left as torchmetrics leaves it.
-    """
+    """Give ``metric`` lists of its own where another member holds the same list state: torchmetrics (1.4 on)
+    clears a list in place in ``reset()``, which the next member's first half runs before this member computes."""
     for attr in internals.defaults(metric):
         value = getattr(metric, attr)
         if isinstance(value, list) and id(value) in shared:

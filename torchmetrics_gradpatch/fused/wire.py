@@ -510,6 +510,8 @@ def words_of(buffer: torch.Tensor, count: int) -> list[int]:
 
 
 def forget() -> None:
-    """Forget every group's record and the kept pads (``fused.reset``)."""
+    """Forget every group's record, the kept pads and the descriptions read once (``fused.reset``)."""
     Group.forget()
     _ZEROS.clear()
+    for cached in (read, _tensor_state, _piece, _strides):
+        cached.cache_clear()
