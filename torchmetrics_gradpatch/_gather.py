@@ -2,8 +2,7 @@
 
 Contract: the unpatched gather's collectives in its order, its results and its errors, except that the caller's
 entry is its own tensor, graph and all; a CPU tensor under NCCL crosses on the CUDA device in chunks and comes back
-on the CPU. See docs/design.md ("What each rank gets back") and docs/fused-sync.md ("States held on the CPU under
-NCCL").
+on the CPU. See docs/design.md ("What each rank gets back") and docs/fused-sync.md ("States held on the CPU").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 :meth:`~Exchange.add` (torchmetrics' step 1 for a state), :meth:`~Exchange.send` (collective 1, and 2 where a payload
 did not fit: :mod:`.wire`), :meth:`~Exchange.validate`, :meth:`~Exchange.settle` (the side channels: :mod:`.transit`,
 :mod:`.reduced`, :mod:`.large`) and :meth:`~Exchange.entries` (global mode's node: :mod:`.grad`); then
-:func:`set_states` is torchmetrics' step 3 for one Metric. The single sync (``fused_sync``), the collection's
+:func:`set_states` is torchmetrics' step 3 for one Metric. The single sync (:func:`sync_metric`), the collection's
 ``compute()`` (:mod:`.collection`) and its step (:mod:`.step`) are adapters around it. Every error that the ranks'
 disagreement causes is raised on every rank, with the same text, after the same collectives. The design, and
 what each phase does to a state: docs/design.md ("The fused exchange").

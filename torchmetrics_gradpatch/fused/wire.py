@@ -50,7 +50,7 @@ _HEAD_BYTES = 8 * HEADER_WORDS
 
 KIND_TENSOR = 0
 KIND_LIST = 1
-KIND_OTHER = 2  # neither a tensor nor a list of tensors: refused on every rank, see _fused_sync
+KIND_OTHER = 2  # neither a tensor nor a list of tensors: refused on every rank (Exchange.validate)
 
 UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
 
@@ -315,7 +315,7 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-#: the stand-in for a piece a buffer does not hold (see :func:`unpack_planned`)
+#: the stand-in for a piece a buffer does not hold (see :func:`unpack`)
 ABSENT = torch.empty(0)
 
 
