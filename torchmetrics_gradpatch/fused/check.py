@@ -17,6 +17,7 @@ import os
 import random
 import struct
 import sys
+import traceback
 import types
 import warnings
 from collections.abc import Callable
@@ -45,12 +46,7 @@ _EXCHANGE_FILES = tuple(
 
 def _in_exchange(error: BaseException) -> bool:
     """Whether ``error`` was raised inside the fused exchange, not in a Metric's own code run around it."""
-    frame = error.__traceback__
-    while frame is not None:
-        if frame.tb_frame.f_code.co_filename.endswith(_EXCHANGE_FILES):
-            return True
-        frame = frame.tb_next
-    return False
+    return any(f.f_code.co_filename.endswith(_EXCHANGE_FILES) for f, _ in traceback.walk_tb(error.__traceback__))
 
 
 def _rng() -> tuple[Any, ...]:
@@ -141,7 +137,7 @@ def _compared(taken: _Taken) -> dict[str, dict[str, Any]]:
 
 
 class _Comparison:
-    """One comparison: the first difference found, and what could not be judged (``unchecked``)."""
+    """One comparison: :meth:`first` difference, and what could not be judged (``unchecked``)."""
 
     def __init__(self) -> None:
         self.unchecked: list[str] = []
@@ -232,12 +228,9 @@ def _tensors(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def difference(a: Any, b: Any, unchecked: list[str] | None = None) -> str | None:
-    """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike.
-
-    Tensors compare by their bytes, floats by their bits, containers, dataclasses and objects element by element
-    and attribute by attribute. A value it cannot judge (no attributes, and an ``==`` that raises or compares
-    identity only) is described in ``unchecked``; without that list, it counts as a difference.
-    """
+    """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike. A
+    value it cannot judge (no attributes, and an ``==`` that raises or compares identity only) is described in
+    ``unchecked``; without that list, it counts as a difference."""
     comparison = _Comparison()
     found = comparison.first(a, b)
     if found is None and comparison.unchecked:
@@ -344,29 +337,26 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
             f"it raised on rank(s) {[r for r, row in enumerate(facts) if row[0] == _RAISED]} only, where torchmetrics' "
             "own path can leave the other ranks waiting",
         )
-    if _REFUSED in kinds or any(row[1] for row in facts) or partly:
-        if error is not None:
-            raise error
-        return result  # type: ignore[no-any-return]
-    after, rng_after = _take(root, copied=False), _rng()
-    unchecked: list[str] = []
-    try:
-        _put(before)
-        _set_rng(rng)
-        expected, expected_error = None, None
+    if not (_REFUSED in kinds or any(row[1] for row in facts) or partly):  # else: as the fused run left it
+        after, rng_after = _take(root, copied=False), _rng()
+        unchecked: list[str] = []
         try:
-            expected = reference()
-        except Exception as raised:
-            expected_error = raised
-        theirs = _take(root, copied=False)
-        text = _first(what, (result, error, after), (expected, expected_error, theirs), unchecked)
-    finally:
-        _put(after)
-        _set_rng(rng_after)
-    _agree(text, what, group, error)
-    if unchecked:
-        more = len(dict.fromkeys(unchecked)) - 1
-        _not_checked(what, f"{unchecked[0]}{f' and {more} more value(s)' if more else ''} cannot be compared")
+            _put(before)
+            _set_rng(rng)
+            expected, expected_error = None, None
+            try:
+                expected = reference()
+            except Exception as raised:
+                expected_error = raised
+            theirs = _take(root, copied=False)
+            text = _first(what, (result, error, after), (expected, expected_error, theirs), unchecked)
+        finally:
+            _put(after)
+            _set_rng(rng_after)
+        _agree(text, what, group, error)
+        if unchecked:
+            more = len(dict.fromkeys(unchecked)) - 1
+            _not_checked(what, f"{unchecked[0]}{f' and {more} more value(s)' if more else ''} cannot be compared")
     if error is not None:
         raise error
     return result  # type: ignore[no-any-return]

@@ -49,9 +49,8 @@ _TEXTS = {
 
 
 def kind(code: int) -> str:
-    """What becomes of a member of this form: :data:`JOINED`, :data:`QUIET` (no collective), :data:`OTHER_GROUP`,
-    :data:`RAISES`, or :data:`OWN_PATH` (torchmetrics' own path over the default group: assumed to issue
-    collectives)."""
+    """What becomes of a member of this form: :data:`JOINED`, :data:`QUIET`, :data:`OTHER_GROUP`, :data:`RAISES`,
+    or :data:`OWN_PATH` (torchmetrics' own path over the default group, assumed to issue collectives)."""
     return _KINDS.get(code, OWN_PATH)
 
 
@@ -150,8 +149,7 @@ def detail(metric: Any) -> int:
 
 
 def forms_of(members: list[tuple[str, Any]], on_step: bool = False) -> list[int]:
-    """Each member's :func:`form`; an object held under several keys is a duplicate under each (torchmetrics runs it
-    whole at each place)."""
+    """Each member's :func:`form`; an object held under several keys is a duplicate under each."""
     hooked = internals.global_hooks()
     counts = collections.Counter(id(metric) for _, metric in members)
     return [form(metric, on_step, counts[id(metric)] > 1, hooked) for _, metric in members]

@@ -17,15 +17,12 @@ _named: set[type] = set()
 
 
 def trust(*classes: type) -> None:
-    """Let ``MetricCollection``'s one exchange take over members of these classes of yours (``Metric``
-    subclasses), or collections of these ``MetricCollection`` subclasses.
+    """Let ``MetricCollection``'s one exchange take over members of these ``Metric`` subclasses of yours, or
+    collections of these ``MetricCollection`` subclasses; each vouches for its bases, not for its subclasses.
 
-    Name a class only after a run in check mode (``patched(sync="fused", check=True)``) gave no difference, and only
-    if its ``update()`` and ``compute()`` read or compute no other member, share no module, buffer or input tensor
-    with one, change nothing they keep in place in ``compute()``, do not depend on the sync flags
-    (``_to_sync``, ``_is_synced``, ``_should_unsync``) and never call ``sync()``/``unsync()`` themselves. A class
-    named here vouches for its bases up to ``Metric`` too; a subclass of it must be named on its own.
-    Call it alike on every rank.
+    Name a class only where its ``update()`` and ``compute()`` share nothing with other members and leave the sync
+    flags alone (docs/fused-sync.md#which-collections-it-trusts lists the rules), and after a run in check mode
+    (``patched(sync="fused", check=True)``) gave no difference. Call it alike on every rank.
     """
     from torchmetrics import Metric, MetricCollection
 

@@ -80,8 +80,8 @@ def _emit(value: object, out: list[str]) -> None:
             if field in _SKIPPED_FIELDS:
                 continue
             item = getattr(value, field, None)
-            if field == "body" and isinstance(value, _DOCUMENTED) and isinstance(item, list):
-                item = _without_docstring(item)
+            if field == "body" and isinstance(value, _DOCUMENTED) and ast.get_docstring(value, clean=False) is not None:
+                item = value.body[1:]
             elif field == "values" and isinstance(value, ast.JoinedStr) and isinstance(item, list):
                 item = _joined(item)
             if item is None or (isinstance(item, list) and not item):
@@ -114,13 +114,6 @@ def _joined(values: list[ast.expr]) -> list[ast.expr]:
                 continue
         out.append(part)
     return out
-
-
-def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
-    first = body[0] if body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        return body[1:]
-    return body
 
 
 def _digest_node(node: ast.AST) -> str:
@@ -295,7 +288,7 @@ class _Judge:
     """One module's judgement against its source: :meth:`scope` lists the names not recognised."""
 
     def __init__(self, module: ModuleType, source: _Source, look: _Look) -> None:
-        self.module, self.source, self.look = module, source, look
+        self.source, self.look = source, look
         self.namespace: dict[str, Any] = vars(module)
         self.prefix = module.__name__
         self.package = module.__package__ or ""
@@ -462,9 +455,8 @@ _warned: dict[str, object] = {}
 
 
 def unrecognised() -> tuple[str, ...]:
-    """What is not recognised now, in :data:`MODULES`' order: a module (its source is no known release's, or there is
-    none), or a binding as ``module.name`` or ``module.Class.name``. Judged again only where a live object looked
-    at changed since the last call."""
+    """What is not recognised now, in :data:`MODULES`' order: a module (its source is no known release's, or it has
+    none) or a binding (``module.name``, ``module.Class.name``). Judged again where a live object looked at changed."""
     last = _last[0]
     if last is not None and last[0].same():
         return last[1]
