@@ -34,7 +34,7 @@ from tests.test_fused import same
 from tests.test_fused_forms import batch, comparable
 from tests.test_fused_step import Rows, alike
 from torchmetrics_gradpatch import _syncs
-from torchmetrics_gradpatch.fused import aside, recognise
+from torchmetrics_gradpatch.fused import recognise
 
 DATA = "torchmetrics.utilities.data"
 
@@ -190,7 +190,7 @@ def _steps_aside(rank: int, world_size: int, case: str, where: str) -> None:
         for name in expected:
             mentions = [text for text in warned if f"{name} is not recognised" in text and "steps aside" in text]
             assert len(mentions) == 1, (case, name, warned)
-        assert status.stepped_aside == {name: tuple(aside.PARTS) for name in expected}, status.stepped_aside
+        assert status.stepped_aside == {name: tuple(recognise.PARTS) for name in expected}, status.stepped_aside
         assert f"steps aside:      {expected[0]} is not recognised" in str(status)
     # put back: the very objects, and nothing steps aside
     for name, namespace in originals.items():
@@ -205,10 +205,14 @@ def test_what_is_not_recognised_makes_the_fused_sync_step_aside(case: str, tmp_p
 
 
 def test_every_part_relies_on_the_modules_it_reproduces() -> None:
-    assert set(aside.PARTS[aside.SINGLE]) < set(aside.PARTS[aside.COMPUTE]) == set(aside.PARTS[aside.STEP])
-    assert set(aside.PARTS[aside.STEP]) == set(recognise.MODULES)
+    assert (
+        set(recognise.PARTS[recognise.SINGLE])
+        < set(recognise.PARTS[recognise.COMPUTE])
+        == set(recognise.PARTS[recognise.STEP])
+    )
+    assert set(recognise.PARTS[recognise.STEP]) == set(recognise.MODULES)
 
 
 def test_everything_recognised_steps_aside_from_nothing() -> None:
     assert "torchmetrics.metric" in sys.modules  # the look is at torchmetrics' live modules
-    assert tg.status().stepped_aside == {} and not any(aside.stepping_aside(part) for part in aside.PARTS)
+    assert tg.status().stepped_aside == {} and not any(recognise.stepping_aside(part) for part in recognise.PARTS)

@@ -42,7 +42,9 @@ from torchmetrics.collections import MetricCollection
 from torchmetrics.metric import Metric
 
 import torchmetrics_gradpatch as tg
+from tests import _digests
 from torchmetrics_gradpatch import _engine
+from torchmetrics_gradpatch._site import MARKS
 from torchmetrics_gradpatch.fused import recognise
 from torchmetrics_gradpatch.fused._recognised import RECOGNISED
 
@@ -379,7 +381,7 @@ def test_another_tools_wrapper_is_not_recognised(monkeypatch: pytest.MonkeyPatch
 
 def test_the_packages_marked_replacement_is_looked_through(monkeypatch: pytest.MonkeyPatch) -> None:
     sync_dist = original("_sync_dist")
-    for mark in recognise._MARKS:
+    for mark in MARKS:
         monkeypatch.setattr(Metric, "_sync_dist", ours(sync_dist, mark))
         assert recognise.unrecognised() == ()
     unmarked = ours(sync_dist, SYNC_MARK)
@@ -495,10 +497,10 @@ def test_the_function_digest_leaves_out_positions_docstrings_comments_annotation
         namespace: dict[str, Any] = {"keep": lambda fn: fn}
         exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), namespace)
         fn = namespace["f"] if "f" in namespace else vars(namespace["Holder"])["f"]
-        found = recognise.digest(fn)
+        found = _digests.digest(recognise, fn)
         assert found is not None
         owner = "Holder" if "Holder" in namespace else None
-        assert found == recognise.digest_in_module(path.read_text(encoding="utf-8"), owner, "f")
+        assert found == _digests.digest_in_module(recognise, path.read_text(encoding="utf-8"), owner, "f")
         return found
 
     reference = digest(base)
@@ -509,10 +511,10 @@ def test_the_function_digest_leaves_out_positions_docstrings_comments_annotation
 def test_no_source_no_digest() -> None:
     namespace: dict[str, Any] = {}
     exec("def f():\n    return 1\n", namespace)  # no file behind it
-    assert recognise.digest(namespace["f"]) is None
-    assert recognise.digest(len) is None
-    assert recognise.digest(functools.partial(print)) is None
-    assert recognise.digest(lambda: 1) is None  # a lambda is no def
+    assert _digests.digest(recognise, namespace["f"]) is None
+    assert _digests.digest(recognise, len) is None
+    assert _digests.digest(recognise, functools.partial(print)) is None
+    assert _digests.digest(recognise, lambda: 1) is None  # a lambda is no def
 
 
 # --- the same digest on every Python --------------------------------------------------------------------------------
@@ -571,8 +573,8 @@ FIXTURE_KEYS = {
 
 #: Run by each interpreter: the digests of the fixture's functions (live, looked through their decorators, and from
 #: its file), of the fixture module, and of every watched module in the installed packages' files; then the fixture
-#: module judged whole as it is loaded and with a method replaced. recognise.py loaded by its path (no torch, no
-#: package import).
+#: module judged whole as it is loaded and with a method replaced. recognise.py and tests/_digests.py loaded by their
+#: paths (no torch, no package import).
 PROBE = """
 import importlib.util, json, sys
 recognise_path, fixture_path, site, keys = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -583,6 +585,7 @@ def load(name, path):
     spec.loader.exec_module(module)
     return module
 r = load("_probe_recognise", recognise_path)
+d = load("_probe_digests", sys.argv[5])
 fixture = load("tmgp_fixture", fixture_path)
 fixture_text = open(fixture_path, encoding="utf-8").read()
 out = {"live": {}, "file": {}, "modules": {"fixture": r.module_digest(fixture_text)}}
@@ -590,8 +593,8 @@ for key, (owner, name) in keys.items():
     fn = vars(getattr(fixture, owner))[name] if owner else getattr(fixture, name)
     fn = getattr(fn, "__func__", fn)
     fn = getattr(fn, "__wrapped__", fn)
-    out["live"][key] = r.digest(fn)
-    out["file"][key] = r.digest_in_module(fixture_text, owner, name)
+    out["live"][key] = d.digest(r, fn)
+    out["file"][key] = d.digest_in_module(r, fixture_text, owner, name)
 for module in r.MODULES:
     stem = site + "/" + module.replace(".", "/")
     for path in (stem + ".py", stem + "/__init__.py"):
@@ -622,6 +625,7 @@ def interpreter(version: str) -> str | None:
 
 def probe(python: str, fixture: Path) -> dict[str, dict[str, str]]:
     args = [str(Path(recognise.__file__).resolve()), str(fixture), str(TORCHMETRICS.parent), json.dumps(FIXTURE_KEYS)]
+    args.append(str(Path(_digests.__file__).resolve()))
     done = subprocess.run([python, "-I", "-c", PROBE, *args], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     result: dict[str, dict[str, str]] = json.loads(done.stdout)

@@ -28,15 +28,15 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     synced together.
 
     Where some rank of the group does not recognise what the sync relies on
-    (:mod:`torchmetrics_gradpatch.fused.aside`), every rank runs torchmetrics' own ``_sync_dist`` instead, after the
+    (:mod:`torchmetrics_gradpatch.fused.recognise`), every rank runs torchmetrics' own ``_sync_dist`` instead, after the
     header that tells them; in check mode the fused sync is compared with it
     (:mod:`torchmetrics_gradpatch.fused.check`).
     """
     from torchmetrics_gradpatch import _engine
-    from torchmetrics_gradpatch.fused import aside, check, exchange
+    from torchmetrics_gradpatch.fused import check, exchange, recognise
 
     # a rank that steps aside still sends its header, so that every rank steps aside with it
-    unrecognised = aside.stepping_aside(aside.SINGLE)
+    unrecognised = recognise.stepping_aside(recognise.SINGLE)
 
     def fused() -> None:
         if not exchange.sync_metric(metric, process_group, mode, unrecognised):
@@ -74,8 +74,8 @@ def reset() -> None:
         collection.forget()
     if (transit := loaded("transit")) is not None:
         transit.forget()
-    if (aside := loaded("aside")) is not None:
-        aside.forget()
+    if (recognise := loaded("recognise")) is not None:
+        recognise.forget()
 
 
 def _collection_sites_all() -> tuple[tuple[Any, str], ...]:
@@ -95,9 +95,9 @@ def _install_collection() -> None:
         site.install()
     if "torchmetrics.metric" in sys.modules:
         # the first look at torchmetrics' modules (each source read and compiled once) now, not inside a first sync
-        from torchmetrics_gradpatch.fused import aside
+        from torchmetrics_gradpatch.fused import recognise
 
-        aside.aside()
+        recognise.aside()
 
 
 def _uninstall_collection() -> None:
@@ -110,9 +110,9 @@ def _collection_sites() -> tuple[str, ...]:
 
 
 def _stepped_aside() -> dict[str, tuple[str, ...]]:
-    from torchmetrics_gradpatch.fused import aside
+    from torchmetrics_gradpatch.fused import recognise
 
-    return aside.aside()
+    return recognise.aside()
 
 
 _syncs.register(

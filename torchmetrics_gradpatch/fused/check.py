@@ -1,26 +1,10 @@
-"""Check mode: each fused run is followed by torchmetrics' own path from the same start, and the two are compared.
+"""Check mode: a fused run followed by torchmetrics' own path from the same start, the two compared.
 
-Contract (docs/fused-sync.md, "Adopting it safely", explains it and lists what it costs):
-
-* :func:`run` takes everything the fused run can change before it runs: every module of the Metric's or the
-  collection's module tree (each one's attributes, with the tensors, lists, dicts, deques, sets, tuples and
-  dataclasses in them copied: states, ``_defaults``, ``_reductions``, buffers, parameters; objects that modules share
-  are shared in the copy, objects of other kinds are not copied) and the random state. It runs the fused path, puts
-  that start back, runs torchmetrics' own path, compares the two and puts the fused run's objects and random state
-  back: the program goes on with the fused run's.
-* Every rank decides from the same exchanged facts (one collective after the fused run). Where the fused run
-  raised the fused sync's own refusal on some rank, or synced a list state whose length differs between the ranks
-  (torchmetrics' own sync gathers once per element and would wait forever: one warning naming the Metrics), or
-  raised in a Metric's own code on some ranks only (torchmetrics' own path can leave the others waiting there: one
-  warning), no rank runs torchmetrics' path. Otherwise every rank runs it (a fused run that raised inside the
-  exchange itself is compared like any other).
-* Compared (:func:`difference`): the results, every Metric's states and flags, every module's buffers, and the
-  outcome itself (one path raising where the other returns, or the two raising different errors). A difference on
-  any rank raises the same :class:`~torchmetrics_gradpatch.FusedSyncError` on every rank (one collective more,
-  three where something differs). Otherwise each rank goes on as the fused run left it, its error raised.
-* A value that cannot be judged is reported as not checked (one warning per run), never passed as equal.
-* :class:`~torchmetrics_gradpatch.fused.exchange.CheckSettingError` (the ranks' check settings differ, raised on every
-  rank at the exchange) goes up at once: the peers that do not check run no check collectives.
+:func:`run` takes the start (every module's attributes in the tree, copied, and the random state), runs the fused
+path, puts the start back, runs torchmetrics' path where every rank can, compares (:func:`difference`) and puts the
+fused run's objects back: the program goes on with the fused run's. A difference on any rank raises the same
+``FusedSyncError`` on every rank. docs/fused-sync.md#adopting-it-safely-a-short-run-with-the-check-mode-on says what
+is compared, where torchmetrics' path is not run and what a check costs.
 """
 
 from __future__ import annotations
@@ -28,14 +12,15 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import math
 import os
 import random
 import struct
 import sys
+import traceback
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -43,12 +28,14 @@ import torch.distributed as dist
 
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch._gather import staging_device
+from torchmetrics_gradpatch.fused import internals
 from torchmetrics_gradpatch.fused.exchange import uneven_lists
 
-__all__ = ["difference", "run"]
-
 T = TypeVar("T")
-_FLAGS = ("_update_count", "_forward_cache", "_computed", "_is_synced", "_should_unsync", "_to_sync")
+#: the flags torchmetrics' paths set, compared (not ``_cache``: the local states as each path copied them)
+_FLAGS = [
+    internals.FLAGS[n] for n in ("update_count", "forward_cache", "computed", "is_synced", "should_unsync", "to_sync")
+]
 # what a rank's fused run did: returned; raised in the Metrics' own code (update, compute, hooks); raised in the
 # fused exchange itself (what the check is for: torchmetrics' path has no such step); refused (its own error)
 _RETURNED, _RAISED, _BROKE, _REFUSED = 0, 1, 2, 3
@@ -58,14 +45,8 @@ _EXCHANGE_FILES = tuple(
 
 
 def _in_exchange(error: BaseException) -> bool:
-    """Whether ``error`` was raised inside the fused exchange (a frame of its modules on the way), not in a Metric's
-    own code run around it."""
-    frame = error.__traceback__
-    while frame is not None:
-        if frame.tb_frame.f_code.co_filename.endswith(_EXCHANGE_FILES):
-            return True
-        frame = frame.tb_next
-    return False
+    """Whether ``error`` was raised inside the fused exchange, not in a Metric's own code run around it."""
+    return any(f.f_code.co_filename.endswith(_EXCHANGE_FILES) for f, _ in traceback.walk_tb(error.__traceback__))
 
 
 def _rng() -> tuple[Any, ...]:
@@ -85,8 +66,8 @@ def _set_rng(state: tuple[Any, ...]) -> None:
 
 
 def _copy(value: Any, memo: dict[int, Any]) -> Any:
-    """``value`` with every tensor and mutable container in it copied; modules, and objects of other kinds, are kept
-    (a module is put back in place by :class:`_Taken`); an object met before is the same copy (aliasing stays)."""
+    """``value`` with every tensor and mutable container in it copied, modules and other objects kept (a module is
+    put back in place by :func:`_put`); an object met before is the same copy (aliasing stays)."""
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, (torch.nn.Module, str, bytes, int, float, type(None))):
@@ -120,60 +101,50 @@ def _copy(value: Any, memo: dict[int, Any]) -> Any:
 
 
 def _modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every module in ``root``'s tree, each once, by its path (a collection's member by its key; ``root`` by its
-    class name)."""
+    """Every module in ``root``'s tree once, by its path (a member by its key; ``root`` by its class name)."""
     return [(name or type(root).__name__, module) for name, module in root.named_modules()]
 
 
-@dataclass
-class _Taken:
-    """Every module's attributes (its ``__dict__``) in a tree: as they are (the fused run's, put back as they are) or
-    copied (what both runs start from)."""
+_Taken = list[tuple[str, torch.nn.Module, dict[str, Any]]]
 
-    modules: list[tuple[str, torch.nn.Module, dict[str, Any]]]
 
-    @classmethod
-    def of(cls, root: torch.nn.Module, copied: bool) -> _Taken:
-        memo: dict[int, Any] = {}
-        taken = []
-        for path, module in _modules(root):
-            attributes = dict(vars(module))
-            if copied:
-                attributes = {key: _copy(value, memo) for key, value in attributes.items()}
-            taken.append((path, module, attributes))
-        return cls(taken)
+def _take(root: torch.nn.Module, copied: bool) -> _Taken:
+    """Every module's attributes (``__dict__``) in ``root``'s tree: as they are, or copied (the start)."""
+    memo: dict[int, Any] = {}
+    return [
+        (path, module, {k: _copy(v, memo) for k, v in vars(module).items()} if copied else dict(vars(module)))
+        for path, module in _modules(root)
+    ]
 
-    def put(self) -> None:
-        for _, module, attributes in self.modules:
-            vars(module).clear()
-            vars(module).update(attributes)
 
-    def compared(self) -> dict[str, dict[str, Any]]:
-        """What is compared: every module's buffers, every Metric's states and the flags torchmetrics' paths set
-        (not ``_cache``: the local states as each path copied them, which ``unsync()`` puts back alike)."""
-        from torchmetrics import Metric
+def _put(taken: _Taken) -> None:
+    for _, module, attributes in taken:
+        vars(module).clear()
+        vars(module).update(attributes)
 
-        found: dict[str, dict[str, Any]] = {}
-        for path, module, attributes in self.modules:
-            values = {f"buffer {n!r}": v for n, v in attributes.get("_buffers", {}).items()}
-            if isinstance(module, Metric):
-                values.update({f"state {n!r}": attributes.get(n) for n in attributes.get("_defaults", {})})
-                values.update({f"attribute {n!r}": attributes.get(n) for n in _FLAGS})
-            found[path] = values
-        return found
+
+def _compared(taken: _Taken) -> dict[str, dict[str, Any]]:
+    """Every module's buffers, every Metric's states and :data:`_FLAGS`, by module path."""
+    from torchmetrics import Metric
+
+    found: dict[str, dict[str, Any]] = {}
+    for path, module, attributes in taken:
+        found[path] = {f"buffer {n!r}": v for n, v in internals.buffers_in(attributes).items()}
+        if isinstance(module, Metric):
+            found[path].update({f"state {n!r}": attributes.get(n) for n in internals.defaults_in(attributes)})
+            found[path].update({f"attribute {n!r}": attributes.get(n) for n in _FLAGS})
+    return found
 
 
 class _Comparison:
-    """One comparison: the first difference found, and what could not be judged (``unchecked``)."""
+    """One comparison: :meth:`first` difference, and what could not be judged (``unchecked``)."""
 
     def __init__(self) -> None:
         self.unchecked: list[str] = []
         self._seen: set[tuple[int, int]] = set()  # pairs under comparison: a cycle is not followed twice
 
     def first(self, a: Any, b: Any, at: str = "") -> str | None:
-        if a is b:
-            return None
-        if (id(a), id(b)) in self._seen:
+        if a is b or (id(a), id(b)) in self._seen:
             return None
         self._seen.add((id(a), id(b)))
         try:
@@ -189,10 +160,8 @@ class _Comparison:
         if type(a) is not type(b):
             return f"{where}a {type(a).__name__} where torchmetrics' is a {type(b).__name__}"
         if isinstance(a, (float, complex)):  # by their bits: NaN equals NaN, -0.0 is not 0.0
-            if _bits(a) == _bits(b):
-                return None
-            return f"{where}{a!r} where torchmetrics' is {b!r}"
-        if isinstance(a, (bool, int, str, bytes, type, types.FunctionType, types.BuiltinFunctionType)):
+            return None if _bits(a) == _bits(b) else f"{where}{a!r} where torchmetrics' is {b!r}"
+        if isinstance(a, (bool, int, str, bytes, type, types.FunctionType, types.BuiltinFunctionType, set, frozenset)):
             return None if a == b else f"{where}{a!r} where torchmetrics' is {b!r}"
         if hasattr(a, "tobytes") and hasattr(a, "dtype") and hasattr(a, "shape"):  # a NumPy array or scalar
             alike = (str(a.dtype), a.shape, a.tobytes()) == (str(b.dtype), b.shape, b.tobytes())
@@ -205,8 +174,6 @@ class _Comparison:
             if len(a) != len(b):
                 return f"{where}{len(a)} elements where torchmetrics' has {len(b)}"
             return self._each((f"{at}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b, strict=True)))
-        if isinstance(a, (set, frozenset)):
-            return None if a == b else f"{where}{a!r} where torchmetrics' is {b!r}"
         if dataclasses.is_dataclass(a):
             names = [f.name for f in dataclasses.fields(a)]
         else:
@@ -255,22 +222,15 @@ def _tensors(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if torch.equal(bytes_x, bytes_y):
         return None
     at = int((bytes_x != bytes_y).nonzero()[0]) // x.element_size()
-    index: list[int] = []
-    rest = at
-    for size in reversed(x.shape):
-        index.insert(0, rest % size)
-        rest //= size
+    index = [at // math.prod(x.shape[d + 1 :]) % x.shape[d] for d in range(x.dim())]
     mine, theirs = x.reshape(-1)[at].item(), y.reshape(-1)[at].item()
     return f"at index {index}: {mine!r} where torchmetrics' is {theirs!r}"
 
 
 def difference(a: Any, b: Any, unchecked: list[str] | None = None) -> str | None:
-    """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike.
-
-    Tensors compare by their bytes, floats by their bits, containers, dataclasses and objects element by element
-    and attribute by attribute. A value it cannot judge (no attributes, and an ``==`` that raises or compares
-    identity only) is described in ``unchecked``; without that list, it counts as a difference.
-    """
+    """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike. A
+    value it cannot judge (no attributes, and an ``==`` that raises or compares identity only) is described in
+    ``unchecked``; without that list, it counts as a difference."""
     comparison = _Comparison()
     found = comparison.first(a, b)
     if found is None and comparison.unchecked:
@@ -299,7 +259,7 @@ def _first(
     found = difference(result, expected, unchecked)
     if found is not None:
         return f"{what}'s result: {found}"
-    mine, theirs = after.compared(), taken.compared()
+    mine, theirs = _compared(after), _compared(taken)
     for path in dict.fromkeys([*theirs, *mine]):
         ours, others = mine.get(path, {}), theirs.get(path, {})
         for name in dict.fromkeys([*others, *ours]):
@@ -310,8 +270,7 @@ def _first(
 
 
 def _facts(mine: list[int], group: Any) -> list[list[int]]:
-    """Every rank's ``mine`` (small integers, the same number on every rank): one collective, on every rank."""
-    # on the device the group takes tensors on: the current CUDA device under NCCL, else the CPU
+    """Every rank's ``mine`` (as many small integers on every rank): one collective, on the group's device."""
     found = torch.tensor(mine, dtype=torch.int64, device=staging_device(group))
     every = [torch.empty_like(found) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, found, group)
@@ -336,26 +295,21 @@ def _agree(text: str | None, what: str, group: Any, cause: BaseException | None)
 
 
 def _not_checked(what: str, why: str) -> None:
-    warnings.warn(
-        f"torchmetrics_gradpatch: check mode: the fused sync of {what} was not checked: {why}. The fused result is "
-        "returned.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+    text = f"torchmetrics_gradpatch: check mode: the fused sync of {what} was not checked: {why}."
+    warnings.warn(f"{text} The fused result is returned.", RuntimeWarning, stacklevel=4)
 
 
 def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], Any], group: Any = None) -> T:
-    """``fused()``, checked against ``reference()`` run from the same start (see the module docstring); ``root`` is
-    the Metric or collection both change, ``what`` how messages name it. A collective over ``group`` (default: the
-    world): every rank of it checks."""
+    """``fused()``, checked against ``reference()`` from the same start; ``root``: the Metric or collection both
+    change, ``what``: how messages name it. Collective over ``group`` (default: the world): every rank checks."""
     from torchmetrics_gradpatch.fused.exchange import CheckSettingError
 
-    before, rng = _Taken.of(root, copied=True), _rng()
+    before, rng = _take(root, copied=True), _rng()
     nested = bool(uneven_lists)  # inside another check's fused run (a member's own sync): that check warns
     uneven: list[tuple[Any, str]] = []
     uneven_lists.append(uneven)
     result: Any = None
-    error: Exception | None = None
+    error: Exception | None = None  # torchmetrics' path runs only where no rank refused, waits or raised alone
     try:
         result = fused()
     except CheckSettingError:
@@ -368,7 +322,6 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     kind = _REFUSED if refused else _RETURNED if error is None else _BROKE if _in_exchange(error) else _RAISED
     facts = _facts([kind, int(bool(uneven))], group)
     if any(row[1] for row in facts) and not nested:
-        # from every rank's description: torchmetrics' own sync would wait forever here
         paths = {id(module): path for path, module in _modules(root)}
         named = sorted({f"{paths.get(id(m), type(m).__name__)}.{attr}" for m, attr in uneven}) or ["(on another rank)"]
         _not_checked(
@@ -379,39 +332,31 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
     kinds = {row[0] for row in facts}
     partly = _RAISED in kinds and len(kinds) > 1
     if partly and not nested:
-        # a Metric's own code raised on some ranks only: torchmetrics' own path, raising there between its
-        # collectives, would leave the others waiting (a member's compute() failing on one rank, say)
         _not_checked(
             what,
             f"it raised on rank(s) {[r for r, row in enumerate(facts) if row[0] == _RAISED]} only, where torchmetrics' "
             "own path can leave the other ranks waiting",
         )
-    if _REFUSED in kinds or any(row[1] for row in facts) or partly:
-        # the fused sync refused on every rank alike (where torchmetrics' own can hang), or torchmetrics' own would
-        # wait: each rank goes on as the fused run left it
-        if error is not None:
-            raise error
-        return result  # type: ignore[no-any-return]
-    after, rng_after = _Taken.of(root, copied=False), _rng()
-    unchecked: list[str] = []
-    try:
-        before.put()
-        _set_rng(rng)
-        expected: Any = None
-        expected_error: Exception | None = None
+    if not (_REFUSED in kinds or any(row[1] for row in facts) or partly):  # else: as the fused run left it
+        after, rng_after = _take(root, copied=False), _rng()
+        unchecked: list[str] = []
         try:
-            expected = reference()
-        except Exception as raised:
-            expected_error = raised
-        theirs = _Taken.of(root, copied=False)
-        text = _first(what, (result, error, after), (expected, expected_error, theirs), unchecked)
-    finally:
-        after.put()
-        _set_rng(rng_after)
-    _agree(text, what, group, error)
-    if unchecked:
-        more = len(dict.fromkeys(unchecked)) - 1
-        _not_checked(what, f"{unchecked[0]}{f' and {more} more value(s)' if more else ''} cannot be compared")
+            _put(before)
+            _set_rng(rng)
+            expected, expected_error = None, None
+            try:
+                expected = reference()
+            except Exception as raised:
+                expected_error = raised
+            theirs = _take(root, copied=False)
+            text = _first(what, (result, error, after), (expected, expected_error, theirs), unchecked)
+        finally:
+            _put(after)
+            _set_rng(rng_after)
+        _agree(text, what, group, error)
+        if unchecked:
+            more = len(dict.fromkeys(unchecked)) - 1
+            _not_checked(what, f"{unchecked[0]}{f' and {more} more value(s)' if more else ''} cannot be compared")
     if error is not None:
         raise error
     return result  # type: ignore[no-any-return]

@@ -19,7 +19,7 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import COLLECTION_MARK, Site
-from torchmetrics_gradpatch.fused import aside, forms, internals, large, membership, wire
+from torchmetrics_gradpatch.fused import forms, internals, large, membership, recognise, wire
 
 _MEMBER_WORDS = 4  # per member in the table: fingerprint, form, needs, detail; then its slot references
 
@@ -407,7 +407,7 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if _engine.effective_sync() != "fused":
             return original(self)
         # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
-        unrecognised = aside.stepping_aside(aside.COMPUTE)
+        unrecognised = recognise.stepping_aside(recognise.COMPUTE)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
             return _compile.run_eagerly(_compute, original, self, unrecognised)
         return _compute(original, self, unrecognised)

@@ -43,6 +43,8 @@ METHODS = (
     "__call__",
     "__setattr__",  # plain attributes are stored as Module.__setattr__ stores them (put)
 )
+#: Metric methods that, set on an instance, stand in for its class's (a member holding one is not taken over).
+INSTANCE_METHODS = ("forward", "_forward_full_state_update", "_sync_dist", "sync", "unsync", "sync_context", "reset")
 #: torch.nn.Module's own hook dictionaries, and the global ones of torch.nn.modules.module (every torch 2.x).
 HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 GLOBAL_HOOKS = tuple(f"_global{name}" for name in HOOKS)
@@ -64,9 +66,39 @@ def children(module: Any) -> dict[str, Any]:
     return module._modules  # type: ignore[no-any-return]
 
 
-def flag(metric: Any, name: str) -> Any:
-    """A flag of :data:`FLAGS`, by its name there."""
-    return getattr(metric, FLAGS[name])
+def flag(metric: Any, name: str, *default: Any) -> Any:
+    """A flag of :data:`FLAGS`, by its name there (``default`` where the instance lacks it)."""
+    return getattr(metric, FLAGS[name], *default)
+
+
+def replaces(cls: type, base: type, names: tuple[str, ...] = METHODS) -> bool:
+    """Whether class ``cls`` replaces one of ``base``'s methods ``names`` (plain functions: compared by identity)."""
+    return any(getattr(cls, name) is not getattr(base, name) for name in names)
+
+
+def own_sync_dist(cls: type, base: type) -> bool:
+    """Whether ``cls`` replaces ``base``'s ``_sync_dist`` (it may post-process there: MeanAveragePrecision does)."""
+    return replaces(cls, base, ("_sync_dist",))
+
+
+def caches_compute(cls: type, base: type) -> bool:
+    """Whether ``cls`` keeps ``base``'s ``_wrap_compute``: its ``compute()`` caches a result and syncs."""
+    return not replaces(cls, base, ("_wrap_compute",))
+
+
+def stands_in(metric: Any) -> bool:
+    """Whether ``metric`` holds one of :data:`INSTANCE_METHODS` on the instance (``__dict__``)."""
+    return any(map(metric.__dict__.__contains__, INSTANCE_METHODS))
+
+
+def buffers_in(attributes: dict[str, Any]) -> dict[str, Any]:
+    """A module's buffers from its ``__dict__`` or a copy of it (torch's ``_buffers``, every torch 2.x)."""
+    return attributes.get("_buffers", {})  # type: ignore[no-any-return]
+
+
+def defaults_in(attributes: dict[str, Any]) -> dict[str, Any]:
+    """A Metric's ``state -> default`` from its ``__dict__`` or a copy of it (``_defaults``)."""
+    return attributes.get("_defaults", {})  # type: ignore[no-any-return]
 
 
 def put(module: Any, values: dict[str, Any]) -> None:

@@ -1,34 +1,10 @@
-"""Recognition whole: whether the torchmetrics modules the fused sync relies on are, live, what a release's source
-makes of them.
+"""Recognition: whether the torchmetrics modules the fused sync relies on (:data:`MODULES`) are, live, what a known
+release's source makes of them, and which parts of the fused sync step aside (:data:`PARTS`) while one is not.
 
-* :data:`MODULES` names the modules recognised whole: those whose lines the fused sync reproduces or whose behaviour
-  it assumes, and those that pass on a name one of them imports (``from torchmetrics.utilities import ...``).
-* :func:`module_digest` is a module source's canonical digest (the whole module parsed, serialised without positions,
-  docstrings, comments and type annotations; sha256, 16 hex digits; the same on Python 3.10-3.13).
-  ``scripts/recognised.py`` writes the table (``_recognised.py``: module -> digest -> the releases that have it).
-* :func:`unrecognised` judges every imported module of :data:`MODULES` and names what is not recognised: the module
-  (its source is no release's the table knows, or there is none), or one of its bindings, as
-  ``module.name`` or ``module.Class.name``. A module is recognised when its source is in the table and its live
-  namespace is what that source makes: every ``def`` and ``class`` (top level, and methods in class bodies) is bound
-  to the object compiled from it (its code equal to the code compiled from the source, its ``__globals__`` the
-  module's namespace, its defaults those the source's expressions name, a ``__class__`` cell the class), every
-  imported name is bound to the object at its origin (which :data:`MODULES` judges in turn where it is watched), and
-  no name the source does not bind shadows a builtin. It looks through exactly this package's replacements (a class
-  attribute carrying a marker, the original in ``__wrapped__``; torchmetrics' gather while its code is the patch's
-  trampoline) and the wrappers of the decorators the source names (``staticmethod``, ``classmethod``, ``property``,
-  ``contextmanager``), never through another tool's wrapper.
-* A steady call costs one look: the live objects judged last time (namespaces' values, functions' code, defaults
-  and cells) compared by identity with that look; anything changed is judged again. Each module's source is read,
-  digested and compiled once per module object (a documented cache).
-* :func:`digest` and :func:`digest_in_module` are one function's digest, live or from a module's source.
-
-Limits: what a module binds otherwise than by ``def``, ``class`` or ``import`` (``METRIC_EPS = 1e-6``, a class
-attribute such as ``full_state_update``, a star import) is vouched for by the module's digest only, its live value
-not compared; a default the source makes otherwise than by a constant, a name or an attribute chain (a call, a
-lambda) is never recognised (no covered release has one).
-
-This module imports only the standard library (the generator loads it by its path, without torch); the table is
-imported on first use. :func:`unrecognised` never raises: what cannot be judged is not recognised.
+:func:`unrecognised` names what is not recognised and never raises; :func:`stepping_aside` is a part's local
+decision, warned of once per live object. Imports only the standard library (``scripts/recognised.py`` loads it by
+its path to write ``_recognised.py``). docs/fused-sync.md#where-it-steps-aside says what is recognised;
+docs/design.md#recognition how.
 """
 
 from __future__ import annotations
@@ -41,22 +17,13 @@ import inspect
 import operator
 import sys
 import tokenize
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from types import CodeType, FunctionType, ModuleType
 from typing import Any, NamedTuple
 
-__all__ = [
-    "ABSENT",
-    "MODULES",
-    "digest",
-    "digest_in_module",
-    "module_digest",
-    "releases_of",
-    "unrecognised",
-]
-
-#: The modules recognised whole (a constant), each with the package whose releases the table covers it for. A module
-#: that is not imported is not judged (nothing of it runs).
+#: The modules recognised whole, each with the package whose releases the table covers it for. A module that is not
+#: imported is not judged (nothing of it runs).
 MODULES: dict[str, str] = {
     "torchmetrics.utilities.data": "torchmetrics",
     "torchmetrics.utilities.distributed": "torchmetrics",
@@ -67,61 +34,52 @@ MODULES: dict[str, str] = {
     "lightning_utilities": "lightning_utilities",
 }
 
-#: The markers this package's replacements carry, the original in ``__wrapped__``.
-_MARKS = (
-    "__torchmetrics_gradpatch_sync__",
-    "__torchmetrics_gradpatch_collection__",
-    "__torchmetrics_gradpatch_step__",
+SINGLE = "the fused sync of one Metric"
+COMPUTE = "MetricCollection.compute's one exchange"
+STEP = "MetricCollection.forward's one exchange"
+#: part -> the modules whose lines it reproduces or whose behaviour it assumes
+PARTS = {
+    SINGLE: tuple(m for m in MODULES if m != "torchmetrics.collections"),
+    COMPUTE: tuple(MODULES),
+    STEP: tuple(MODULES),
+}
+
+
+#: The code of the wrapper each of these decorators returns (one code object for all its uses), by identity (code
+#: compares by value; kept alive here): such a wrapper is looked through to the function its source decorates.
+_WRAPPER_CODES = (  # of any function: here print's
+    (contextlib.contextmanager(print).__code__, "contextmanager"),  # type: ignore[arg-type]
+    (contextlib.asynccontextmanager(print).__code__, "asynccontextmanager"),  # type: ignore[arg-type]
 )
-
-
-def _generator() -> Iterator[None]:
-    yield
-
-
-async def _async_generator() -> AsyncIterator[None]:
-    yield
-
-
-#: The code of the wrapper each of these decorators returns (one code object for all its uses): such a wrapper is
-#: looked through to the decorated function, whose source must name the decorator.
-_WRAPPER_CODES = (
-    (contextlib.contextmanager(_generator).__code__, "contextmanager"),
-    (contextlib.asynccontextmanager(_async_generator).__code__, "asynccontextmanager"),
-)
-_WRAPPERS = {id(code): name for code, name in _WRAPPER_CODES}  # by identity (code compares by value); kept alive
-#: Decorators that return the very function they get (they set an attribute at most), by the last part of their name:
-#: ``torch.jit.unused`` and ``torch.jit.ignore``, ``abc.abstractmethod``, ``typing.final`` and ``typing.override``.
+_WRAPPERS = {id(code): name for code, name in _WRAPPER_CODES}
+#: Decorators that return the very function they get, by the last part of their name (``torch.jit.unused`` and
+#: ``ignore``, ``abc.abstractmethod``, ``typing.final`` and ``override``).
 _SAME_FUNCTION = frozenset({"unused", "ignore", "abstractmethod", "final", "override"})
-
-#: Fields that cannot change behaviour: annotations, type comments, a string's ``u`` prefix. Positions are not
-#: fields (they are ``_attributes``), so they are never read.
+#: Fields that cannot change behaviour: annotations, type comments, a string's ``u`` prefix (positions are
+#: ``_attributes``, never read).
 _SKIPPED_FIELDS = frozenset({"annotation", "returns", "type_comment", "kind"})
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _DOCUMENTED = (*_DEFINITIONS, ast.Module)  # whose first string is a docstring, left out of digests
-#: :func:`digest_in_module`'s answer for an attribute its module's source does not define.
-ABSENT = "absent"
+_Def = ast.FunctionDef | ast.AsyncFunctionDef
+_MISSING = object()
 
 
 def _emit(value: object, out: list[str]) -> None:
     """Append ``value``'s canonical text: node type names and named fields in sorted order, lists in order,
-    constants as type and ``repr``; None and empty fields left out so that fields a later Python adds with an empty
-    default (``type_params``) read the same."""
+    constants as type and ``repr``; None and empty fields left out (so a field a later Python adds reads the same)."""
     if isinstance(value, ast.AST):
-        out.append(type(value).__name__)
-        out.append("(")
+        out += (type(value).__name__, "(")
         for field in sorted(value._fields):
             if field in _SKIPPED_FIELDS:
                 continue
             item = getattr(value, field, None)
-            if field == "body" and isinstance(value, _DOCUMENTED) and isinstance(item, list):
-                item = _without_docstring(item)
+            if field == "body" and isinstance(value, _DOCUMENTED) and ast.get_docstring(value, clean=False) is not None:
+                item = value.body[1:]
             elif field == "values" and isinstance(value, ast.JoinedStr) and isinstance(item, list):
                 item = _joined(item)
             if item is None or (isinstance(item, list) and not item):
                 continue
-            out.append(field)
-            out.append("=")
+            out += (field, "=")
             _emit(item, out)
             out.append(",")
         out.append(")")
@@ -136,8 +94,8 @@ def _emit(value: object, out: list[str]) -> None:
 
 
 def _joined(values: list[ast.expr]) -> list[ast.expr]:
-    """An f-string's parts with adjacent strings joined and empty ones left out: parsers differ there (3.10 and 3.12
-    put an empty string after a nested format spec's last field, 3.11 and 3.13 do not)."""
+    """An f-string's parts, adjacent strings joined and empty ones left out (3.10 and 3.12 put an empty string after
+    a nested format spec's last field, 3.11 and 3.13 do not)."""
     out: list[ast.expr] = []
     for part in values:
         if isinstance(part, ast.Constant) and isinstance(part.value, str):
@@ -149,13 +107,6 @@ def _joined(values: list[ast.expr]) -> list[ast.expr]:
                 continue
         out.append(part)
     return out
-
-
-def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
-    first = body[0] if body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        return body[1:]
-    return body
 
 
 def _digest_node(node: ast.AST) -> str:
@@ -177,103 +128,6 @@ def _decorator_name(node: ast.expr) -> str:
     return node.id if isinstance(node, ast.Name) else ""
 
 
-def _parse_def(source: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """The one ``def`` (decorators included) that ``source`` is, indented or not."""
-    # An indented block parses as the body of ``if 1:`` exactly as within its module: unlike textwrap.dedent, this
-    # changes no multi-line string and copes with lines less indented than the def (inside brackets or strings).
-    wrapped = source[:1].isspace()
-    try:
-        tree = ast.parse("if 1:\n" + source if wrapped else source)
-    except (SyntaxError, ValueError):
-        return None
-    body = tree.body
-    if wrapped and len(body) == 1 and isinstance(body[0], ast.If):
-        body = body[0].body
-    if len(body) != 1 or not isinstance(body[0], ast.FunctionDef | ast.AsyncFunctionDef):
-        return None
-    return body[0]
-
-
-#: id(code) -> (the code, its digest and the names of its decorators that wrap, outermost first; None where it has
-#: no source); the code is kept so that the id stays its own.
-_cache: dict[int, tuple[CodeType, tuple[str, tuple[str, ...]] | None]] = {}
-
-
-def _read(fn: object) -> tuple[str, tuple[str, ...]] | None:
-    if type(fn) is not FunctionType:  # exactly: a proxy (wrapt) passes isinstance and forwards __code__
-        return None
-    code = fn.__code__
-    hit = _cache.get(id(code))
-    if hit is not None and hit[0] is code:
-        return hit[1]
-    try:
-        node = _parse_def(inspect.getsource(code))
-    except (OSError, TypeError, SyntaxError, ValueError, tokenize.TokenError):
-        node = None
-    found = None
-    if node is not None:
-        names = (_decorator_name(decorator) for decorator in node.decorator_list)
-        found = (_digest_node(node), tuple(name for name in names if name not in _SAME_FUNCTION))
-    _cache[id(code)] = (code, found)
-    return found
-
-
-def digest(fn: object) -> str | None:
-    """The canonical digest of the plain function ``fn``'s own source (its decorators part of it); ``None`` when it
-    has none."""
-    found = _read(fn)
-    return found[0] if found is not None else None
-
-
-def _binding(statements: list[ast.stmt], name: str) -> ast.stmt | None:
-    """The statement among ``statements`` that defines ``name`` where it is the one binding of ``name`` in that scope;
-    ``None`` where there is none. Raises ``LookupError`` where the source alone cannot settle which object the name
-    holds (several bindings, one inside a conditional or loop, an assignment, an import)."""
-    found: list[ast.stmt | None] = []  # None: a binding that is not a statement of ``statements`` defining it
-    todo: list[tuple[ast.AST, bool]] = [(stmt, True) for stmt in statements]
-    while todo:
-        node, top = todo.pop()
-        if isinstance(node, _DEFINITIONS):
-            if node.name == name:
-                found.append(node if top else None)
-            continue  # its body is a scope of its own
-        if isinstance(node, ast.Lambda):
-            continue
-        if (isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load)) or (
-            isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name
-        ):
-            found.append(None)
-        todo.extend((child, False) for child in ast.iter_child_nodes(node))
-    if not found:
-        return None
-    if len(found) > 1 or found[0] is None:
-        raise LookupError(f"{name!r} is bound in a way the source alone cannot settle")
-    return found[0]
-
-
-def digest_in_module(source: str, owner: str | None, name: str) -> str:
-    """The digest of ``owner.name`` (``owner`` a class of the module; ``None``: the module-level ``name``) read from
-    the module's ``source``; :data:`ABSENT` where the class or the attribute is not there. Raises ``LookupError``
-    where it is bound otherwise than by one ``def`` (see :func:`_binding`)."""
-    scope = ast.parse(source).body
-    if owner is not None:
-        cls = _binding(scope, owner)
-        if cls is None:
-            return ABSENT
-        if not isinstance(cls, ast.ClassDef):
-            raise LookupError(f"{owner!r} is not a class statement")
-        scope = cls.body
-    node = _binding(scope, name)
-    if node is None:
-        return ABSENT
-    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        raise LookupError(f"{name!r} is not a def")
-    return _digest_node(node)
-
-
-_MISSING = object()
-
-
 def _table() -> dict[str, dict[str, str]]:
     from torchmetrics_gradpatch.fused._recognised import RECOGNISED
 
@@ -281,8 +135,7 @@ def _table() -> dict[str, dict[str, str]]:
 
 
 def releases_of(module: str, found: str) -> str:
-    """The releases (such as ``"0.11.0-1.4.3, main"``) whose ``module`` has the digest ``found``; ``""`` where
-    none has."""
+    """The releases (``"0.11.0-1.4.3, main"``) whose ``module`` has the digest ``found``; ``""`` where none has."""
     return _table().get(module, {}).get(found, "")
 
 
@@ -295,11 +148,10 @@ def release_of(name: str) -> str:
 
 class _Scope:
     """What one scope of a module's source (its top level, or a class body) binds by ``def``, ``class`` and
-    ``import``, in every branch (a conditional definition may be any of its branches), and every name it binds
-    otherwise (an assignment, a loop's target), which the module's digest alone vouches for."""
+    ``import`` in every branch, and the names it binds otherwise (:attr:`other`: vouched for by the digest only)."""
 
     def __init__(self, body: list[ast.stmt], package: str) -> None:
-        self.defs: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        self.defs: dict[str, list[_Def]] = {}
         self.classes: dict[str, list[ast.ClassDef]] = {}
         self.imports: dict[str, list[tuple[str, str | None]]] = {}  # name -> (module, attribute; None: the module)
         self.other: set[str] = set()
@@ -313,11 +165,9 @@ class _Scope:
                 self.classes.setdefault(node.name, []).append(node)
             elif isinstance(node, ast.Import):
                 for alias in node.names:
-                    if alias.asname:
-                        self.imports.setdefault(alias.asname, []).append((alias.name, None))
-                    else:
-                        top = alias.name.split(".")[0]
-                        self.imports.setdefault(top, []).append((top, None))
+                    top = alias.name.split(".")[0]
+                    bound = (alias.asname, alias.name) if alias.asname else (top, top)
+                    self.imports.setdefault(bound[0], []).append((bound[1], None))
             elif isinstance(node, ast.ImportFrom):
                 origin = node.module or ""
                 if node.level:  # relative: from the module's package upwards
@@ -332,12 +182,12 @@ class _Scope:
                 todo.extend(node.body)
                 if node.name:
                     self.other.add(node.name)
-            elif isinstance(node, ast.Lambda):
-                continue
-            else:
-                for child in ast.walk(node):
-                    if isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load):
-                        self.other.add(child.id)
+            elif not isinstance(node, ast.Lambda):
+                self.other.update(
+                    child.id
+                    for child in ast.walk(node)
+                    if isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load)
+                )
 
     def names(self) -> set[str]:
         """The names bound by ``def``, ``class`` or ``import`` alone: those judged."""
@@ -352,8 +202,8 @@ class _Source(NamedTuple):
     codes: dict[tuple[int, str], CodeType]
 
 
-#: module name -> (the module object, what its source is; None where it has none). A cache: the source of a module
-#: object does not change under it.
+#: module name -> (the module object, its source; None where it has none). A cache that outlives ``fused.reset()``:
+#: a module object's source does not change under it.
 _sources: dict[str, tuple[ModuleType, _Source | None]] = {}
 
 
@@ -373,8 +223,7 @@ def _source(name: str, module: ModuleType) -> _Source | None:
         codes: dict[tuple[int, str], CodeType] = {}
         todo = [compiled]
         while todo:
-            code = todo.pop()
-            for const in code.co_consts:
+            for const in todo.pop().co_consts:
                 if isinstance(const, CodeType):
                     codes[const.co_firstlineno, const.co_name] = const
                     todo.append(const)
@@ -384,9 +233,8 @@ def _source(name: str, module: ModuleType) -> _Source | None:
 
 
 class _Look:
-    """What one judgement looked at, to tell cheaply whether anything changed since: the names read from each
-    namespace, the functions whose code and defaults were judged, the cells whose contents were, the namespaces whose
-    size tells a name added. :meth:`freeze` takes the objects; :meth:`same` compares them by identity."""
+    """What one judgement looked at (namespaces' names, functions, cells; namespaces whose size tells a name added),
+    to tell by identity whether anything changed since: :meth:`freeze` takes the objects, :meth:`same` compares."""
 
     def __init__(self) -> None:
         self.namespaces: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
@@ -404,8 +252,9 @@ class _Look:
         keyworded = tuple(fn for fn in self.functions if fn.__code__.co_kwonlyargcount)
         groups: list[tuple[Callable[[Any], object], tuple[Any, ...]]] = [(sys.modules.get, tuple(MODULES))]
         groups += [(namespace.__getitem__, names) for namespace, names in self.namespaces if names]
-        groups += [(_CODE, tuple(self.functions)), (_DEFAULTS, defaulted), (_KWDEFAULTS, keyworded)]
-        groups += [(_CONTENTS, tuple(self.cells))]
+        get = operator.attrgetter
+        groups += [(get("__code__"), tuple(self.functions)), (get("__defaults__"), defaulted)]
+        groups += [(get("__kwdefaults__"), keyworded), (get("cell_contents"), tuple(self.cells))]
         self._checks = [(read, items, tuple(map(read, items))) for read, items in groups]
         self._sizes = tuple(map(len, self.sized))
 
@@ -417,12 +266,6 @@ class _Look:
             )
         except (KeyError, AttributeError, ValueError):  # a name deleted, a cell emptied: changed
             return False
-
-
-_CODE = operator.attrgetter("__code__")
-_DEFAULTS = operator.attrgetter("__defaults__")
-_KWDEFAULTS = operator.attrgetter("__kwdefaults__")
-_CONTENTS = operator.attrgetter("cell_contents")
 
 
 def _original_code(fn: FunctionType) -> CodeType:
@@ -438,7 +281,7 @@ class _Judge:
     """One module's judgement against its source: :meth:`scope` lists the names not recognised."""
 
     def __init__(self, module: ModuleType, source: _Source, look: _Look) -> None:
-        self.module, self.source, self.look = module, source, look
+        self.source, self.look = source, look
         self.namespace: dict[str, Any] = vars(module)
         self.prefix = module.__name__
         self.package = module.__package__ or ""
@@ -476,14 +319,10 @@ class _Judge:
         bad += self.scope(node.body, vars(live), live, f"{qualified}.")
         return True
 
-    def defined(
-        self,
-        live: object,
-        nodes: list[ast.FunctionDef | ast.AsyncFunctionDef],
-        namespace: Mapping[str, Any],
-        owner: type | None,
-    ) -> bool:
-        if type(live) is FunctionType and any(map(live.__dict__.get, _MARKS)):
+    def defined(self, live: object, nodes: list[_Def], namespace: Mapping[str, Any], owner: type | None) -> bool:
+        from torchmetrics_gradpatch._site import MARKS  # here: scripts/recognised.py loads this module by its path
+
+        if type(live) is FunctionType and any(map(live.__dict__.get, MARKS)):
             live = live.__dict__.get("__wrapped__")  # this package's replacement: judge the original
         if type(live) is property:
             getters = [node for node in nodes if "property" in map(_decorator_name, node.decorator_list)]
@@ -496,12 +335,7 @@ class _Judge:
         return any(self.function(live, node, namespace, owner, ()) for node in nodes)
 
     def function(
-        self,
-        live: object,
-        node: ast.FunctionDef | ast.AsyncFunctionDef,
-        namespace: Mapping[str, Any],
-        owner: type | None,
-        through: tuple[str, ...],
+        self, live: object, node: _Def, namespace: Mapping[str, Any], owner: type | None, through: tuple[str, ...]
     ) -> bool:
         """Whether ``live`` is what ``node`` makes, ``through`` the decorators already looked through."""
         decorators = [name for name in map(_decorator_name, node.decorator_list) if name not in _SAME_FUNCTION]
@@ -536,11 +370,7 @@ class _Judge:
             return False
         args = node.args
         defaults = tuple(self.value(expr, namespace) for expr in args.defaults) or None
-        kw = {
-            arg.arg: self.value(expr, namespace)
-            for arg, expr in zip(args.kwonlyargs, args.kw_defaults, strict=True)
-            if expr
-        }
+        kw = {a.arg: self.value(e, namespace) for a, e in zip(args.kwonlyargs, args.kw_defaults, strict=True) if e}
         return _same_values(live.__defaults__, defaults) and _same_values(live.__kwdefaults__, kw or None)
 
     def watch(self, fn: FunctionType) -> None:
@@ -548,8 +378,8 @@ class _Judge:
         self.look.cells.extend(fn.__closure__ or ())
 
     def value(self, expr: ast.expr, namespace: Mapping[str, Any]) -> object:
-        """What a default's expression makes: a constant (as ``("=", value)``), the object a name or attribute
-        chain names (``("is", obj)``), a tuple of these; :data:`_MISSING` for anything else."""
+        """What a default's expression makes: a constant (``("=", value)``), the object a name or attribute chain
+        names (``("is", obj)``), a tuple of these; :data:`_MISSING` for anything else."""
         if isinstance(expr, ast.Constant):
             return ("=", expr.value)
         if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub) and isinstance(expr.operand, ast.Constant):
@@ -574,17 +404,16 @@ def _contents(cell: Any) -> object:
 
 
 def _same_values(live: object, expected: object) -> bool:
-    """Whether ``live`` (a function's ``__defaults__`` or ``__kwdefaults__``) is what :meth:`_Judge.value` said."""
+    """Whether ``live`` (``__defaults__`` or ``__kwdefaults__``) is what :meth:`_Judge.value` said."""
     if expected is None or live is None:
         return live is expected
     if isinstance(expected, dict):
         return (
             isinstance(live, dict)
             and live.keys() == expected.keys()
-            and all(_same_value(live[key], expected[key]) for key in expected)
+            and all(_same_value(live[k], v) for k, v in expected.items())
         )
-    assert isinstance(expected, tuple)
-    return type(live) is tuple and len(live) == len(expected) and all(map(_same_value, live, expected))
+    return _same_value(live, expected)
 
 
 def _same_value(live: object, expected: object) -> bool:
@@ -600,7 +429,6 @@ def _same_value(live: object, expected: object) -> bool:
 
 
 def _judge() -> tuple[_Look, tuple[str, ...]]:
-    """Judge every imported module of :data:`MODULES`: what was looked at, and what is not recognised."""
     look = _Look()
     bad: list[str] = []
     for name in MODULES:
@@ -615,13 +443,15 @@ def _judge() -> tuple[_Look, tuple[str, ...]]:
     return look, tuple(bad)
 
 
-#: The last judgement (what it looked at, and its answer), in one slot replaced whole (threads read it whole). A cache.
+#: The last judgement (what it looked at, and its answer), one slot replaced whole (threads read it whole). A cache.
 _last: list[tuple[_Look, tuple[str, ...]] | None] = [None]
+#: name -> the live object last warned of (held, so that a new object never shares an old one's id). A cache.
+_warned: dict[str, object] = {}
 
 
 def unrecognised() -> tuple[str, ...]:
-    """What is not recognised now, each named as above, in :data:`MODULES`' order. Judged again only where a live
-    object looked at changed since the last call (or a name was added to a namespace looked at)."""
+    """What is not recognised now, in :data:`MODULES`' order: a module (its source is no known release's, or it has
+    none) or a binding (``module.name``, ``module.Class.name``). Judged again where a live object looked at changed."""
     last = _last[0]
     if last is not None and last[0].same():
         return last[1]
@@ -633,3 +463,43 @@ def unrecognised() -> tuple[str, ...]:
     else:
         _last[0] = (look, answer)
     return answer
+
+
+def _module_of(name: str) -> str:
+    """The module of :data:`MODULES` that ``name`` (a module, or a binding in one) belongs to."""
+    return max((module for module in MODULES if name == module or name.startswith(module + ".")), key=len)
+
+
+def _parts(name: str) -> tuple[str, ...]:
+    return tuple(part for part, modules in PARTS.items() if _module_of(name) in modules)
+
+
+def aside() -> dict[str, tuple[str, ...]]:
+    """Each thing not recognised now, with the parts that step aside for it (what ``status()`` reports)."""
+    return {name: _parts(name) for name in unrecognised()}
+
+
+def stepping_aside(part: str) -> bool:
+    """Whether ``part`` (of :data:`PARTS`) steps aside now; warns once per live object not recognised."""
+    missing = [name for name in unrecognised() if _module_of(name) in PARTS[part]]
+    for name in missing:
+        module = _module_of(name)
+        live: object = sys.modules.get(module)  # what ``name`` holds now: the module, or what its namespace binds
+        for attr in name[len(module) + 1 :].split(".") if name != module else ():
+            live = vars(live).get(attr) if hasattr(live, "__dict__") else None
+        if _warned.get(name, _warned) is not live:
+            _warned[name] = live
+            warnings.warn(
+                f"torchmetrics_gradpatch: {name} is not recognised (it is not what the source of a release this "
+                "package knows makes of it: a newer torchmetrics, or another tool's replacement, wrapper or "
+                f"rebinding); the fused sync steps aside from {', '.join(_parts(name))}: torchmetrics' own path "
+                "runs there, with this package's gather. status() lists what it steps aside from.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return bool(missing)
+
+
+def forget() -> None:
+    """``fused.reset()``'s part: forget which unrecognised objects were warned of (each is warned of again)."""
+    _warned.clear()

@@ -18,7 +18,7 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import STEP_MARK, Site
-from torchmetrics_gradpatch.fused import aside, forms, internals
+from torchmetrics_gradpatch.fused import forms, internals, recognise
 
 
 @dataclass
@@ -310,7 +310,7 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
         if _engine.effective_sync() != "fused":
             return original(self, *args, **kwargs)
         # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
-        unrecognised = aside.stepping_aside(aside.STEP)
+        unrecognised = recognise.stepping_aside(recognise.STEP)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
             return _compile.run_eagerly(functools.partial(_forward, original, self, unrecognised, *args, **kwargs))
         return _forward(original, self, unrecognised, *args, **kwargs)
