@@ -320,9 +320,10 @@ class _Judge:
         return True
 
     def defined(self, live: object, nodes: list[_Def], namespace: Mapping[str, Any], owner: type | None) -> bool:
-        from torchmetrics_gradpatch._site import MARKS  # here: scripts/recognised.py loads this module by its path
-
-        if type(live) is FunctionType and any(map(live.__dict__.get, MARKS)):
+        # only _site makes a replacement carrying its marker (not imported: there is none; and this module stays
+        # loadable by its path, as scripts/recognised.py loads it)
+        site = sys.modules.get("torchmetrics_gradpatch._site")
+        if type(live) is FunctionType and site is not None and any(map(live.__dict__.get, site.MARKS)):
             live = live.__dict__.get("__wrapped__")  # this package's replacement: judge the original
         if type(live) is property:
             getters = [node for node in nodes if "property" in map(_decorator_name, node.decorator_list)]
