@@ -73,7 +73,7 @@ def measure(rounds: int, calls: int) -> dict[str, Any]:
     without = _without_check(_engine)
     shipped = _engine.dispatch
     saved = state.gather, state.is_compiling
-    state.is_compiling = _compile.check()
+    state.is_compiling = _compile.is_compiling_function()
 
     def noop(result: Any, group: Any = None) -> list[Any]:
         return [result]
@@ -107,9 +107,9 @@ def measure(rounds: int, calls: int) -> dict[str, Any]:
                     if round_:
                         series[name].append(value)
             finally:
-                state.gather, state.is_compiling = saved[0], _compile.check()
+                state.gather, state.is_compiling = saved[0], _compile.is_compiling_function()
     state.gather, state.is_compiling = saved
-    found = _compile.check()
+    found = _compile.is_compiling_function()
     out: dict[str, Any] = {"is_compiling": f"{found.__module__}.{found.__qualname__}"}
     for name, values in series.items():
         out[name] = spread(values)

@@ -32,7 +32,7 @@ from tests.test_fused import same, worlds
 from tests.test_fused_forms import AP, AUROC, GLOBAL_HOOKS, Noisy, Pairs, TwoClass, batch, build, draw, global_hook, run
 from tests.test_fused_step import Rows, RowsSquared, alike, exchanges
 from torchmetrics_gradpatch._errors import FusedSyncError
-from torchmetrics_gradpatch.fused import check, exchange
+from torchmetrics_gradpatch.fused import compare, exchange
 
 
 def _raised(action: Any) -> str:
@@ -186,20 +186,20 @@ class Pair:
 
 def test_difference_compares_every_kind_of_value_bit_for_bit() -> None:
     nan = float("nan")
-    assert check.difference(nan, float("nan")) is None
-    assert check.difference({"a": [nan, (1, "x")]}, {"a": [float("nan"), (1, "x")]}) is None
-    assert check.difference(collections.deque([nan]), collections.deque([float("nan")])) is None
-    assert check.difference(0.0, -0.0) == "0.0 where torchmetrics' is -0.0"
-    assert check.difference(torch.tensor([nan]), torch.tensor([nan])) is None
-    found = check.difference(Summary(torch.tensor([1.0, 2.0])), Summary(torch.tensor([1.0, 3.0])))
+    assert compare.difference(nan, float("nan")) is None
+    assert compare.difference({"a": [nan, (1, "x")]}, {"a": [float("nan"), (1, "x")]}) is None
+    assert compare.difference(collections.deque([nan]), collections.deque([float("nan")])) is None
+    assert compare.difference(0.0, -0.0) == "0.0 where torchmetrics' is -0.0"
+    assert compare.difference(torch.tensor([nan]), torch.tensor([nan])) is None
+    found = compare.difference(Summary(torch.tensor([1.0, 2.0])), Summary(torch.tensor([1.0, 3.0])))
     assert found == ".values at index [1]: 2.0 where torchmetrics' is 3.0", found
-    found = check.difference(Summary(torch.ones(2)), Summary(torch.ones(2), "other"))
+    found = compare.difference(Summary(torch.ones(2)), Summary(torch.ones(2), "other"))
     assert found == ".label 'rows' where torchmetrics' is 'other'", found
-    assert check.difference(Pair(1, [2.0]), Pair(1, [2.5])) == ".right[0] 2.0 where torchmetrics' is 2.5"
+    assert compare.difference(Pair(1, [2.0]), Pair(1, [2.5])) == ".right[0] 2.0 where torchmetrics' is 2.5"
     unchecked: list[str] = []
-    assert check.difference({"x": Opaque()}, {"x": Opaque()}, unchecked) is None
+    assert compare.difference({"x": Opaque()}, {"x": Opaque()}, unchecked) is None
     assert unchecked == ["['x'] (a Opaque: == compares identity only)"], unchecked
-    assert check.difference(Opaque(), Opaque()) is not None  # without the list it is never passed as alike
+    assert compare.difference(Opaque(), Opaque()) is not None  # without the list it is never passed as alike
 
 
 # --- no false alarm -------------------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def _no_false_alarm(rank: int, world_size: int) -> None:
     assert (exchanged, exchanged_alone) == (3, 3), (exchanged, exchanged_alone)  # the fused exchange, each time
     assert "barrier" in issued and "barrier" not in issued_alone, issued  # torchmetrics' own path ran beside it
     assert warned == [], warned
-    assert check.difference(checked, alone) is None, check.difference(checked, alone)
+    assert compare.difference(checked, alone) is None, compare.difference(checked, alone)
     assert isinstance(checked[0]["nan"], float) and checked[0]["nan"] != checked[0]["nan"], checked[0]
 
 

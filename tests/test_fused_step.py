@@ -36,7 +36,7 @@ from tests._rank_tools import calls, destroy_subgroup, dynamo_refusal, every_ran
 from tests._ranks import run_ranks
 from tests.test_fused import same, worlds
 from tests.test_fused_collection import Loss, outcome_of
-from torchmetrics_gradpatch.fused import collection as fc
+from torchmetrics_gradpatch.fused import collection
 
 #: What one exchange of the fused sync costs: one collective while the group's agreed capacity holds the payload
 #: (steady), two where it does not (a group's first exchange, a payload that grew). The step's own assertion is that
@@ -158,18 +158,18 @@ def alike(a: Any, b: Any) -> bool:
 @contextmanager
 def exchanges() -> Iterator[list[int]]:
     """Count the collection exchanges run inside (calls of ``sync_members``), calling through to the real one."""
-    real = fc.sync_members
+    real = collection.sync_members
     seen: list[int] = []
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         seen.append(1)
         return real(*args, **kwargs)
 
-    fc.sync_members = counting  # type: ignore[assignment]
+    collection.sync_members = counting  # type: ignore[assignment]
     try:
         yield seen
     finally:
-        fc.sync_members = real  # type: ignore[assignment]
+        collection.sync_members = real  # type: ignore[assignment]
 
 
 def run_steps(

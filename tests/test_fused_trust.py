@@ -27,7 +27,7 @@ from tests._ranks import run_ranks
 from tests.test_fused import same, worlds
 from tests.test_fused_step import NO_CACHE, alike
 from torchmetrics_gradpatch import FusedSyncError
-from torchmetrics_gradpatch.fused import collection as fc
+from torchmetrics_gradpatch.fused import collection
 from torchmetrics_gradpatch.fused import membership
 
 
@@ -199,20 +199,20 @@ def _detached(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def outcomes() -> Iterator[list[fc.Outcome]]:
+def outcomes() -> Iterator[list[collection.Outcome]]:
     """What every collection exchange inside settled (calling through to the real one)."""
-    real, seen = fc.sync_members, []
+    real, seen = collection.sync_members, []
 
-    def spy(*args: Any, **kwargs: Any) -> fc.Outcome:
+    def spy(*args: Any, **kwargs: Any) -> collection.Outcome:
         outcome = real(*args, **kwargs)
         seen.append(outcome)
         return outcome
 
-    fc.sync_members = spy
+    collection.sync_members = spy
     try:
         yield seen
     finally:
-        fc.sync_members = real
+        collection.sync_members = real
 
 
 def _steps(make: Callable[[], MetricCollection], rank: int, sync: str, mode: str, check: bool = False) -> list[Any]:

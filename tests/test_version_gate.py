@@ -25,23 +25,23 @@ def test_error_type_is_an_import_error_but_not_module_not_found() -> None:
 @pytest.mark.parametrize("version", ["1.13.1", "1.13.1+cu117", "1.9.0", "0.4.1"])
 def test_torch_below_2_is_refused_naming_both_versions(version: str) -> None:
     with pytest.raises(UnsupportedVersionError) as info:
-        _version.check("torch", version)
+        _version.require("torch", version)
     assert f"torch {version} is installed" in str(info.value)
     assert ">= 2.0" in str(info.value)
 
 
 @pytest.mark.parametrize("version", ["2.0.0", "2.0.0rc1", "2.13.0+cpu", "2.16.0.dev20261101", "3.0.0a1"])
 def test_torch_2_and_newer_pass_including_local_labels_and_prereleases(version: str) -> None:
-    assert str(_version.check("torch", version)) == version
+    assert str(_version.require("torch", version)) == version
 
 
 def test_missing_or_unparsable_versions_are_clear_errors() -> None:
     with pytest.raises(UnsupportedVersionError, match="torch is not installed: pip install"):
-        _version.check("torch", None)
+        _version.require("torch", None)
     with pytest.raises(UnsupportedVersionError, match="torchmetrics is not installed: pip install"):
-        _version.check("torchmetrics", None)
+        _version.require("torchmetrics", None)
     with pytest.raises(UnsupportedVersionError, match="cannot parse the installed torch version 'banana'"):
-        _version.check("torch", "banana")
+        _version.require("torch", "banana")
 
 
 @pytest.mark.parametrize(
@@ -359,14 +359,14 @@ def test_global_mode_at_import_on_an_unknown_native_gather_refuses_the_import(
 @pytest.mark.parametrize("version", ["0.10.3", "0.10.0", "0.6.0", "0.10.3+local"])
 def test_torchmetrics_below_0_11_is_refused_naming_both_versions(version: str) -> None:
     with pytest.raises(UnsupportedVersionError) as info:
-        _version.check("torchmetrics", version)
+        _version.require("torchmetrics", version)
     assert f"torchmetrics {version} is installed" in str(info.value)
     assert "torchmetrics >= 0.11" in str(info.value) and "nothing was patched" in str(info.value)
 
 
 @pytest.mark.parametrize("version", ["0.11.0", "0.11.0rc1", "0.11.4", "1.5.2", "1.9.0"])
 def test_torchmetrics_0_11_and_newer_pass_including_prereleases(version: str) -> None:
-    assert str(_version.check("torchmetrics", version)) == version
+    assert str(_version.require("torchmetrics", version)) == version
 
 
 # The package imported twice in a process that must refuse it: each import raises the same UnsupportedVersionError,

@@ -73,8 +73,8 @@ def _forget_this_package() -> None:
 try:
     from torchmetrics_gradpatch import _version
 
-    _version.check("torch", _version.installed_version("torch"))
-    _tm_version = _version.check("torchmetrics", _version.installed_version("torchmetrics"))
+    _version.require("torch", _version.installed_version("torch"))
+    _tm_version = _version.require("torchmetrics", _version.installed_version("torchmetrics"))
 
     from torchmetrics_gradpatch import _api, _engine
     from torchmetrics_gradpatch import fused as fused  # registers the "fused" sync strategy with the core

@@ -35,10 +35,9 @@ def _dynamo_is_compiling() -> bool:  # pragma: no cover - torch 2.0 only
 _found: list[Callable[[], bool]] = []
 
 
-def check() -> Callable[[], bool]:
-    """torch's check, ``True`` while dynamo traces the caller and ``False`` in eager mode; found on first use.
-
-    Callers on a hot path keep the returned function and call it directly.
+def is_compiling_function() -> Callable[[], bool]:
+    """torch's ``is_compiling`` (``True`` while dynamo traces the caller), found on first use; callers on a hot
+    path keep it and call it directly.
     """
     if not _found:
         _found.append(_find_is_compiling())
@@ -46,8 +45,8 @@ def check() -> Callable[[], bool]:
 
 
 def is_compiling() -> bool:
-    """Whether dynamo is tracing the caller (see :func:`check`)."""
-    return check()()
+    """Whether dynamo is tracing the caller (see :func:`is_compiling_function`)."""
+    return is_compiling_function()()
 
 
 def _call(function: Callable[..., Any], *args: Any) -> Any:

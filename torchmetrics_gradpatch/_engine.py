@@ -196,7 +196,7 @@ def _refresh() -> None:
     _state.checking = _state.check and _state.in_force
     _state.gather = _modes.gather_for(_state.mode) if _state.in_force and _state.function is not None else None
     if _state.gather is not None:
-        _state.is_compiling = _compile.check()
+        _state.is_compiling = _compile.is_compiling_function()
 
 
 def refresh() -> None:

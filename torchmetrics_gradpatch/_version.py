@@ -63,7 +63,7 @@ _MINIMA = {
 }
 
 
-def check(distribution: str, version: str | None) -> Version:
+def require(distribution: str, version: str | None) -> Version:
     """Return the parsed version of ``distribution`` ("torch" or "torchmetrics"); raise
     :class:`UnsupportedVersionError` when it is missing or below its minimum.
 

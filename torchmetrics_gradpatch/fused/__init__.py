@@ -30,10 +30,10 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     Where some rank of the group does not recognise what the sync relies on
     (:mod:`torchmetrics_gradpatch.fused.recognise`), every rank runs torchmetrics' own ``_sync_dist`` instead, after the
     header that tells them; in check mode the fused sync is compared with it
-    (:mod:`torchmetrics_gradpatch.fused.check`).
+    (:mod:`torchmetrics_gradpatch.fused.compare`).
     """
     from torchmetrics_gradpatch import _engine
-    from torchmetrics_gradpatch.fused import check, exchange, recognise
+    from torchmetrics_gradpatch.fused import compare, exchange, recognise
 
     # a rank that steps aside still sends its header, so that every rank steps aside with it
     unrecognised = recognise.stepping_aside(recognise.SINGLE)
@@ -44,7 +44,7 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
 
     if _engine.effective_check():
         group = process_group or metric.process_group
-        check.run(
+        compare.run(
             type(metric).__name__,
             metric,
             fused,

@@ -335,7 +335,7 @@ def members_of(collection: Any, unrecognised: bool) -> tuple[list[tuple[str, Any
 
 def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool) -> Any:
     """The collection's ``compute()`` with one exchange for every member that joins (see the module docstring); in
-    check mode, compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.check`)."""
+    check mode, compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.compare`)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -346,9 +346,9 @@ def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool
         return original(collection)
     if not _engine.effective_check():
         return _exchange_and_compute(original, collection, members, codes, aside_here)
-    from torchmetrics_gradpatch.fused import check
+    from torchmetrics_gradpatch.fused import compare
 
-    return check.run(
+    return compare.run(
         "a MetricCollection's compute()",
         collection,
         lambda: _exchange_and_compute(original, collection, members, codes, aside_here),

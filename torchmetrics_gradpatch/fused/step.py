@@ -18,7 +18,7 @@ from typing import Any
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import STEP_MARK, Site
-from torchmetrics_gradpatch.fused import forms, internals, recognise
+from torchmetrics_gradpatch.fused import collection, forms, internals, recognise
 
 
 @dataclass
@@ -195,7 +195,7 @@ class _Step:
             if not begun.finished:
                 begun.restore()
 
-    def collect(self, original: Callable[..., Any], collection: Any) -> Any:
+    def collect(self, original: Callable[..., Any], metrics: Any) -> Any:
         """torchmetrics' own collection ``forward``, each member's ``forward`` standing in with what it has done (in
         call order, for an object the collection holds under several keys)."""
         queues: dict[int, list[_Pending | _Done]] = {}
@@ -213,7 +213,7 @@ class _Step:
                             if getattr(metric, name, None):
                                 each.hooks[name] = getattr(metric, name)
                                 setattr(metric, name, type(each.hooks[name])())
-            return original(collection, *self.args, **self.kwargs)
+            return original(metrics, *self.args, **self.kwargs)
         finally:
             for each in stood_in:
                 internals.stand_down(each.metric, "forward")
@@ -227,42 +227,38 @@ def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
     return queue.pop(0).finish()
 
 
-def _forward(original: Callable[..., Any], collection: Any, unrecognised: bool, *args: Any, **kwargs: Any) -> Any:
+def _forward(original: Callable[..., Any], metrics: Any, unrecognised: bool, *args: Any, **kwargs: Any) -> Any:
     """The collection's ``forward`` with one exchange for every member that joins (see the module docstring);
     ``unrecognised``: a torchmetrics function it relies on is not recognised here."""
     import torch.distributed as dist
 
-    from torchmetrics_gradpatch.fused import collection as fc
-
     if not (dist.is_available() and dist.is_initialized()):
-        return original(collection, *args, **kwargs)
-    members, aside_here = fc.members_of(collection, unrecognised)
+        return original(metrics, *args, **kwargs)
+    members, aside_here = collection.members_of(metrics, unrecognised)
     codes = forms.forms_of(members, on_step=True)
-    if not fc.syncs_here(members, codes, on_step=True):
-        return original(collection, *args, **kwargs)
+    if not collection.syncs_here(members, codes, on_step=True):
+        return original(metrics, *args, **kwargs)
     if not _engine.effective_check():
-        return _exchange_and_forward(original, collection, members, codes, aside_here, args, kwargs)
-    from torchmetrics_gradpatch.fused import check
+        return _exchange_and_forward(original, metrics, members, codes, aside_here, args, kwargs)
+    from torchmetrics_gradpatch.fused import compare
 
-    return check.run(
+    return compare.run(
         "a MetricCollection's forward",
-        collection,
-        lambda: _exchange_and_forward(original, collection, members, codes, aside_here, args, kwargs),
-        lambda: fc.torchmetrics_own(original, collection, *args, **kwargs),
+        metrics,
+        lambda: _exchange_and_forward(original, metrics, members, codes, aside_here, args, kwargs),
+        lambda: collection.torchmetrics_own(original, metrics, *args, **kwargs),
     )
 
 
 def _exchange_and_forward(
     original: Callable[..., Any],
-    collection: Any,
+    metrics: Any,
     members: list[tuple[str, Any]],
     codes: list[int],
     aside_here: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    from torchmetrics_gradpatch.fused import collection as fc
-
     mode = _engine.effective_mode()
     # staged: every member joins or issues no collective, so the first halves run before the exchange, in the
     # collection's order (every graph node is made in torchmetrics' order, so the gradients that an input gets from
@@ -274,7 +270,7 @@ def _exchange_and_forward(
         if staged:
             for i, code in enumerate(codes):
                 step.begin(i) if code == forms.JOINS else step.run(i)
-        outcome = fc.sync_members(members, mode, codes, staged, aside_here)
+        outcome = collection.sync_members(members, mode, codes, staged, aside_here)
         step.synced(outcome)
         if not outcome.everywhere:
             # some rank has a member the exchange does not take over: from the same tables, every rank runs each
@@ -282,7 +278,7 @@ def _exchange_and_forward(
             # sync where every rank issues it, at its place), then a second exchange for the ones that join
             with outcome.torchmetrics_sync():
                 if not staged and not outcome.joins:
-                    return original(collection, *args, **kwargs)
+                    return original(metrics, *args, **kwargs)
                 for i in range(len(members)):
                     if i in outcome.joins:
                         if not staged:
@@ -293,12 +289,12 @@ def _exchange_and_forward(
                         step.steps[i].finish()  # its sync differs between ranks: torchmetrics' own, now
             if outcome.joins:
                 again = [forms.JOINS if i in outcome.joins else forms.RAN for i in range(len(members))]
-                step.synced(fc.sync_members(members, mode, again))
+                step.synced(collection.sync_members(members, mode, again))
     except BaseException:
         step.restore()
         raise
     try:
-        return step.collect(original, collection)
+        return step.collect(original, metrics)
     except BaseException:
         step.restore()  # a member's compute() failed: the others as after their update of this batch
         raise
