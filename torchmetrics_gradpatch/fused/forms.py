@@ -86,12 +86,11 @@ def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bo
 
     if not isinstance(metric, Metric):
         return NOT_A_METRIC
-    cls = type(metric)
     if internals.children(metric) and any(isinstance(inner, Metric) for inner in inside(metric)):
         return HOLDS_METRICS  # wrappers, CompositionalMetric: the Metrics inside sync themselves, in their order
-    if internals.own_sync_dist(cls, Metric):
+    if internals.own_sync_dist(type(metric), Metric):
         return OWN_SYNC_DIST
-    if internals.replaces(cls, Metric) or internals.stands_in(metric):
+    if internals.overrides(metric, Metric):
         return OVERRIDES
     # torchmetrics' own tests, in its order: forward raises on a synced metric first; compute() checks _to_sync
     if on_step:

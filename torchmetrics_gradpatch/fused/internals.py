@@ -49,24 +49,22 @@ def flag(metric: Any, name: str, *default: Any) -> Any:
     return getattr(metric, FLAGS[name], *default)
 
 
-def replaces(cls: type, base: type, names: tuple[str, ...] = METHODS) -> bool:
-    """Whether class ``cls`` replaces one of ``base``'s methods ``names`` (compared by identity)."""
-    return any(getattr(cls, name) is not getattr(base, name) for name in names)
-
-
-def own_sync_dist(cls: type, base: type) -> bool:
+def own_sync_dist(cls: Any, base: Any) -> bool:
     """Whether ``cls`` replaces ``base``'s ``_sync_dist`` (it may post-process there: MeanAveragePrecision does)."""
-    return replaces(cls, base, ("_sync_dist",))
+    return cls._sync_dist is not base._sync_dist
 
 
-def caches_compute(cls: type, base: type) -> bool:
+def caches_compute(cls: Any, base: Any) -> bool:
     """Whether ``cls`` keeps ``base``'s ``_wrap_compute``: its ``compute()`` caches a result and syncs."""
-    return not replaces(cls, base, ("_wrap_compute",))
+    return cls._wrap_compute is base._wrap_compute
 
 
-def stands_in(metric: Any) -> bool:
-    """Whether ``metric`` holds one of :data:`INSTANCE_METHODS` on the instance."""
-    return any(map(metric.__dict__.__contains__, INSTANCE_METHODS))
+def overrides(metric: Any, base: type) -> bool:
+    """Whether ``metric``'s class replaces one of ``base``'s :data:`METHODS` (compared by identity), or the instance
+    holds one of :data:`INSTANCE_METHODS`."""
+    cls = type(metric)
+    replaced = any(getattr(cls, name) is not getattr(base, name) for name in METHODS)
+    return replaced or any(map(metric.__dict__.__contains__, INSTANCE_METHODS))
 
 
 def held_in(attributes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
