@@ -254,15 +254,6 @@ class _Look:
             return False
 
 
-def _original_code(fn: FunctionType) -> CodeType:
-    """``fn``'s code, or the original code where ``fn`` is torchmetrics' gather running the patch's trampoline."""
-    engine = sys.modules.get("torchmetrics_gradpatch._engine")
-    state = getattr(engine, "_state", None)
-    if state is not None and fn is state.function and fn.__code__ is engine._TRAMPOLINE_CODE:  # type: ignore[union-attr]
-        return state.original_code  # type: ignore[no-any-return]
-    return fn.__code__
-
-
 class _Judge:
     """One module's judgement against its source: :meth:`scope` lists the names not recognised."""
 
@@ -344,8 +335,13 @@ class _Judge:
         self.watch(live)  # what is judged is watched, recognised or not, so that putting it back is noticed
         if live.__globals__ is not self.namespace:
             return False
+        code = live.__code__
+        engine = sys.modules.get("torchmetrics_gradpatch._engine")
+        state = getattr(engine, "_state", None)
+        if state is not None and live is state.function and code is engine._TRAMPOLINE_CODE:  # type: ignore[union-attr]
+            code = state.original_code  # torchmetrics' gather running the patch's trampoline: judge its own code
         first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-        if _original_code(live) != self.source.codes.get((first, node.name)):
+        if code != self.source.codes.get((first, node.name)):
             return False
         cells = live.__closure__ or ()
         if live.__code__.co_freevars not in ((), ("__class__",)) or any(_contents(cell) is not owner for cell in cells):
