@@ -36,9 +36,8 @@ _FLAGS = [
 # what a rank's fused run did: returned; raised in the Metrics' own code (update, compute, hooks); raised in the
 # fused exchange itself (what the check is for: torchmetrics' path has no such step); refused (its own error)
 _RETURNED, _RAISED, _BROKE, _REFUSED = 0, 1, 2, 3
-_EXCHANGE_FILES = tuple(
-    f"{os.sep}fused{os.sep}{name}.py" for name in ("exchange", "wire", "large", "reduced", "transit", "grad")
-)
+_EXCHANGE = ("exchange", "wire", "large", "reduced", "transit", "grad")  # the fused exchange's modules
+_EXCHANGE_FILES = tuple(f"{os.sep}fused{os.sep}{name}.py" for name in _EXCHANGE)
 
 
 def _in_exchange(error: BaseException) -> bool:
