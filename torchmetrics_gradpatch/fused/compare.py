@@ -1,10 +1,7 @@
-"""Check mode: a fused run followed by torchmetrics' own path from the same start, the two compared.
-
-:func:`run` takes the start (every module's attributes in the tree, copied, and the random state), runs the fused
-path, puts the start back, runs torchmetrics' path where every rank can, compares (:func:`difference`) and puts the
-fused run's objects back: the program goes on with the fused run's. A difference on any rank raises the same
-``FusedSyncError`` on every rank. docs/fused-sync.md#adopting-it-safely-a-short-run-with-the-check-mode-on says what
-is compared, where torchmetrics' path is not run and what a check costs.
+"""Check mode: :func:`run` runs the fused path, then torchmetrics' own path from the same start, compares the two
+(:func:`difference`) and goes on with the fused run's objects; a difference on any rank raises the same
+``FusedSyncError`` on every rank. docs/design.md#members-and-their-forms says how;
+docs/fused-sync.md#adopting-it-safely-a-short-run-with-the-check-mode-on what is compared and what it costs.
 """
 
 from __future__ import annotations
@@ -39,9 +36,8 @@ _FLAGS = [
 # what a rank's fused run did: returned; raised in the Metrics' own code (update, compute, hooks); raised in the
 # fused exchange itself (what the check is for: torchmetrics' path has no such step); refused (its own error)
 _RETURNED, _RAISED, _BROKE, _REFUSED = 0, 1, 2, 3
-_EXCHANGE_FILES = tuple(
-    f"{os.sep}fused{os.sep}{name}.py" for name in ("exchange", "wire", "large", "reduced", "transit", "grad")
-)
+_EXCHANGE = ("exchange", "wire", "large", "reduced", "transit", "grad")  # the fused exchange's modules
+_EXCHANGE_FILES = tuple(f"{os.sep}fused{os.sep}{name}.py" for name in _EXCHANGE)
 
 
 def _in_exchange(error: BaseException) -> bool:
@@ -129,9 +125,10 @@ def _compared(taken: _Taken) -> dict[str, dict[str, Any]]:
 
     found: dict[str, dict[str, Any]] = {}
     for path, module, attributes in taken:
-        found[path] = {f"buffer {n!r}": v for n, v in internals.buffers_in(attributes).items()}
+        buffers, defaults = internals.held_in(attributes)
+        found[path] = {f"buffer {n!r}": v for n, v in buffers.items()}
         if isinstance(module, Metric):
-            found[path].update({f"state {n!r}": attributes.get(n) for n in internals.defaults_in(attributes)})
+            found[path].update({f"state {n!r}": attributes.get(n) for n in defaults})
             found[path].update({f"attribute {n!r}": attributes.get(n) for n in _FLAGS})
     return found
 

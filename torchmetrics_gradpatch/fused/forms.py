@@ -1,7 +1,7 @@
-"""Which members of a ``MetricCollection`` the fused exchange takes over (:data:`JOINS`, an allowlist), and for the
-others the reason torchmetrics' own path applies, in one of four kinds (:func:`kind`). :func:`detail` is a digest of
-a member's sync-relevant facts for ranks to compare. Imports neither torch nor torchmetrics at import time.
-docs/fused-sync.md#which-members-it-takes-over says which; docs/design.md#members-and-their-forms why.
+"""Which members of a ``MetricCollection`` the fused exchange takes over (:data:`JOINS`, an allowlist), why not
+the others, in one of four kinds (:func:`kind`), and :func:`detail`, a member's sync-relevant facts for ranks to
+compare. Imports neither torch nor torchmetrics at import time. docs/fused-sync.md#which-members-it-takes-over says
+which; docs/design.md#members-and-their-forms why.
 """
 
 from __future__ import annotations
@@ -70,8 +70,7 @@ def inside(module: Any) -> Iterator[Any]:
 
 
 @functools.cache
-def _torch_and_torchmetrics() -> tuple[Any, Any, Any]:
-    """``torch.distributed``, ``torchmetrics.Metric`` and ``torchmetrics.utilities.distributed``, imported once."""
+def _torch_and_torchmetrics() -> tuple[Any, Any, Any]:  # imported on first use, once
     import torch.distributed as dist
     import torchmetrics.utilities.distributed as tm_distributed
     from torchmetrics import Metric
@@ -87,12 +86,11 @@ def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bo
 
     if not isinstance(metric, Metric):
         return NOT_A_METRIC
-    cls = type(metric)
     if internals.children(metric) and any(isinstance(inner, Metric) for inner in inside(metric)):
         return HOLDS_METRICS  # wrappers, CompositionalMetric: the Metrics inside sync themselves, in their order
-    if internals.own_sync_dist(cls, Metric):
+    if internals.own_sync_dist(type(metric), Metric):
         return OWN_SYNC_DIST
-    if internals.replaces(cls, Metric) or internals.stands_in(metric):
+    if internals.overrides(metric, Metric):
         return OVERRIDES
     # torchmetrics' own tests, in its order: forward raises on a synced metric first; compute() checks _to_sync
     if on_step:
@@ -113,7 +111,7 @@ def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bo
         return OWN_SYNC_FN
     if metric.process_group not in (None, dist.group.WORLD):
         return OWN_GROUP
-    if any(internals.hooks_of(metric)):
+    if internals.hooked(metric):
         return MODULE_HOOKS
     if internals.global_hooks() if hooked is None else hooked:
         return GLOBAL_HOOKS
@@ -121,8 +119,7 @@ def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bo
 
 
 def detail(metric: Any) -> int:
-    """A digest of what decides how ``metric`` and every Metric inside it sync (classes, sync functions, groups, sync
-    flags, hooks): equal on ranks that hold alike."""
+    """A digest of how ``metric`` and every Metric inside it sync (classes, sync functions, groups, flags, hooks)."""
     import torch
 
     dist, Metric, tm_distributed = _torch_and_torchmetrics()  # noqa: N806 (the class)
@@ -140,7 +137,7 @@ def detail(metric: Any) -> int:
                 str(bool(getattr(each, "dist_sync_on_step", False))),
                 str(bool(internals.flag(each, "to_sync", False))),
                 str(bool(internals.flag(each, "is_synced", False))),
-                str(any(internals.hooks_of(each))),
+                str(internals.hooked(each)),
             )
             facts.append("|".join(fact))
     return zlib.crc32("/".join(facts).encode())

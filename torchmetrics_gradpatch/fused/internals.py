@@ -1,10 +1,7 @@
-"""torchmetrics' and torch's private names: the one module of the fused sync that reads or writes them.
-
-What each assumes is said beside it. torchmetrics' are checked by recognition: the fused sync runs only where
-``torchmetrics.metric``, ``torchmetrics.collections`` and what they import are, live, what a known release's source
-makes of them (:mod:`.recognise`), so these names mean what those sources make them mean; where that changed between
-releases, the release comes from the same recognition (:func:`release`), never from a version number or a probe.
-torch's are checked as noted. Listed in docs/design.md ("torchmetrics' and torch's internals").
+"""torchmetrics' and torch's private names: the one module of the fused sync that reads or writes them, each with
+what it assumes. torchmetrics' mean what the recognised sources make them mean (:mod:`.recognise`), and where that
+changed between releases the release comes from recognition too (:func:`release`). docs/design.md ("torchmetrics'
+and torch's internals") lists them, with how each is checked.
 """
 
 from __future__ import annotations
@@ -17,32 +14,14 @@ from packaging.version import Version
 
 from torchmetrics_gradpatch.fused import recognise
 
-# Metric's attributes that forward(), sync(), unsync() and compute() read and set (metric.py, 0.11 to main):
-# the sync flags, compute()'s cached result, sync()'s copy of the local states for unsync(), forward()'s
-# bookkeeping. They are plain attributes (Module.__setattr__ stores them in the instance's __dict__).
-FLAGS = {
-    "to_sync": "_to_sync",
-    "should_unsync": "_should_unsync",
-    "is_synced": "_is_synced",
-    "computed": "_computed",
-    "update_count": "_update_count",
-    "forward_cache": "_forward_cache",
-    "enable_grad": "_enable_grad",
-    "compute_on_cpu": "compute_on_cpu",
-}
-#: Metric methods whose lines the fused sync reproduces or whose behaviour it assumes: a class replacing one is not
-#: taken over (:mod:`.forms`).
-METHODS = (
-    "forward",
-    "_forward_full_state_update",
-    "sync",
-    "unsync",
-    "sync_context",
-    "_wrap_compute",
-    "_wrap_update",
-    "__call__",
-    "__setattr__",  # plain attributes are stored as Module.__setattr__ stores them (put)
-)
+# Metric's attributes that forward(), sync(), unsync() and compute() read and set (0.11 to main): plain attributes
+# in the instance's __dict__ (Module.__setattr__ stores them there)
+_NAMED = ("to_sync", "should_unsync", "is_synced", "computed", "update_count", "forward_cache", "enable_grad")
+FLAGS = {name: f"_{name}" for name in _NAMED} | {"compute_on_cpu": "compute_on_cpu"}
+#: Metric methods whose lines the fused sync reproduces or whose behaviour it assumes (``__setattr__``: how
+#: :func:`put` stores plain attributes): a class replacing one is not taken over (:mod:`.forms`).
+METHODS: tuple[str, ...] = ("forward", "_forward_full_state_update", "sync", "unsync", "sync_context", "_wrap_compute")
+METHODS += ("_wrap_update", "__call__", "__setattr__")
 #: Metric methods that, set on an instance, stand in for its class's (a member holding one is not taken over).
 INSTANCE_METHODS = ("forward", "_forward_full_state_update", "_sync_dist", "sync", "unsync", "sync_context", "reset")
 #: torch.nn.Module's own hook dictionaries, and the global ones of torch.nn.modules.module (every torch 2.x).
@@ -51,18 +30,17 @@ GLOBAL_HOOKS = tuple(f"_global{name}" for name in HOOKS)
 
 
 def reductions(metric: Any) -> dict[str, Any]:
-    """``state -> reduction`` in ``add_state`` order (``_reductions``): what ``_sync_dist`` syncs, in its order (none
-    for another object)."""
+    """``state -> reduction`` in ``add_state`` order: what ``_sync_dist`` syncs, in its order (none: not a Metric)."""
     return getattr(metric, "_reductions", {})
 
 
 def defaults(metric: Any) -> dict[str, Any]:
-    """``state -> default`` (``_defaults``): every state, whatever its reduction (none for another module)."""
+    """``state -> default``: every state, whatever its reduction (none: not a Metric)."""
     return getattr(metric, "_defaults", {})
 
 
 def children(module: Any) -> dict[str, Any]:
-    """A module's direct children (torch's ``Module._modules``; a collection's members, by key)."""
+    """A module's direct children (a collection's members, by key)."""
     return module._modules  # type: ignore[no-any-return]
 
 
@@ -71,39 +49,32 @@ def flag(metric: Any, name: str, *default: Any) -> Any:
     return getattr(metric, FLAGS[name], *default)
 
 
-def replaces(cls: type, base: type, names: tuple[str, ...] = METHODS) -> bool:
-    """Whether class ``cls`` replaces one of ``base``'s methods ``names`` (plain functions: compared by identity)."""
-    return any(getattr(cls, name) is not getattr(base, name) for name in names)
-
-
-def own_sync_dist(cls: type, base: type) -> bool:
+def own_sync_dist(cls: Any, base: Any) -> bool:
     """Whether ``cls`` replaces ``base``'s ``_sync_dist`` (it may post-process there: MeanAveragePrecision does)."""
-    return replaces(cls, base, ("_sync_dist",))
+    return cls._sync_dist is not base._sync_dist
 
 
-def caches_compute(cls: type, base: type) -> bool:
+def caches_compute(cls: Any, base: Any) -> bool:
     """Whether ``cls`` keeps ``base``'s ``_wrap_compute``: its ``compute()`` caches a result and syncs."""
-    return not replaces(cls, base, ("_wrap_compute",))
+    return cls._wrap_compute is base._wrap_compute
 
 
-def stands_in(metric: Any) -> bool:
-    """Whether ``metric`` holds one of :data:`INSTANCE_METHODS` on the instance (``__dict__``)."""
-    return any(map(metric.__dict__.__contains__, INSTANCE_METHODS))
+def overrides(metric: Any, base: type) -> bool:
+    """Whether ``metric``'s class replaces one of ``base``'s :data:`METHODS` (compared by identity), or the instance
+    holds one of :data:`INSTANCE_METHODS`."""
+    cls = type(metric)
+    replaced = any(getattr(cls, name) is not getattr(base, name) for name in METHODS)
+    return replaced or any(map(metric.__dict__.__contains__, INSTANCE_METHODS))
 
 
-def buffers_in(attributes: dict[str, Any]) -> dict[str, Any]:
-    """A module's buffers from its ``__dict__`` or a copy of it (torch's ``_buffers``, every torch 2.x)."""
-    return attributes.get("_buffers", {})  # type: ignore[no-any-return]
-
-
-def defaults_in(attributes: dict[str, Any]) -> dict[str, Any]:
-    """A Metric's ``state -> default`` from its ``__dict__`` or a copy of it (``_defaults``)."""
-    return attributes.get("_defaults", {})  # type: ignore[no-any-return]
+def held_in(attributes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's buffers and (a Metric's) ``state -> default``, from its ``__dict__`` or a copy of it."""
+    return attributes.get("_buffers", {}), attributes.get("_defaults", {})
 
 
 def put(module: Any, values: dict[str, Any]) -> None:
     """Set plain attributes (states, flags) as ``Module.__setattr__`` stores them, without its checks (a step sets
-    hundreds); a name the instance does not hold yet, or a parameter, buffer or module, goes through ``setattr``."""
+    hundreds); a name the instance lacks, or a parameter, buffer or module, goes through ``setattr``."""
     attributes = module.__dict__
     for name, value in values.items():
         if name in attributes and type(value) in _plain():
@@ -125,14 +96,13 @@ def _plain() -> frozenset[type]:
 
 
 def sync_cache(metric: Any) -> dict[str, Any] | None:
-    """``sync()``'s copy of the local states for ``unsync()`` (``_cache``; ``unsync()`` and ``reset()`` clear it)."""
+    """``sync()``'s copy of the local states for ``unsync()`` (``unsync()`` and ``reset()`` clear it)."""
     cache = getattr(metric, "_cache", None)
     return cache if isinstance(cache, dict) else None
 
 
 def copies_states() -> bool:
-    """Whether ``sync()`` and ``forward()`` keep copies of the states (``_copy_state_dict``, 1.4 on), not the state
-    objects themselves."""
+    """Whether ``sync()`` and ``forward()`` keep copies of the states (1.4 on), not the state objects."""
     return release() >= Version("1.4")
 
 
@@ -144,18 +114,17 @@ def copy_state_dict(metric: Any) -> dict[str, Any]:
 
 
 def placeholder_rule(metric: Any) -> bool:
-    """Whether ``_sync_dist`` puts ``tensor([])`` in for an empty ``cat`` list: from 1.4 on, where torch >= 2.1
-    (1.4.0 reads the module's ``_TORCH_GREATER_EQUAL_2_1``, 1.4.1 on the instance's)."""
+    """Whether ``_sync_dist`` puts ``tensor([])`` in for an empty ``cat`` list: from 1.4 on, where torch >= 2.1."""
     made = release()
     if made < Version("1.4"):
         return False
-    if made < Version("1.4.1"):
+    if made < Version("1.4.1"):  # 1.4.0 reads the module's _TORCH_GREATER_EQUAL_2_1, later ones the instance's
         return bool(sys.modules["torchmetrics.metric"]._TORCH_GREATER_EQUAL_2_1)
     return bool(metric._TORCH_GREATER_EQUAL_2_1)
 
 
 def filter_kwargs(metric: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments a collection's ``forward`` passes to the member (``_filter_kwargs``)."""
+    """The keyword arguments a collection's ``forward`` passes to the member."""
     return metric._filter_kwargs(**kwargs)  # type: ignore[no-any-return]
 
 
@@ -165,8 +134,8 @@ def move_list_states_to_cpu(metric: Any) -> None:
 
 
 def stand_in(metric: Any, name: str, method: Any) -> None:
-    """Put ``method`` on the instance over the class's ``name`` (``_sync_dist``, ``_copy_state_dict``, ``forward``)
-    until :func:`stand_down`: what ``sync()``, ``forward()`` and ``Module.__call__`` look up on the instance."""
+    """Put ``method`` on the instance over the class's ``name`` until :func:`stand_down`: ``sync()``, ``forward()``
+    and ``Module.__call__`` look ``_sync_dist``, ``_copy_state_dict`` and ``forward`` up there."""
     metric.__dict__[name] = method
 
 
@@ -175,12 +144,13 @@ def stand_down(metric: Any, name: str) -> None:
 
 
 def set_state_is_copy(collection: Any, value: bool) -> None:
-    """``MetricCollection._state_is_copy``: while set, ``compute()`` does not link compute groups' states again."""
+    """While set, ``MetricCollection.compute()`` does not link compute groups' states again."""
     collection._state_is_copy = value
 
 
-def hooks_of(module: Any) -> tuple[Any, ...]:
-    return tuple(getattr(module, name, None) for name in HOOKS)
+def hooked(module: Any) -> bool:
+    """Whether ``module`` has hooks of its own."""
+    return any(getattr(module, name, None) for name in HOOKS)
 
 
 def global_hooks() -> bool:
@@ -191,14 +161,14 @@ def global_hooks() -> bool:
 
 
 def sequence_nr(node: Any) -> int | None:
-    """An autograd node's sequence number (``_sequence_nr()``, torch 2.1 on; ``None`` where torch 2.0's C++ nodes
-    lack it: callers then assume the worst)."""
+    """An autograd node's sequence number (torch 2.1 on; ``None`` where torch 2.0's nodes lack it: assume the
+    worst)."""
     numbered = getattr(node, "_sequence_nr", None)
     return None if numbered is None else int(numbered())
 
 
 def copy_all(into: list[Any], values: list[Any]) -> None:
-    """``into[i].copy_(values[i])`` for every ``i``: one call of torch's ``_foreach_copy_`` (2.1 on), else a loop."""
+    """``into[i].copy_(values[i])`` for every ``i``: one ``_foreach_copy_`` (torch 2.1 on), else a loop."""
     import torch
 
     copy = getattr(torch, "_foreach_copy_", None)
@@ -211,7 +181,7 @@ def copy_all(into: list[Any], values: list[Any]) -> None:
 
 def release() -> Version:
     """The first torchmetrics release whose ``torchmetrics.metric`` source is the live one's (``main``: newer than
-    every release). Raises ``LookupError`` where it is not recognised (the fused sync steps aside there)."""
+    every release). Raises ``LookupError`` where it is not recognised."""
     return _first(recognise.release_of("torchmetrics.metric"))
 
 

@@ -1,6 +1,5 @@
-"""Which classes a ``MetricCollection``'s one exchange trusts (torchmetrics' own, and those named with :func:`trust`:
-a process-wide registry), and :func:`explain`, member by member, what it does with a collection.
-docs/fused-sync.md#which-collections-it-trusts says which and why.
+"""Which classes a ``MetricCollection``'s one exchange trusts (torchmetrics' own and those named with :func:`trust`,
+process-wide), and :func:`explain`. docs/fused-sync.md#which-collections-it-trusts says which and why.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ from typing import Any
 from torchmetrics_gradpatch.fused import forms, internals, recognise
 
 _lock = threading.Lock()
-#: the classes named with :func:`trust` (each also vouches for its bases)
-_named: set[type] = set()
+_named: set[type] = set()  # the classes named with trust()
 
 
 def trust(*classes: type) -> None:
@@ -74,11 +72,9 @@ def untrusted(collection: Any, members: list[tuple[str, Any]]) -> str | None:
 
 def explain(collection: Any, step: bool = False) -> dict[str, str]:
     """What the fused sync does with each member of ``collection`` in ``compute()`` (``step``: in a training step's
-    ``forward``), by key: ``"joins the collection's exchange"``, or why not. Where the whole collection runs
-    torchmetrics' own path (a class it does not trust), every member says so and why.
-
-    A local reading: it looks at this rank's collection and this process's settings, issues no collective, and
-    changes nothing (where the ranks differ, the exchange follows the rank that trusts least).
+    ``forward``), by key: ``"joins the collection's exchange"``, or why not (every member: why the whole collection
+    runs torchmetrics' own path). This rank's reading: no collective, nothing changed; where the ranks differ, the
+    exchange follows the rank that trusts least.
     """
     members = [(str(key), metric) for key, metric in internals.children(collection).items()]
     codes = forms.forms_of(members, on_step=step)

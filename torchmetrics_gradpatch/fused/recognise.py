@@ -1,10 +1,7 @@
-"""Recognition: whether the torchmetrics modules the fused sync relies on (:data:`MODULES`) are, live, what a known
-release's source makes of them, and which parts of the fused sync step aside (:data:`PARTS`) while one is not.
-
-:func:`unrecognised` names what is not recognised and never raises; :func:`stepping_aside` is a part's local
-decision, warned of once per live object. Imports only the standard library (``scripts/recognised.py`` loads it by
-its path to write ``_recognised.py``). docs/fused-sync.md#where-it-steps-aside says what is recognised;
-docs/design.md#recognition how.
+"""Recognition: whether the modules the fused sync relies on (:data:`MODULES`) are, live, what a known release's
+source makes of them (:func:`unrecognised`, which never raises), and which parts of the fused sync step aside
+(:data:`PARTS`, :func:`stepping_aside`) while one is not. Imports only the standard library (``scripts/recognised.py``
+loads it by its path). docs/fused-sync.md#where-it-steps-aside says what is recognised; docs/design.md#recognition how.
 """
 
 from __future__ import annotations
@@ -45,21 +42,16 @@ PARTS = {
 }
 
 
-#: The code of the wrapper each of these decorators returns (one code object for all its uses), by identity (code
-#: compares by value; kept alive here): such a wrapper is looked through to the function its source decorates.
-_WRAPPER_CODES = (  # of any function: here print's
-    (contextlib.contextmanager(print).__code__, "contextmanager"),  # type: ignore[arg-type]
-    (contextlib.asynccontextmanager(print).__code__, "asynccontextmanager"),  # type: ignore[arg-type]
-)
-_WRAPPERS = {id(code): name for code, name in _WRAPPER_CODES}
+#: The code of the wrapper each of these decorators returns, one for all its uses (here made around print): such a
+#: wrapper is looked through to the function its source decorates.
+_WRAPPERS = {name: getattr(contextlib, name)(print).__code__ for name in ("contextmanager", "asynccontextmanager")}
 #: Decorators that return the very function they get, by the last part of their name (``torch.jit.unused`` and
 #: ``ignore``, ``abc.abstractmethod``, ``typing.final`` and ``override``).
 _SAME_FUNCTION = frozenset({"unused", "ignore", "abstractmethod", "final", "override"})
 #: Fields that cannot change behaviour: annotations, type comments, a string's ``u`` prefix (positions are
 #: ``_attributes``, never read).
 _SKIPPED_FIELDS = frozenset({"annotation", "returns", "type_comment", "kind"})
-_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-_DOCUMENTED = (*_DEFINITIONS, ast.Module)  # whose first string is a docstring, left out of digests
+_DOCUMENTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)  # a docstring is left out of digests
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
 _MISSING = object()
 
@@ -121,8 +113,7 @@ def module_digest(source: str) -> str:
 
 
 def _decorator_name(node: ast.expr) -> str:
-    if isinstance(node, ast.Call):
-        node = node.func
+    node = node.func if isinstance(node, ast.Call) else node
     if isinstance(node, ast.Attribute):
         return node.attr
     return node.id if isinstance(node, ast.Name) else ""
@@ -164,10 +155,9 @@ class _Scope:
             elif isinstance(node, ast.ClassDef):
                 self.classes.setdefault(node.name, []).append(node)
             elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    top = alias.name.split(".")[0]
-                    bound = (alias.asname, alias.name) if alias.asname else (top, top)
-                    self.imports.setdefault(bound[0], []).append((bound[1], None))
+                for alias in node.names:  # import a.b binds a; import a.b as c binds c to a.b
+                    origin = alias.name if alias.asname else alias.name.split(".")[0]
+                    self.imports.setdefault(alias.asname or origin, []).append((origin, None))
             elif isinstance(node, ast.ImportFrom):
                 origin = node.module or ""
                 if node.level:  # relative: from the module's package upwards
@@ -183,11 +173,8 @@ class _Scope:
                 if node.name:
                     self.other.add(node.name)
             elif not isinstance(node, ast.Lambda):
-                self.other.update(
-                    child.id
-                    for child in ast.walk(node)
-                    if isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load)
-                )
+                names = (child for child in ast.walk(node) if isinstance(child, ast.Name))
+                self.other.update(name.id for name in names if not isinstance(name.ctx, ast.Load))
 
     def names(self) -> set[str]:
         """The names bound by ``def``, ``class`` or ``import`` alone: those judged."""
@@ -233,14 +220,13 @@ def _source(name: str, module: ModuleType) -> _Source | None:
 
 
 class _Look:
-    """What one judgement looked at (namespaces' names, functions, cells; namespaces whose size tells a name added),
-    to tell by identity whether anything changed since: :meth:`freeze` takes the objects, :meth:`same` compares."""
+    """What one judgement looked at (namespaces, their sizes and the names read in them; functions; cells), to tell
+    by identity whether anything changed since: :meth:`freeze` takes the objects, :meth:`same` compares."""
 
     def __init__(self) -> None:
         self.namespaces: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
         self.functions: list[FunctionType] = []
         self.cells: list[Any] = []
-        self.sized: list[Mapping[str, Any]] = []
         self._checks: list[tuple[Callable[[Any], object], tuple[Any, ...], tuple[object, ...]]] = []
         self._sizes: tuple[int, ...] = ()
 
@@ -256,25 +242,16 @@ class _Look:
         groups += [(get("__code__"), tuple(self.functions)), (get("__defaults__"), defaulted)]
         groups += [(get("__kwdefaults__"), keyworded), (get("cell_contents"), tuple(self.cells))]
         self._checks = [(read, items, tuple(map(read, items))) for read, items in groups]
-        self._sizes = tuple(map(len, self.sized))
+        self._sizes = tuple(len(namespace) for namespace, _ in self.namespaces)
 
     def same(self) -> bool:
         """Whether every object :meth:`freeze` took is still the one there (identity, never ``==``)."""
         try:
-            return tuple(map(len, self.sized)) == self._sizes and all(
+            return tuple(len(namespace) for namespace, _ in self.namespaces) == self._sizes and all(
                 all(map(operator.is_, map(read, items), last)) for read, items, last in self._checks
             )
         except (KeyError, AttributeError, ValueError):  # a name deleted, a cell emptied: changed
             return False
-
-
-def _original_code(fn: FunctionType) -> CodeType:
-    """``fn``'s code, or the original code where ``fn`` is torchmetrics' gather running the patch's trampoline."""
-    engine = sys.modules.get("torchmetrics_gradpatch._engine")
-    state = getattr(engine, "_state", None)
-    if state is not None and fn is state.function and fn.__code__ is engine._TRAMPOLINE_CODE:  # type: ignore[union-attr]
-        return state.original_code  # type: ignore[no-any-return]
-    return fn.__code__
 
 
 class _Judge:
@@ -290,7 +267,6 @@ class _Judge:
         scope = _Scope(body, self.package)
         names = tuple(sorted(scope.names()))
         self.look.namespaces.append((namespace, tuple(name for name in names if name in namespace)))
-        self.look.sized.append(namespace)
         bad: list[str] = []
         for name in names:
             live = namespace.get(name, _MISSING)
@@ -327,12 +303,8 @@ class _Judge:
             live = live.__dict__.get("__wrapped__")  # this package's replacement: judge the original
         if type(live) is property:
             getters = [node for node in nodes if "property" in map(_decorator_name, node.decorator_list)]
-            return (
-                len(getters) == len(nodes) == 1
-                and live.fset is None
-                and live.fdel is None
-                and self.function(live.fget, getters[0], namespace, owner, ("property",))
-            )
+            plain = len(getters) == len(nodes) == 1 and live.fset is None and live.fdel is None
+            return plain and self.function(live.fget, getters[0], namespace, owner, ("property",))
         return any(self.function(live, node, namespace, owner, ()) for node in nodes)
 
     def function(
@@ -353,7 +325,7 @@ class _Judge:
                 self.watch(live)
                 inner = live.__dict__.get("__wrapped__")
                 cells = live.__closure__ or ()
-                if _WRAPPERS.get(id(live.__code__)) != name or len(cells) != 1 or _contents(cells[0]) is not inner:
+                if live.__code__ is not _WRAPPERS[name] or len(cells) != 1 or _contents(cells[0]) is not inner:
                     return False  # not the decorator's wrapper, or one that calls another function
                 live = inner
             else:
@@ -363,8 +335,13 @@ class _Judge:
         self.watch(live)  # what is judged is watched, recognised or not, so that putting it back is noticed
         if live.__globals__ is not self.namespace:
             return False
+        code = live.__code__
+        engine = sys.modules.get("torchmetrics_gradpatch._engine")
+        state = getattr(engine, "_state", None)
+        if state is not None and live is state.function and code is engine._TRAMPOLINE_CODE:  # type: ignore[union-attr]
+            code = state.original_code  # torchmetrics' gather running the patch's trampoline: judge its own code
         first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-        if _original_code(live) != self.source.codes.get((first, node.name)):
+        if code != self.source.codes.get((first, node.name)):
             return False
         cells = live.__closure__ or ()
         if live.__code__.co_freevars not in ((), ("__class__",)) or any(_contents(cell) is not owner for cell in cells):
