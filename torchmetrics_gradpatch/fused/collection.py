@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import array
 import functools
+import json
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch.distributed as dist
 
 from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import COLLECTION_MARK, Site
@@ -59,8 +62,6 @@ def _own_sync(exchange: Any, members: list[tuple[str, Any]], tables: list[list[_
     """The members whose forms differ between ranks that every rank syncs with torchmetrics' own ``_sync_dist``.
     Raises alike where the ranks hold other members (gathered, two collectives, to name them all) or where
     torchmetrics' own sync could not complete."""
-    import json
-
     from torchmetrics_gradpatch.fused.exchange import describe, gather_texts, structure_error
 
     sizes = {len(table) for table in tables}
@@ -276,15 +277,13 @@ def sync_members(
             ]
             for r, refs in enumerate(settled.refs[i])
         ]
-        values = [exchange.reduced.get(state.slot) for state in states[i]]
-        values = [
-            value.clone() if twice and value is not None else value for value, twice in zip(values, shared, strict=True)
-        ]
-        joined = {
-            state.attr: slots[state.slot].tensors[0] if slots[state.slot].tensors else None
-            for state, value in zip(states[i], values, strict=True)
-            if slots[state.slot].is_cat and value is not None
-        }
+        values = []
+        joined = {}  # cat states concatenated in place: this rank's tensors as the buffer holds them
+        for state, twice in zip(states[i], shared, strict=True):
+            value = exchange.reduced.get(state.slot)
+            values.append(value.clone() if twice and value is not None else value)
+            if slots[state.slot].is_cat and value is not None:
+                joined[state.attr] = slots[state.slot].tensors[0] if slots[state.slot].tensors else None
         outcome.synced[i] = Synced(members[i][1], states[i], settled.views[i], per_rank, values, joined)
     return outcome
 
@@ -307,8 +306,6 @@ def torchmetrics_own(original: Callable[..., Any], collection: Any, *args: Any, 
 
 def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool) -> Any:
     """``compute()`` with one exchange for every member that joins; in check mode compared with torchmetrics' own."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection)
     members, aside_here = members_of(collection, unrecognised)

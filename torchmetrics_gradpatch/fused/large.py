@@ -34,13 +34,10 @@ def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.
     if not all(isinstance(t, torch.Tensor) for t in value):
         return None
     first = value[0]
-    if (
-        not _bytes.plain(first.dtype)
-        or (stream_cpu and first.device.type == "cpu")
-        or any(
-            t.requires_grad or t.dtype != first.dtype or t.device != first.device or t.layout != torch.strided
-            for t in value
-        )
+    if not _bytes.plain(first.dtype) or (stream_cpu and first.device.type == "cpu"):
+        return None
+    if any(
+        t.requires_grad or (t.dtype, t.device, t.layout) != (first.dtype, first.device, torch.strided) for t in value
     ):
         return None
     if all(t.ndim == 0 for t in value):
@@ -195,9 +192,9 @@ def _concatenation(
     if not same_tables or own is None or not own.is_cat or own.described.kind != wire.KIND_LIST:
         return None
     lists = [d for d in described if d is not None and d.kind == wire.KIND_LIST and len(d.pieces) <= 1]
-    if len(lists) < len(described) or any(
-        p.requires_grad or p.streamed or p.dtype is None for d in lists for p in d.pieces
-    ):
+    if len(lists) < len(described):
+        return None
+    if any(p.requires_grad or p.streamed or p.dtype is None for d in lists for p in d.pieces):
         return None
     real = {r: d.pieces[0] for r, d in enumerate(lists) if d.pieces and not d.placeholder}
     keys = {key for key in (wire.cat_key(p.shape) for p in real.values()) if key is not None}

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import STEP_MARK, Site
 from torchmetrics_gradpatch.fused import collection, forms, internals, recognise
@@ -77,8 +80,6 @@ class _Pending:
 
 @functools.cache
 def _probe() -> Any:
-    import torch
-
     return torch.zeros((), requires_grad=True)
 
 
@@ -87,8 +88,6 @@ _UNNUMBERED = -1  # torch 2.0's nodes made in C++ do not tell their sequence num
 
 def _next_node() -> int | None:
     """The sequence number of the next autograd node made on this thread (``None``: grad mode is off)."""
-    import torch
-
     if not torch.is_grad_enabled():
         return None
     numbered = internals.sequence_nr(_probe().view(()).grad_fn)
@@ -245,8 +244,6 @@ def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
 
 def _forward(original: Callable[..., Any], metrics: Any, unrecognised: bool, *args: Any, **kwargs: Any) -> Any:
     """``forward`` with one exchange for every member that joins; in check mode compared with torchmetrics' own."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return original(metrics, *args, **kwargs)
     members, aside_here = collection.members_of(metrics, unrecognised)
