@@ -27,8 +27,7 @@ from tests._ranks import run_ranks
 from tests.test_fused import same, worlds
 from tests.test_fused_step import NO_CACHE, alike
 from torchmetrics_gradpatch import FusedSyncError
-from torchmetrics_gradpatch.fused import collection
-from torchmetrics_gradpatch.fused import membership
+from torchmetrics_gradpatch.fused import collection, membership
 
 
 class Total(Metric):
