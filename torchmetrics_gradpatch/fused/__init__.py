@@ -1,9 +1,9 @@
 """The fused sync: a Metric's whole sync in one exchange, registered with the core as the ``"fused"`` strategy.
 
-``patch(sync="fused")`` makes the core's ``Metric._sync_dist`` replacement run :func:`fused_sync`, and, while it is
-in force, ``MetricCollection.compute()`` (:mod:`.collection`) and ``forward`` (:mod:`.step`) sync their members in
-one exchange each (:mod:`.exchange`). Importing this package registers the strategy and imports neither torch nor
-torchmetrics. What it does and costs: docs/fused-sync.md; how: docs/design.md ("The fused exchange").
+Under ``patch(sync="fused")`` the core's ``Metric._sync_dist`` replacement runs :func:`fused_sync`, and
+``MetricCollection.compute()`` (:mod:`.collection`) and ``forward`` (:mod:`.step`) sync their members in one exchange
+each. Importing this package imports neither torch nor torchmetrics. What it does and costs: docs/fused-sync.md; how:
+docs/design.md ("The fused exchange").
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from torchmetrics_gradpatch import _syncs
+from torchmetrics_gradpatch.fused import recognise
 from torchmetrics_gradpatch.fused.membership import explain, trust, trusted_names
 
 __all__ = ["explain", "fused_sync", "reset", "trust"]
@@ -33,24 +34,20 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     (:mod:`torchmetrics_gradpatch.fused.compare`).
     """
     from torchmetrics_gradpatch import _engine
-    from torchmetrics_gradpatch.fused import compare, exchange, recognise
+    from torchmetrics_gradpatch.fused import compare, exchange
 
     # a rank that steps aside still sends its header, so that every rank steps aside with it
     unrecognised = recognise.stepping_aside(recognise.SINGLE)
 
+    def own() -> None:
+        _syncs.original_sync_dist()(metric, process_group=process_group)
+
     def fused() -> None:
         if not exchange.sync_metric(metric, process_group, mode, unrecognised):
-            _syncs.original_sync_dist()(metric, process_group=process_group)
+            own()
 
     if _engine.effective_check():
-        group = process_group or metric.process_group
-        compare.run(
-            type(metric).__name__,
-            metric,
-            fused,
-            lambda: _syncs.original_sync_dist()(metric, process_group=process_group),
-            group,
-        )
+        compare.run(type(metric).__name__, metric, fused, own, process_group or metric.process_group)
     else:
         fused()
 
@@ -62,23 +59,13 @@ def reset() -> None:
 
     Every rank of a group must call it at the same point: the capacity is agreed, never exchanged. Never needed in a
     program; tests that reuse processes call it between cases."""
-
-    def loaded(name: str) -> Any:
-        return sys.modules.get(f"{__name__}.{name}")
-
-    if (wire := loaded("wire")) is not None:
-        wire.forget()
-    if (exchange := loaded("exchange")) is not None:
-        exchange.forget()
-    if (collection := loaded("collection")) is not None:
-        collection.forget()
-    if (transit := loaded("transit")) is not None:
-        transit.forget()
-    if (recognise := loaded("recognise")) is not None:
-        recognise.forget()
+    for name in ("wire", "exchange", "collection", "transit", "recognise"):
+        module = sys.modules.get(f"{__name__}.{name}")  # one never loaded holds nothing
+        if module is not None:
+            module.forget()
 
 
-def _collection_sites_all() -> tuple[tuple[Any, str], ...]:
+def _sites() -> tuple[tuple[Any, str], ...]:
     from torchmetrics_gradpatch.fused import collection, step
 
     return (
@@ -87,42 +74,29 @@ def _collection_sites_all() -> tuple[tuple[Any, str], ...]:
     )
 
 
-def _install_collection() -> None:
+def _install() -> None:
     from torchmetrics_gradpatch import _compile
 
     _compile.watch_dynamo()  # the graph breaks' wrapper, once dynamo is imported
-    for site, _ in _collection_sites_all():
+    for site, _ in _sites():
         site.install()
     if "torchmetrics.metric" in sys.modules:
-        # the first look at torchmetrics' modules (each source read and compiled once) now, not inside a first sync
-        from torchmetrics_gradpatch.fused import recognise
-
-        recognise.aside()
+        recognise.aside()  # the first look at torchmetrics' modules (each source read once) now, not in a first sync
 
 
-def _uninstall_collection() -> None:
-    for site, _ in reversed(_collection_sites_all()):
+def _uninstall() -> None:
+    for site, _ in reversed(_sites()):
         site.uninstall()
-
-
-def _collection_sites() -> tuple[str, ...]:
-    return tuple(name for site, name in _collection_sites_all() if site.installed())
-
-
-def _stepped_aside() -> dict[str, tuple[str, ...]]:
-    from torchmetrics_gradpatch.fused import recognise
-
-    return recognise.aside()
 
 
 _syncs.register(
     "fused",
     _syncs.Strategy(
         sync=fused_sync,
-        install=_install_collection,
-        uninstall=_uninstall_collection,
-        sites=_collection_sites,
-        aside=_stepped_aside,
+        install=_install,
+        uninstall=_uninstall,
+        sites=lambda: tuple(name for site, name in _sites() if site.installed()),
+        aside=recognise.aside,
         trusted=trusted_names,
     ),
 )

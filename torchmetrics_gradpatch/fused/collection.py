@@ -1,32 +1,30 @@
 """One exchange per ``MetricCollection``: under the fused sync, ``compute()`` syncs every member that syncs at once.
 
-``SITE`` replaces ``MetricCollection.compute`` (put back, the very same object, on uninstall). The replacement sends
-a member table (each member's fingerprint, form and slots) and the states of every member the exchange takes over
-(:mod:`.forms`; a collection it trusts: :mod:`.membership`) in one :class:`~.exchange.Exchange` over the default
-group, sets each such member's synced states through its own ``sync()``, and runs torchmetrics' own ``compute()``
-with those members' own sync skipped. Every other member syncs in its own ``compute()``, as under torchmetrics.
-:func:`sync_members` is the exchange the step shares. What it takes over and why: docs/fused-sync.md.
+``SITE`` replaces ``MetricCollection.compute``; :func:`sync_members` is the exchange it shares with the step
+(:mod:`.step`). How: docs/design.md ("The fused exchange", "Members and their forms"); what it takes over:
+docs/fused-sync.md.
 """
 
 from __future__ import annotations
 
 import array
 import functools
+import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch.distributed as dist
 
 from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import COLLECTION_MARK, Site
 from torchmetrics_gradpatch.fused import forms, internals, large, membership, recognise, wire
 
-_MEMBER_WORDS = 4  # per member in the table: fingerprint, form, needs, detail; then its slot references
-
 
 def syncs_here(members: list[tuple[str, Any]], codes: list[int], on_step: bool = False) -> bool:
-    """Whether some member of this rank syncs over the default group (in ``compute()``: and holds no cached result):
-    else the rank issues no collective, as torchmetrics' own path issues none there."""
+    """Whether some member of this rank syncs over the default group (in ``compute()``: with no cached result); if
+    not, the rank issues no collective, as torchmetrics' own path issues none."""
     return any(
         forms.kind(code) in (forms.JOINED, forms.OWN_PATH) and (on_step or forms.computes_anew(metric))
         for code, (_, metric) in zip(codes, members, strict=True)
@@ -35,61 +33,6 @@ def syncs_here(members: list[tuple[str, Any]], codes: list[int], on_step: bool =
 
 def _member_name(key: str, metric: Any) -> str:
     return f"{type(metric).__name__} (MetricCollection member {key!r})"
-
-
-def _structure_error(exchange: Any, members: list[tuple[str, Any]], tables: list[list[_Row]]) -> Exception | None:
-    """The error every rank raises when the ranks hold other members (``None``: they hold the same); where the
-    tables disagree, every rank's members are gathered (two collectives) so that one text names them all."""
-    import json
-
-    from torchmetrics_gradpatch.fused.exchange import describe, gather_texts, structure_error
-
-    counts = {r: len(table) for r, table in enumerate(tables)}
-    differing = [i for i in range(min(counts.values())) if len({table[i].fingerprint for table in tables}) > 1]
-    if len(set(counts.values())) == 1 and not differing:
-        return None
-    mine = json.dumps([f"{key!r}: {describe(metric)}" for key, metric in members])
-    held = [json.loads(text) for text in gather_texts(mine, exchange.group, exchange.world_size, exchange.device)]
-    if len(set(counts.values())) > 1:
-        return structure_error(
-            "a MetricCollection",
-            None,
-            "the ranks are computing collections of different sizes",
-            {r: f"{len(h)} members: " + ", ".join(h) for r, h in enumerate(held)},
-        )
-    i = differing[0]
-    return structure_error(
-        f"member {i} of a MetricCollection",
-        None,
-        "the ranks hold different metrics as this member (another key, class, or other states or reductions)",
-        {r: h[i] for r, h in enumerate(held)},
-    )
-
-
-def _own_sync(members: list[tuple[str, Any]], tables: list[list[_Row]]) -> list[int]:
-    """The members every rank syncs with torchmetrics' own ``_sync_dist``: their forms differ between ranks but every
-    rank's torchmetrics would sync them over the default group. Raises alike where torchmetrics' own sync could not
-    complete (one rank syncs a member another does not, or raises as synced already)."""
-    from torchmetrics_gradpatch.fused.exchange import structure_error
-
-    own = []
-    for i, (key, metric) in enumerate(members):
-        seen = [table[i] for table in tables]
-        kinds = {forms.kind(row.form) for row in seen}
-        if kinds in ({forms.JOINED}, {forms.QUIET}, {forms.OTHER_GROUP}, {forms.RAISES}):
-            continue
-        if kinds == {forms.OWN_PATH} and len({(row.form, row.detail) for row in seen}) == 1:
-            continue  # the same own path on every rank
-        if kinds <= {forms.JOINED, forms.OWN_PATH}:
-            own.append(i)
-            continue
-        raise structure_error(
-            _member_name(key, metric),
-            None,
-            "the ranks disagree on whether it syncs (torchmetrics' own sync would leave the ranks that sync waiting)",
-            {r: forms.describe(row.form) for r, row in enumerate(seen)},
-        )
-    return own
 
 
 @dataclass(frozen=True)
@@ -108,21 +51,54 @@ def _rows(table: tuple[int, ...]) -> list[_Row]:
     """A member table read back (once per table: callers do not change the rows)."""
     rows = []
     at = 1
-    for _ in range(table[0]):
-        fingerprint, form, needs, detail = table[at : at + _MEMBER_WORDS]
-        count = table[at + _MEMBER_WORDS]
-        refs = table[at + _MEMBER_WORDS + 1 : at + _MEMBER_WORDS + 1 + count]
-        rows.append(_Row(fingerprint, form, bool(needs), detail, list(refs)))
-        at += _MEMBER_WORDS + 1 + count
+    for _ in range(table[0]):  # per member: fingerprint, form, needs, detail, the slot count, the slots
+        fingerprint, form, needs, detail, count = table[at : at + 5]
+        rows.append(_Row(fingerprint, form, bool(needs), detail, list(table[at + 5 : at + 5 + count])))
+        at += 5 + count
     return rows
+
+
+def _own_sync(exchange: Any, members: list[tuple[str, Any]], tables: list[list[_Row]]) -> list[int]:
+    """The members whose forms differ between ranks that every rank syncs with torchmetrics' own ``_sync_dist``.
+    Raises alike where the ranks hold other members (gathered, two collectives, to name them all) or where
+    torchmetrics' own sync could not complete."""
+    from torchmetrics_gradpatch.fused.exchange import describe, gather_texts, structure_error
+
+    sizes = {len(table) for table in tables}
+    differing = [i for i in range(min(sizes)) if len({table[i].fingerprint for table in tables}) > 1]
+    if len(sizes) > 1 or differing:
+        mine = json.dumps([f"{key!r}: {describe(metric)}" for key, metric in members])
+        held = [json.loads(text) for text in gather_texts(mine, exchange.group, exchange.world_size, exchange.device)]
+        if len(sizes) > 1:
+            rule = "the ranks are computing collections of different sizes"
+            raise structure_error(
+                "a MetricCollection", None, rule, {r: f"{len(h)} members: " + ", ".join(h) for r, h in enumerate(held)}
+            )
+        i = differing[0]
+        rule = "the ranks hold different metrics as this member (another key, class, or other states or reductions)"
+        raise structure_error(f"member {i} of a MetricCollection", None, rule, {r: h[i] for r, h in enumerate(held)})
+    own = []
+    for i, (key, metric) in enumerate(members):
+        seen = [table[i] for table in tables]
+        kinds = {forms.kind(row.form) for row in seen}
+        if len(kinds) == 1 and (kinds != {forms.OWN_PATH} or len({(row.form, row.detail) for row in seen}) == 1):
+            continue  # alike on every rank (an own path: the same one)
+        if kinds <= {forms.JOINED, forms.OWN_PATH}:
+            own.append(i)
+            continue
+        raise structure_error(
+            _member_name(key, metric),
+            None,
+            "the ranks disagree on whether it syncs (torchmetrics' own sync would leave the ranks that sync waiting)",
+            {r: forms.describe(row.form) for r, row in enumerate(seen)},
+        )
+    return own
 
 
 @dataclass
 class _Settled:
-    """What one exchange's tables settle, alike on every rank: the members every rank syncs with torchmetrics' own
-    sync (``own``), those that join on every rank (``joins``) and those the exchange syncs (``joined``), those whose
-    cached result is dropped (``recompute``), and per joined member every rank's slots (``refs[i][r]``) and
-    descriptions (``views[i][r]``), and which of this rank's slots an earlier member holds (``shared[i]``)."""
+    """What the tables settle, alike on every rank: which members sync how, and per member the exchange syncs every
+    rank's slots (``refs[i][r]``) and descriptions (``views[i][r]``) and which slots an earlier member holds."""
 
     own: list[int]
     joins: list[int]
@@ -134,23 +110,19 @@ class _Settled:
 
     @classmethod
     def of(cls, exchange: Any, members: list[tuple[str, Any]], codes: list[int], tables: list[list[_Row]]) -> _Settled:
-        error = _structure_error(exchange, members, tables)
-        if error is not None:
-            raise error
-        own = _own_sync(members, tables)
-        everywhere = not exchange.flagged(wire.FLAG_UNSTAGED)
-        needed = [any(t[i].needs for t in tables) for i in range(len(members))]
-        aside = exchange.flagged(wire.FLAG_ASIDE)
-        joins = [] if aside else [i for i, c in enumerate(codes) if c == forms.JOINS and i not in own]
-        settled = cls(
-            own,
-            joins,
-            [i for i in joins if everywhere and needed[i]],
-            [i for i in range(len(members)) if needed[i] and (i in own or forms.kind(codes[i]) == forms.OWN_PATH)],
-        )
+        own = _own_sync(exchange, members, tables)
+        needed = [any(table[i].needs for table in tables) for i in range(len(members))]
+        joins = [i for i, code in enumerate(codes) if code == forms.JOINS and i not in own]
+        if exchange.flagged(wire.FLAG_ASIDE):
+            joins = []
+        joined = [] if exchange.flagged(wire.FLAG_UNSTAGED) else [i for i in joins if needed[i]]
+        recompute = [
+            i for i, need in enumerate(needed) if need and (i in own or forms.kind(codes[i]) == forms.OWN_PATH)
+        ]
+        settled = cls(own, joins, joined, recompute)
         given: set[int] = set()  # slots a member already holds: the next member of its group gets copies
-        for i in settled.joined:
-            refs = settled.refs[i] = [tables[r][i].refs for r in range(exchange.world_size)]
+        for i in joined:
+            refs = settled.refs[i] = [table[i].refs for table in tables]
             settled.views[i] = [[exchange.every[r][ref] for ref in refs[r]] for r in range(exchange.world_size)]
             settled.shared[i] = [ref in given for ref in refs[exchange.rank]]
             given.update(refs[exchange.rank])
@@ -163,8 +135,8 @@ _SETTLED: dict[tuple[Any, ...], _Settled] = {}
 
 @dataclass
 class Synced:
-    """A member's synced states, ready to set: torchmetrics' step 3 over the exchange's entries (:meth:`set`), or
-    through the member's own ``sync()`` (:meth:`set_through_sync`)."""
+    """A member's synced states, ready to set: torchmetrics' step 3 (:meth:`set`), or its own ``sync()`` with that
+    step standing in for ``_sync_dist`` (:meth:`set_through_sync`)."""
 
     metric: Any
     states: list[Any]
@@ -179,8 +151,7 @@ class Synced:
         set_states(self.metric, self.states, self.views, self.entries, self.values)
 
     def set_through_sync(self) -> None:
-        """Set them through ``sync()``, with :meth:`set` standing in for ``_sync_dist`` for that one call, so its
-        cache of the local states is taken as torchmetrics takes it (none made of the states joined in place)."""
+        # sync() caches the local states as torchmetrics caches them (the ones joined in place uncopied)
         metric = self.metric
         internals.set_flags(metric, computed=None)  # another rank had to sync it: this rank computes afresh too
         internals.stand_in(metric, "_sync_dist", lambda dist_sync_fn=None, process_group=None: self.set())
@@ -191,11 +162,19 @@ class Synced:
             internals.stand_down(metric, "_sync_dist")
 
 
+def _torchmetrics_sync(modules: Iterable[Any]) -> Any:
+    """A context in which every Metric among ``modules`` and inside them syncs with torchmetrics' own ``_sync_dist``."""
+    from torchmetrics import Metric
+
+    inside = (each for module in modules for each in (module, *forms.inside(module)))
+    return _syncs.own_sync(each for each in inside if isinstance(each, Metric))
+
+
 @dataclass
 class Outcome:
-    """What the exchange settled, alike on every rank: whether every rank sent its states (``everywhere``), the
-    members that join on every rank, each synced member's states (none unless ``everywhere``), and the members
-    every rank syncs with torchmetrics' own ``_sync_dist``."""
+    """What the exchange settled, alike on every rank: whether every rank sent its states, the members that join on
+    every rank, each synced member's states (none unless ``everywhere``), and the members every rank syncs with
+    torchmetrics' own ``_sync_dist`` (in :meth:`torchmetrics_sync`)."""
 
     everywhere: bool
     joins: list[int]
@@ -203,18 +182,12 @@ class Outcome:
     own_sync: list[Any] = field(default_factory=list)
 
     def torchmetrics_sync(self) -> Any:
-        """A context in which the members of :attr:`own_sync`, and every Metric inside them, sync with torchmetrics'
-        own ``_sync_dist``."""
-        from torchmetrics import Metric
-
-        metrics = [each for metric in self.own_sync for each in (metric, *forms.inside(metric))]
-        return _syncs.own_sync(each for each in metrics if isinstance(each, Metric))
+        return _torchmetrics_sync(self.own_sync)
 
 
 def _table(exchange: Any, members: list[tuple[str, Any]], codes: list[int], staged: bool) -> tuple[Any, ...]:
-    """Step 1 for every joining member (``staged``: their states are ready to send; else only the table travels):
-    each member's states, the member table, what a proposal to reduce must agree on, and the fingerprint every rank
-    must share."""
+    """Step 1 for every joining member (``staged``; else the table travels alone): each member's states, the member
+    table, what a proposal to reduce must agree on, and the fingerprint every rank must share."""
     from torchmetrics_gradpatch.fused.exchange import State, fingerprint
 
     states: list[list[State]] = []
@@ -235,11 +208,11 @@ def _table(exchange: Any, members: list[tuple[str, Any]], codes: list[int], stag
                 except TypeError:  # a reduction that cannot be hashed: by its identity (the member keeps it alive)
                     slot_key = (slot_key[0], ("id", id(reduction)), made)
                 mine.append(State(attr, reduction, exchange.add(metric, attr, reduction, rule, slot_key)))
-        own = forms.kind(code) == forms.OWN_PATH
         member = fingerprint(metric, key)
         refs = [state.slot for state in mine]
+        detail = forms.detail(metric) if forms.kind(code) == forms.OWN_PATH else 0
         # a cached result is returned without a sync: "needs" tells the peers
-        table += [member, code, int(forms.computes_anew(metric)), forms.detail(metric) if own else 0, len(refs), *refs]
+        table += [member, code, int(forms.computes_anew(metric)), detail, len(refs), *refs]
         placement += [len(refs), *refs]
         shared += [member, code]
         states.append(mine)
@@ -254,14 +227,9 @@ def sync_members(
     aside_here: bool = False,
 ) -> Outcome:
     """The one exchange over the default group for a collection's ``members`` (``codes``: their forms, by default
-    for ``compute()``): every
-    member that joins on every rank comes back synced, ready to set; and which members every rank syncs with
-    torchmetrics' own ``_sync_dist``.
-
-    A collective of every rank where some member syncs over the default group (:func:`syncs_here`). ``staged``:
-    this rank's joining members hold the states to send (a step's rank that ran no member yet sends its table
-    alone; then no member is synced on any rank); ``aside_here``: this rank runs torchmetrics' own path for the
-    whole collection (it sends its table alone; then no member joins on any rank)."""
+    for ``compute()``), a collective of every rank where :func:`syncs_here`. ``staged``: the joining members hold
+    their states (else this rank sends its table alone, and no member is synced on any rank); ``aside_here``: this
+    rank runs torchmetrics' own path for the whole collection (its table alone; no member joins on any rank)."""
     from torchmetrics_gradpatch.fused.exchange import Exchange, remember
 
     codes = forms.forms_of(members) if codes is None else codes
@@ -291,53 +259,53 @@ def sync_members(
     outcome = Outcome(everywhere, settled.joins, own_sync=[members[i][1] for i in settled.own])
     if not settled.joined:
         return outcome
-    rank, reduced = exchange.rank, exchange.reduced
-    keep = [[False] * len(exchange.every[r]) for r in range(exchange.world_size)]  # slots that become list content
+    rank, slots = exchange.rank, exchange.slots
+    keep = [[False] * len(described) for described in exchange.every]  # slots that become list content: copies
     for i in settled.joined:
         for s, ref in enumerate(settled.refs[i][rank]):
-            if exchange.every[rank][ref].kind == wire.KIND_LIST and not exchange.slots[ref].is_cat:
-                for r in range(exchange.world_size):
-                    keep[r][settled.refs[i][r][s]] = True
+            if exchange.every[rank][ref].kind == wire.KIND_LIST and not slots[ref].is_cat:
+                for r, refs in enumerate(settled.refs[i]):
+                    keep[r][refs[s]] = True
     entries = exchange.entries(keep)
     for i in settled.joined:
-        refs, shared = settled.refs[i], settled.shared[i]
         # torchmetrics syncs each member apart, so no two members share a synced tensor: copies past the first
+        shared = settled.shared[i]
         per_rank = [
             [
                 [e.clone() for e in entries[r][ref]] if r != rank and keep[r][ref] and shared[s] else entries[r][ref]
-                for s, ref in enumerate(refs[r])
+                for s, ref in enumerate(refs)
             ]
-            for r in range(exchange.world_size)
+            for r, refs in enumerate(settled.refs[i])
         ]
-        values = [
-            None if value is None else value.clone() if twice else value
-            for value, twice in zip((reduced.get(ref) for ref in refs[rank]), shared, strict=True)
-        ]
-        joined = {
-            state.attr: exchange.slots[state.slot].tensors[0] if exchange.slots[state.slot].tensors else None
-            for state, value in zip(states[i], values, strict=True)
-            if exchange.slots[state.slot].is_cat and value is not None
-        }
+        values = []
+        joined = {}  # cat states concatenated in place: this rank's tensors as the buffer holds them
+        for state, twice in zip(states[i], shared, strict=True):
+            value = exchange.reduced.get(state.slot)
+            values.append(value.clone() if twice and value is not None else value)
+            if slots[state.slot].is_cat and value is not None:
+                joined[state.attr] = slots[state.slot].tensors[0] if slots[state.slot].tensors else None
         outcome.synced[i] = Synced(members[i][1], states[i], settled.views[i], per_rank, values, joined)
     return outcome
 
 
 def members_of(collection: Any, unrecognised: bool) -> tuple[list[tuple[str, Any]], bool]:
-    """The collection's members as ``compute()`` and ``forward`` take them, and whether this rank runs torchmetrics'
-    own path for the whole collection (``unrecognised``: a torchmetrics function it relies on is not recognised; or
-    a class it does not trust, :func:`torchmetrics_gradpatch.fused.membership.untrusted`). Members are linked to their
-    compute group's states (``items(copy_state=False)``) only where the rank takes part."""
+    """The collection's members, and whether this rank runs torchmetrics' own path for the whole collection
+    (``unrecognised``, or a class it does not trust: :mod:`.membership`); linked to their compute group's states
+    (``items(copy_state=False)``) only where the rank takes part."""
     members = [(str(key), metric) for key, metric in internals.children(collection).items()]
     if unrecognised or membership.untrusted(collection, members) is not None:
         return members, True
     return [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)], False
 
 
-def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool) -> Any:
-    """The collection's ``compute()`` with one exchange for every member that joins (see the module docstring); in
-    check mode, compared with torchmetrics' own (:mod:`torchmetrics_gradpatch.fused.compare`)."""
-    import torch.distributed as dist
+def torchmetrics_own(original: Callable[..., Any], collection: Any, *args: Any, **kwargs: Any) -> Any:
+    """``original`` (``compute`` or ``forward``) with every Metric in the collection on torchmetrics' own sync."""
+    with _torchmetrics_sync([collection]):
+        return original(collection, *args, **kwargs)
 
+
+def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool) -> Any:
+    """``compute()`` with one exchange for every member that joins; in check mode compared with torchmetrics' own."""
     if not (dist.is_available() and dist.is_initialized()):
         return original(collection)
     members, aside_here = members_of(collection, unrecognised)
@@ -354,16 +322,6 @@ def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool
         lambda: _exchange_and_compute(original, collection, members, codes, aside_here),
         lambda: torchmetrics_own(original, collection),
     )
-
-
-def torchmetrics_own(original: Callable[..., Any], collection: Any, *args: Any, **kwargs: Any) -> Any:
-    """``original`` (the collection's own ``compute`` or ``forward``) with every Metric in the collection syncing
-    with torchmetrics' own ``_sync_dist``."""
-    from torchmetrics import Metric
-
-    metrics = [each for each in forms.inside(collection) if isinstance(each, Metric)]
-    with _syncs.own_sync(metrics):
-        return original(collection, *args, **kwargs)
 
 
 def _exchange_and_compute(
@@ -415,8 +373,7 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return compute
 
 
-#: ``MetricCollection.compute``, replaced by ``SITE.install()`` (now, or when ``torchmetrics.collections`` is
-#: imported; idempotent) and put back, the very same object, by ``SITE.uninstall()``
+#: ``MetricCollection.compute``, replaced by ``SITE.install()`` and put back, the very same object, on ``uninstall()``
 SITE = Site("torchmetrics.collections", "MetricCollection", "compute", COLLECTION_MARK, _replacement)
 
 

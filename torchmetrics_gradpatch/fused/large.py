@@ -1,13 +1,8 @@
-"""Large ``cat`` states: they cross in one collective apart from the payload, straight into the tensors the sync
-returns.
-
-Where this rank's ``cat`` states add up to :data:`LARGE_MIN_BYTES` (:func:`chosen`), their descriptions say
-``separate`` and the payload leaves them out. After validation (:func:`run`, alike on every rank) every rank writes
-its bytes into its own region of one zeroed buffer and the ranks ``all_reduce`` it as int64 words: the regions never
-overlap, so every bit arrives as written. Where a slot is the same ``cat`` state on every rank, its region *is* the
-concatenation torchmetrics' ``dim_zero_cat`` gives. ``sync()``'s copies of the local states are freed before the
-buffer is made and made again from it (:func:`release_cache`, :func:`uncopied`, :func:`recopy`), so a sync's peak
-holds the gathered states about once (docs/performance.md, "Memory").
+"""Large ``cat`` states: where this rank's add up to :data:`LARGE_MIN_BYTES` they cross apart from the payload, in
+one ``all_reduce`` of one zeroed buffer in which every rank writes its own region (a slot that is one ``cat`` state
+on every rank: the concatenation itself), straight into the tensors the sync returns. ``sync()``'s copies of the
+local states are freed before the buffer is made and made again from it, so that a sync's peak holds the gathered
+states about once (docs/performance.md, "Memory").
 """
 
 from __future__ import annotations
@@ -33,20 +28,16 @@ on_buffer: Callable[[torch.Tensor], None] | None = None
 
 
 def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.State] | None:
-    """Step 1 for a ``cat`` list of several tensors (or one conjugate or negative view), deferred: a stand-in and
-    the description of the one tensor ``dim_zero_cat`` would make; ``None`` where they do not join as plain bytes.
-    Sent apart, each tensor is written into the buffer in turn, so the rank never holds its states joined besides
-    the synced ones; else the exchange joins them before the header."""
+    """Step 1 for a ``cat`` list of several tensors (or one conjugate or negative view), deferred: a stand-in and the
+    description of the one tensor ``dim_zero_cat`` would make (``None``: they do not join as plain bytes). Sent apart,
+    each tensor is written into the buffer in turn, never joined on this rank; else the exchange joins them."""
     if not all(isinstance(t, torch.Tensor) for t in value):
         return None
     first = value[0]
-    if (
-        not _bytes.plain(first.dtype)
-        or (stream_cpu and first.device.type == "cpu")
-        or any(
-            t.requires_grad or t.dtype != first.dtype or t.device != first.device or t.layout != torch.strided
-            for t in value
-        )
+    if not _bytes.plain(first.dtype) or (stream_cpu and first.device.type == "cpu"):
+        return None
+    if any(
+        t.requires_grad or (t.dtype, t.device, t.layout) != (first.dtype, first.device, torch.strided) for t in value
     ):
         return None
     if all(t.ndim == 0 for t in value):
@@ -67,30 +58,28 @@ def deferred(slot: Any) -> bool:
     return bool(slot.tensors) and slot.tensors[0] is _DEFERRED
 
 
-def _own(slot: Any) -> list[torch.Tensor]:
-    """This rank's tensors of a state sent apart, in the order they are written: the deferred list, or the one."""
-    return list(slot.value) if deferred(slot) else [slot.tensors[0]]
-
-
-def _eligible(slot: Any) -> bool:
-    described = slot.described
-    if not slot.is_cat or described.kind != wire.KIND_LIST or described.placeholder or len(described.pieces) != 1:
-        return False
-    piece = described.pieces[0]
-    return piece.dtype is not None and not piece.requires_grad and not piece.streamed and piece.nbytes > 0
-
-
 def chosen(slots: Sequence[Any]) -> list[int]:
-    """The slots whose tensors this rank sends apart: its eligible ``cat`` states, where together they reach
-    :data:`LARGE_MIN_BYTES`."""
-    picked = [s for s, slot in enumerate(slots) if slot.is_cat and _eligible(slot)]
+    """The slots whose tensors this rank sends apart: its ``cat`` states of one plain piece, where together they
+    reach :data:`LARGE_MIN_BYTES`."""
+    picked = []
+    for s, slot in enumerate(slots):
+        described = slot.described
+        if (
+            slot.is_cat
+            and described.kind == wire.KIND_LIST
+            and not described.placeholder
+            and len(described.pieces) == 1
+        ):
+            piece = described.pieces[0]
+            if piece.dtype is not None and not piece.requires_grad and not piece.streamed and piece.nbytes > 0:
+                picked.append(s)
     return picked if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES else []
 
 
 def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
-    """Let the copies ``sync()`` has just cached of the ``cat`` states ``attrs`` (sent apart) be this rank's own
-    tensors, so those copies are freed before the buffer is made (they add this rank's share to the peak);
-    :func:`recopy` makes them again once the synced states are set. Returns the states so released."""
+    """Put this rank's own tensors in place of the copies ``sync()`` has just cached of the ``cat`` states ``attrs``
+    (sent apart), so that those copies are freed before the buffer is made; :func:`recopy` makes them again once the
+    synced states are set. Returns the states so released."""
     cache = internals.sync_cache(metric)
     if cache is None or internals.flag(metric, "is_synced"):  # not the fresh cache sync() has just made
         return []
@@ -116,11 +105,9 @@ def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
 
 
 def _return_freed_memory() -> None:
-    """Give the heap pages free memory holds back to the OS (glibc's ``malloc_trim(0)``): copies of many small
-    tensors leave their pages resident once freed, and the buffer made next would add to them (about 2 ms after
-    4,000 copies; docs/performance.md, "Memory")."""
-    trim = _malloc_trim()
-    if trim is not None:
+    """Give the heap pages of freed memory back to the OS (glibc's ``malloc_trim(0)``, about 2 ms after 4,000 copies):
+    copies of many small tensors leave their pages resident once freed, and the buffer made next would add to them."""
+    if (trim := _malloc_trim()) is not None:
         trim(0)
 
 
@@ -138,10 +125,9 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
-    """Make ``sync()``'s cached ``cat`` states ``parts`` copies again, as ``sync()`` made them, where
-    :func:`release_cache` or :func:`uncopied` left this rank's own tensors there (so ``unsync()`` restores copies).
-    ``parts[attr]`` is this rank's tensors as the buffer holds them: the copies are made from those bytes, after the
-    cached tensors are dropped and their memory given back, so the peak never holds the local states twice."""
+    """Make ``sync()``'s cached ``cat`` states ``parts`` copies again where :func:`release_cache` or :func:`uncopied`
+    left this rank's own tensors there (``unsync()`` restores copies), from ``parts[attr]``: this rank's tensors as the
+    buffer holds them, read once the cached tensors are dropped, so that the peak never holds the local states twice."""
     cache = internals.sync_cache(metric)
     if cache is None:
         return
@@ -170,9 +156,8 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
 
 @contextlib.contextmanager
 def uncopied(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> Iterator[None]:
-    """While open, the cache ``metric.sync()`` makes holds the ``cat`` list states ``parts`` (joined in place) as
-    this rank's own tensors instead of copies, which would add to a peak that holds the buffer; on leaving, where it
-    synced, :func:`recopy` makes the copies."""
+    """While open, the cache ``metric.sync()`` makes holds the ``cat`` list states ``parts`` (joined in place) as this
+    rank's own tensors, not copies that would add to the peak; on leaving, where it synced, :func:`recopy` copies."""
     lists = [attr for attr in parts if isinstance(getattr(metric, attr, None), list)]
     if not internals.copies_states() or not lists:  # before 1.4 sync() caches the states themselves
         yield
@@ -206,12 +191,12 @@ def _concatenation(
     is not one ``cat`` state alike on every rank that can be concatenated in place."""
     if not same_tables or own is None or not own.is_cat or own.described.kind != wire.KIND_LIST:
         return None
-    if any(d is None or d.kind != wire.KIND_LIST or len(d.pieces) > 1 for d in described):
+    lists = [d for d in described if d is not None and d.kind == wire.KIND_LIST and len(d.pieces) <= 1]
+    if len(lists) < len(described):
         return None
-    pieces = [p for d in described if d is not None for p in d.pieces]
-    if any(p.requires_grad or p.streamed or p.dtype is None for p in pieces):
+    if any(p.requires_grad or p.streamed or p.dtype is None for d in lists for p in d.pieces):
         return None
-    real = {r: d.pieces[0] for r, d in enumerate(described) if d is not None and d.pieces and not d.placeholder}
+    real = {r: d.pieces[0] for r, d in enumerate(lists) if d.pieces and not d.placeholder}
     keys = {key for key in (wire.cat_key(p.shape) for p in real.values()) if key is not None}
     dtypes = {p.dtype for p in real.values()}
     if len(keys) != 1 or len(dtypes) != 1:
@@ -219,25 +204,7 @@ def _concatenation(
     key, dtype = keys.pop(), dtypes.pop()
     assert dtype is not None  # checked above; for mypy
     rows = sum((p.shape[0] if p.shape else 1) for p in real.values())
-    sizes = [real[r].nbytes if r in real else 0 for r in range(len(described))]
-    return sizes, dtype, (rows, *key[1:])
-
-
-def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
-    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    if on_buffer is not None:
-        on_buffer(buffer)
-    return buffer
-
-
-def _write(buffer: torch.Tensor, at: int, tensors: Sequence[torch.Tensor]) -> None:
-    """``tensors``' values into ``buffer`` from byte ``at`` on, one after another: copied as the values they read
-    as (a conjugate view resolved, as ``torch.cat`` resolves it), never through a byte view, which could fail on
-    this rank alone once the others have begun."""
-    for tensor in tensors:
-        n = _bytes.nbytes(tensor.shape, tensor.dtype)
-        buffer[at : at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-        at += n
+    return [real[r].nbytes if r in real else 0 for r in range(len(lists))], dtype, (rows, *key[1:])
 
 
 class Moved(NamedTuple):
@@ -287,11 +254,18 @@ def run(
                     end += _bytes.aligned(piece.nbytes)
     if end == 0:
         return Moved([], {}, {})
-    buffer = _allocate(end, device)
+    buffer = torch.zeros(end, dtype=torch.uint8, device=device)
+    if on_buffer is not None:
+        on_buffer(buffer)
     written = {}
     for at, s, piece in writes:
-        _write(buffer, at, _own(slots[s]))
         written[s] = _view(buffer, at, piece)
+        # this rank's tensors (a deferred list's in turn), copied as the values they read as (a conjugate view
+        # resolved, as torch.cat resolves it), never through a byte view, which could fail on this rank alone
+        for tensor in list(slots[s].value) if deferred(slots[s]) else [slots[s].tensors[0]]:
+            n = _bytes.nbytes(tensor.shape, tensor.dtype)
+            buffer[at : at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            at += n
     # the ranks' bytes never overlap, so summing them as int64 words carries nothing: every bit arrives as written
     dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, group)
     pieces = [(r, s, i, _view(buffer, at, piece)) for r, s, i, at, piece in places]

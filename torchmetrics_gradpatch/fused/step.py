@@ -1,20 +1,20 @@
 """One exchange per ``MetricCollection`` step: under the fused sync, ``forward`` syncs its step-syncing members at once.
 
-``SITE`` replaces ``MetricCollection.forward`` (put back, the very same object, on uninstall). The replacement runs
-torchmetrics' own ``Metric._forward_full_state_update`` (the path of every member with ``dist_sync_on_step=True``) in
-two halves around one exchange: each joining member's lines up to ``batch_val = self.compute()``, in the
-collection's order; one :func:`~.collection.sync_members` of every joining member's batch states; then torchmetrics'
-own collection ``forward``, each joining member's ``forward`` standing in with the lines from ``compute()`` on, its
-synced batch states set first. Every update runs in torchmetrics' order, so values, states and gradients are its own
-bit for bit. Why two halves, and what happens where ranks hold other members: docs/design.md ("The fused step").
+``SITE`` replaces ``MetricCollection.forward``: torchmetrics' own ``Metric._forward_full_state_update`` runs in two
+halves around one :func:`~.collection.sync_members` of every joining member's batch states, every update in
+torchmetrics' order, so values, states and gradients are its own bit for bit. Why two halves, and what happens where
+ranks hold other members: docs/design.md ("The fused step").
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import STEP_MARK, Site
@@ -50,11 +50,9 @@ class _Pending:
             _alias_older(metric, first)
         return cls(metric, update_count, compute_on_cpu, cache)
 
-    def finish(self, *_: Any, **__: Any) -> Any:
-        """torchmetrics' lines from ``batch_val = self.compute()`` on, standing in for the member's ``forward``; once
-        finished, it returns that value again. Where the exchange synced the member, its synced batch states are
-        set first, as ``sync()`` sets them, and ``compute()`` runs without a sync (and without the copy for an
-        ``unsync()`` that ``forward`` never calls)."""
+    def finish(self) -> Any:
+        """torchmetrics' lines from ``batch_val = self.compute()`` on (once; then that value again). Synced batch
+        states are set first, as ``sync()`` sets them, and ``compute()`` runs without a sync of its own."""
         if self.finished:
             return self.result
         metric = self.metric
@@ -64,22 +62,17 @@ class _Pending:
         batch_val = metric.compute()
         self.restore()
         internals.set_flags(metric, forward_cache=batch_val)
-        self.finished, self.result = True, batch_val
+        self.finished = True
+        self.result = batch_val
         return batch_val
 
     def restore(self) -> None:
         """torchmetrics' "restore context" lines: the accumulated states, ``_update_count`` and the flags."""
         metric = self.metric
         internals.put(metric, self.cache)
+        internals.set_flags(metric, update_count=self.update_count, is_synced=False, should_unsync=True, computed=None)
         internals.set_flags(
-            metric,
-            update_count=self.update_count,
-            is_synced=False,
-            should_unsync=True,
-            to_sync=metric.sync_on_compute,
-            computed=None,
-            enable_grad=False,
-            compute_on_cpu=self.compute_on_cpu,
+            metric, to_sync=metric.sync_on_compute, enable_grad=False, compute_on_cpu=self.compute_on_cpu
         )
         if metric.compute_on_cpu:
             internals.move_list_states_to_cpu(metric)
@@ -87,8 +80,6 @@ class _Pending:
 
 @functools.cache
 def _probe() -> Any:
-    import torch
-
     return torch.zeros((), requires_grad=True)
 
 
@@ -96,10 +87,7 @@ _UNNUMBERED = -1  # torch 2.0's nodes made in C++ do not tell their sequence num
 
 
 def _next_node() -> int | None:
-    """The sequence number of the next autograd node made on this thread (``None`` where grad mode is off: then
-    the second half makes no node either)."""
-    import torch
-
+    """The sequence number of the next autograd node made on this thread (``None``: grad mode is off)."""
     if not torch.is_grad_enabled():
         return None
     numbered = internals.sequence_nr(_probe().view(()).grad_fn)
@@ -115,9 +103,8 @@ def _older(value: Any, first: int) -> bool:
 
 
 def _alias_older(metric: Any, first: int) -> None:
-    """Give each batch state of ``metric`` that is a tensor made before its batch update (an input it keeps, as
-    ``CatMetric`` does) an alias made now, where torchmetrics' own sync would consume it: backward sums an input's
-    gradients in the order their nodes were made (docs/design.md, "The fused step")."""
+    """Give each batch state that is a tensor made before node ``first`` (an input kept as it is) an alias made now,
+    where torchmetrics' own sync would consume it (docs/design.md, "The fused step": aliases of older tensors)."""
     for attr in internals.defaults(metric):
         value = getattr(metric, attr)
         if isinstance(value, list):
@@ -129,37 +116,13 @@ def _alias_older(metric: Any, first: int) -> None:
 
 @dataclass
 class _Done:
-    """A member that ran its own ``forward`` (it opts out) in the collection's order: its result, and its hooks, put
-    aside while torchmetrics' collection ``forward`` calls it again to collect that result."""
+    """A member that ran its own ``forward`` whole at its place (it joins no exchange): its result, handed back."""
 
     metric: Any
     result: Any
-    hooks: dict[str, Any] = field(default_factory=dict)
 
-    def finish(self, *_: Any, **__: Any) -> Any:
+    def finish(self) -> Any:
         return self.result
-
-
-def _shared_lists(members: list[tuple[str, Any]]) -> set[int]:
-    """The list states that several members hold as one object (a compute group's, linked by ``items()``)."""
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for _, metric in members:
-        for attr, default in internals.defaults(metric).items():
-            if isinstance(default, list):  # a list state (one whose default is a tensor never holds a list)
-                value = getattr(metric, attr)
-                if isinstance(value, list):
-                    (shared if id(value) in seen else seen).add(id(value))
-    return shared
-
-
-def _own_lists(metric: Any, shared: set[int]) -> None:
-    """Give ``metric`` lists of its own where another member holds the same list state: torchmetrics (1.4 on)
-    clears a list in place in ``reset()``, which the next member's first half runs before this member computes."""
-    for attr in internals.defaults(metric):
-        value = getattr(metric, attr)
-        if isinstance(value, list) and id(value) in shared:
-            setattr(metric, attr, list(value))
 
 
 class _Step:
@@ -167,16 +130,28 @@ class _Step:
 
     def __init__(self, members: list[tuple[str, Any]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.members, self.args, self.kwargs = members, args, kwargs
-        self.shared = _shared_lists(members)
         self.pending: dict[int, _Pending] = {}
         self.steps: dict[int, _Pending | _Done] = {}  # by member index
+        # the list states several members hold as one object (a compute group's, linked by items())
+        seen: set[int] = set()
+        self.shared: set[int] = set()
+        for _, metric in members:
+            for attr, default in internals.defaults(metric).items():
+                # a list state (one whose default is a tensor never holds a list)
+                if isinstance(default, list) and isinstance(value := getattr(metric, attr), list):
+                    (self.shared if id(value) in seen else seen).add(id(value))
 
     def begin(self, i: int) -> None:
         """The first half of member ``i``'s ``forward``, which joins an exchange."""
         metric = self.members[i][1]
         begun = _Pending.begin(metric, self.args, internals.filter_kwargs(metric, self.kwargs))
+        # a list another member holds becomes its own: torchmetrics (1.4 on) clears a list in place in reset(), which
+        # the next member's first half runs before this member computes
         if self.shared:
-            _own_lists(metric, self.shared)
+            for attr in internals.defaults(metric):
+                value = getattr(metric, attr)
+                if isinstance(value, list) and id(value) in self.shared:
+                    setattr(metric, attr, list(value))
         self.pending[id(metric)] = self.steps[i] = begun
 
     def run(self, i: int) -> None:
@@ -195,32 +170,72 @@ class _Step:
             if not begun.finished:
                 begun.restore()
 
+    def forward(self, original: Callable[..., Any], metrics: Any, codes: list[int], aside_here: bool) -> Any:
+        """The collection's ``forward``: the first halves, the exchange, torchmetrics' own ``forward`` to collect; on
+        failure every member begun is put back as after its update of this batch."""
+        mode = _engine.effective_mode()
+        # staged: every member joins or issues no collective, so the first halves run before the exchange in the
+        # collection's order (so an input's gradients are summed in torchmetrics' order); else, and where this rank
+        # runs torchmetrics' own path, it sends its member table alone first
+        staged = not aside_here and all(forms.kind(code) in (forms.JOINED, forms.QUIET) for code in codes)
+        members, args, kwargs = self.members, self.args, self.kwargs
+        try:
+            if staged:
+                for i, code in enumerate(codes):
+                    self.begin(i) if code == forms.JOINS else self.run(i)
+            outcome = collection.sync_members(members, mode, codes, staged, aside_here)
+            self.synced(outcome)
+            if not outcome.everywhere:
+                # some rank has a member the exchange does not take over: from the same tables, every rank runs each
+                # member in order, the ones that join everywhere up to their compute(), every other member whole (its
+                # sync where every rank issues it, at its place), then a second exchange for the ones that join
+                with outcome.torchmetrics_sync():
+                    if not staged and not outcome.joins:
+                        return original(metrics, *args, **kwargs)
+                    for i in range(len(members)):
+                        if i in outcome.joins:
+                            if not staged:
+                                self.begin(i)
+                        elif not staged:
+                            self.run(i)
+                        elif codes[i] == forms.JOINS:
+                            self.steps[i].finish()  # its sync differs between ranks: torchmetrics' own, now
+                if outcome.joins:
+                    again = [forms.JOINS if i in outcome.joins else forms.RAN for i in range(len(members))]
+                    self.synced(collection.sync_members(members, mode, again))
+        except BaseException:
+            self.restore()
+            raise
+        try:
+            return self.collect(original, metrics)
+        except BaseException:
+            self.restore()  # a member's compute() failed: the others as after their update of this batch
+            raise
+
     def collect(self, original: Callable[..., Any], metrics: Any) -> Any:
-        """torchmetrics' own collection ``forward``, each member's ``forward`` standing in with what it has done (in
-        call order, for an object the collection holds under several keys)."""
+        """torchmetrics' own collection ``forward``, each member's ``forward`` handing back what it has done (in call
+        order, for an object held under several keys)."""
         queues: dict[int, list[_Pending | _Done]] = {}
         for each in self.steps.values():
             queues.setdefault(id(each.metric), []).append(each)
-        stood_in: list[_Pending | _Done] = []
+        stood_in: list[Any] = []
+        aside: list[tuple[Any, str, Any]] = []  # the hooks of a member that ran its own forward: they ran with it
         try:
             for queue in queues.values():
                 metric = queue[0].metric
                 internals.stand_in(metric, "forward", functools.partial(_next, queue))  # what Module.__call__ runs
-                stood_in.append(queue[0])
-                for each in queue:
-                    if isinstance(each, _Done):  # its hooks ran with its own forward
-                        for name in internals.HOOKS:
-                            if getattr(metric, name, None):
-                                each.hooks[name] = getattr(metric, name)
-                                setattr(metric, name, type(each.hooks[name])())
+                stood_in.append(metric)
+                if any(isinstance(each, _Done) for each in queue):
+                    for name in internals.HOOKS:
+                        if getattr(metric, name, None):
+                            aside.append((metric, name, getattr(metric, name)))
+                            setattr(metric, name, type(aside[-1][2])())
             return original(metrics, *self.args, **self.kwargs)
         finally:
-            for each in stood_in:
-                internals.stand_down(each.metric, "forward")
-            for each in self.steps.values():
-                if isinstance(each, _Done):
-                    for name, hooks in each.hooks.items():
-                        setattr(each.metric, name, hooks)
+            for metric in stood_in:
+                internals.stand_down(metric, "forward")
+            for metric, name, hooks in aside:
+                setattr(metric, name, hooks)
 
 
 def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
@@ -228,10 +243,7 @@ def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
 
 
 def _forward(original: Callable[..., Any], metrics: Any, unrecognised: bool, *args: Any, **kwargs: Any) -> Any:
-    """The collection's ``forward`` with one exchange for every member that joins (see the module docstring);
-    ``unrecognised``: a torchmetrics function it relies on is not recognised here."""
-    import torch.distributed as dist
-
+    """``forward`` with one exchange for every member that joins; in check mode compared with torchmetrics' own."""
     if not (dist.is_available() and dist.is_initialized()):
         return original(metrics, *args, **kwargs)
     members, aside_here = collection.members_of(metrics, unrecognised)
@@ -239,65 +251,15 @@ def _forward(original: Callable[..., Any], metrics: Any, unrecognised: bool, *ar
     if not collection.syncs_here(members, codes, on_step=True):
         return original(metrics, *args, **kwargs)
     if not _engine.effective_check():
-        return _exchange_and_forward(original, metrics, members, codes, aside_here, args, kwargs)
+        return _Step(members, args, kwargs).forward(original, metrics, codes, aside_here)
     from torchmetrics_gradpatch.fused import compare
 
     return compare.run(
         "a MetricCollection's forward",
         metrics,
-        lambda: _exchange_and_forward(original, metrics, members, codes, aside_here, args, kwargs),
+        lambda: _Step(members, args, kwargs).forward(original, metrics, codes, aside_here),
         lambda: collection.torchmetrics_own(original, metrics, *args, **kwargs),
     )
-
-
-def _exchange_and_forward(
-    original: Callable[..., Any],
-    metrics: Any,
-    members: list[tuple[str, Any]],
-    codes: list[int],
-    aside_here: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    mode = _engine.effective_mode()
-    # staged: every member joins or issues no collective, so the first halves run before the exchange, in the
-    # collection's order (every graph node is made in torchmetrics' order, so the gradients that an input gets from
-    # several members are summed in its order too); else this rank sends its member table alone first. A rank that
-    # runs torchmetrics' own path (aside_here) sends it alone too, and then no member joins on any rank.
-    staged = not aside_here and all(forms.kind(code) in (forms.JOINED, forms.QUIET) for code in codes)
-    step = _Step(members, args, kwargs)
-    try:
-        if staged:
-            for i, code in enumerate(codes):
-                step.begin(i) if code == forms.JOINS else step.run(i)
-        outcome = collection.sync_members(members, mode, codes, staged, aside_here)
-        step.synced(outcome)
-        if not outcome.everywhere:
-            # some rank has a member the exchange does not take over: from the same tables, every rank runs each
-            # member in order, the ones that join everywhere up to their compute(), every other member whole (its
-            # sync where every rank issues it, at its place), then a second exchange for the ones that join
-            with outcome.torchmetrics_sync():
-                if not staged and not outcome.joins:
-                    return original(metrics, *args, **kwargs)
-                for i in range(len(members)):
-                    if i in outcome.joins:
-                        if not staged:
-                            step.begin(i)
-                    elif not staged:
-                        step.run(i)
-                    elif codes[i] == forms.JOINS:
-                        step.steps[i].finish()  # its sync differs between ranks: torchmetrics' own, now
-            if outcome.joins:
-                again = [forms.JOINS if i in outcome.joins else forms.RAN for i in range(len(members))]
-                step.synced(collection.sync_members(members, mode, again))
-    except BaseException:
-        step.restore()
-        raise
-    try:
-        return step.collect(original, metrics)
-    except BaseException:
-        step.restore()  # a member's compute() failed: the others as after their update of this batch
-        raise
 
 
 def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -314,6 +276,5 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-#: ``MetricCollection.forward``, replaced by ``SITE.install()`` (now, or when ``torchmetrics.collections`` is
-#: imported; idempotent) and put back, the very same object, by ``SITE.uninstall()``
+#: ``MetricCollection.forward``, replaced by ``SITE.install()`` and put back, the very same object, on ``uninstall()``
 SITE = Site("torchmetrics.collections", "MetricCollection", "forward", STEP_MARK, _replacement)
