@@ -68,8 +68,8 @@ def reduction_name(fn: object) -> str:
 
 
 def describe(metric: Any) -> str:
-    """``metric`` as errors name it to the other ranks: its class and each state's reduction."""
-    held = internals.reductions(metric).items()  # any object: what a rank holds where it should be a Metric
+    """``metric`` (any object) as errors name it to the other ranks: its class and each state's reduction."""
+    held = internals.reductions(metric).items()
     states = ", ".join(f"{a}: {reduction_name(r).removeprefix('dim_zero_')}" for a, r in held)
     return f"{type(metric).__name__} ({states})"
 
@@ -150,8 +150,8 @@ class Exchange:
         self.slots: list[Slot] = []
         self._keys: dict[Hashable, int] = {}
         self.failure: Exception | None = None
-        # once sent, every rank's: header row, description words, table, slot descriptions, pieces (views of the
-        # receive buffers; this rank's are its own tensors), and the slots every rank reduced (skip) with their values
+        # once sent, every rank's: header row, description words, table, slot descriptions and pieces; the slots
+        # every rank reduced (skip) and their values
         self.rows: list[list[int]] = []
         self.words: tuple[tuple[int, ...], ...] = ()
         self.tables: list[tuple[int, ...]] = []
@@ -215,9 +215,8 @@ class Exchange:
         self, flags: int = 0, fingerprint: int = 0, table: Sequence[int] = (), placement: Sequence[int] = ()
     ) -> list[list[int]]:
         """Collective 1, and 2 where some payload did not fit: every rank's header row (returned), description and
-        pieces. ``flags``: the caller's (:data:`wire.FLAG_ASIDE`, :data:`wire.FLAG_UNSTAGED`); ``table``: words sent
-        in front of the description (a collection's member table); ``placement``: what a proposal to reduce must
-        agree on besides the slots. Raises on every rank alike where some rank failed or the ranks' settings differ."""
+        pieces. ``flags``: the caller's; ``table``: a collection's member table, sent in front of the description;
+        ``placement``: what a proposal to reduce must agree on besides the slots. Refusals are raised on every rank."""
         flags |= self._flags()
         self._complete_large()
         words = wire.encode([s.described for s in self.slots], table)
@@ -277,7 +276,7 @@ class Exchange:
             self.tables.append(described.table)
             self.every.append(described.states)
             if r == self.rank:  # its own pieces are its own tensors: viewed back only where global mode's node needs
-                self.gathered.append(wire.absent(described.views))
+                self.gathered.append([[] if v is None else [wire.ABSENT] * len(v) for v in described.views])
                 self._own = (buffer, described.views)
             else:
                 self.gathered.append(wire.unpack(buffer, described.views))
@@ -364,8 +363,8 @@ class Exchange:
     # -- phase 4: the side channels ------------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """After validation, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
-        states cross (each side channel's collectives, none where the descriptions call for none)."""
+        """The side channels, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
+        states cross (no collective where the descriptions call for none)."""
         chunk = min(row[wire.CHUNK] for row in self.rows)
         traits = [wire.read(words) for words in self.words]
         with torch.no_grad():
@@ -389,19 +388,18 @@ class Exchange:
     # -- phase 5: every rank's entries -----------------------------------------------------------------------------
 
     def entries(self, keep: list[list[bool]]) -> list[list[list[torch.Tensor]]]:
-        """Per rank, per slot, the entries torchmetrics' step 3 sees: this rank's own tensors (their graphs kept),
-        every other rank's gathered pieces; in global mode with a graph anywhere, the differentiable ones as the
-        outputs of one node. ``keep[r][s]``: rank ``r``'s slot ``s`` becomes list-state content, so its entries are
-        copies, not views of the buffers."""
+        """Per rank, per slot, the entries torchmetrics' step 3 sees: this rank's own tensors, every other rank's
+        pieces (in global mode with a graph anywhere, through one node). ``keep[r][s]``: rank ``r``'s slot ``s``
+        becomes list-state content, so its entries are copies, not views of the buffers."""
         rank = self.rank
         result = [
             [list(slot.tensors) for slot in self.slots] if r == rank else [list(pieces) for pieces in gathered]
             for r, gathered in enumerate(self.gathered)
         ]
         if self.mode == "global" and self.flagged(wire.FLAG_REQUIRES_GRAD) and torch.is_grad_enabled():
+            viewed = wire.unpack(*self._own) if self._own is not None else self.gathered[rank]
             group = None if self.group is dist.group.WORLD else self.group
             plan = grad.Node([], rank, self.world_size, group, self.device)
-            viewed = wire.unpack(*self._own) if self._own is not None else self.gathered[rank]
             places, inputs = [], []
             for r, described in enumerate(self.every):
                 for s, state in enumerate(described):
@@ -438,11 +436,9 @@ def set_states(
     entries: list[list[list[torch.Tensor]]],
     values: Sequence[torch.Tensor | None] = (),
 ) -> None:
-    """torchmetrics' step 3 for ``metric``: per state, stack (a tensor state) or flatten (a list state: element ``i``
-    of every rank, then ``i + 1``; a rank with no ``i``-th element is skipped there), reduce and set.
-
-    ``views[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``; ``values[i]``,
-    where given and not ``None``, is its value reduced across the ranks already."""
+    """torchmetrics' step 3 for ``metric``: per state, stack or flatten, reduce and set. ``views[r][i]`` and
+    ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``; ``values[i]``, where given and not
+    ``None``, is its value reduced across the ranks already."""
     if uneven_lists:  # in check mode: the list states whose lengths differ between ranks
         for i, state in enumerate(states):
             if len({len(held[i].pieces) for held in views}) > 1:

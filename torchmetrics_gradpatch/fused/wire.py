@@ -163,9 +163,10 @@ def read(words: tuple[int, ...], skip: tuple[int, ...] = ()) -> Described:
 
 def views(states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Sequence[int]) -> Views:
     """How to view each piece of a buffer laid out by ``offsets`` (:func:`layout`)."""
+    left_out = set(skip)
     return tuple(
         None
-        if s in skip
+        if s in left_out
         else tuple(
             (p.dtype, p.shape, _strides(p.shape), o // _bytes.itemsize(p.dtype) if o >= 0 else -1)
             for p, o in zip(state.pieces, state_offsets, strict=True)
@@ -189,11 +190,11 @@ def layout(
     ``streamed``, in the stream instead. A piece not in it (of a reduced state in ``skip``, separate, or of the other
     buffer) has offset ``-1``."""
     offsets: list[list[int]] = []
-    end = _bytes.aligned(start)
+    end, left_out = _bytes.aligned(start), set(skip)
     for s, state in enumerate(states):
         offsets.append([])
         for piece in state.pieces:
-            if s in skip or piece.separate or piece.streamed != streamed:
+            if s in left_out or piece.separate or piece.streamed != streamed:
                 offsets[-1].append(-1)
             else:
                 offsets[-1].append(end)
@@ -212,10 +213,9 @@ def pack(
     """This rank's payload in a new buffer of ``size`` bytes: ``words``, then each tensor's bytes at its offset plus
     ``base`` (where the payload starts after a header). Padding is zeros, so nothing of this process's memory
     travels; the local states' bytes are copied once."""
-    at, every = _flat(offsets), _flat(tensors)
+    sent = _sent(tensors, offsets)
     buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    places, held = _places(buffer, base, at, every)
-    _write(buffer, words, places, [every[i] for i in held])
+    _write(buffer, words, [_view(buffer, base + at, tensor) for at, tensor in sent], sent)
     return buffer
 
 
@@ -231,50 +231,46 @@ def _pack_kept(
     description after the header and the offsets are the layout, so the buffer's padding stays zeros. On CUDA the
     key holds the current stream too (a collective's ``wait()`` orders it before that stream's next write only);
     devices other than CUDA and the CPU take :func:`pack`."""
-    if device.type == "cuda":
-        stream: int | None = torch.cuda.current_stream(device).cuda_stream
-    elif device.type == "cpu":
-        stream = None
-    else:
+    if device.type not in ("cuda", "cpu"):
         return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
-    at, every = _flat(offsets), _flat(tensors)
-    key = (device, stream, size, tuple(words[HEADER_WORDS:]), tuple(at))
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    sent = _sent(tensors, offsets)
+    key = (device, stream, size, tuple(words[HEADER_WORDS:]), tuple(itertools.chain.from_iterable(offsets)))
     found = kept.sends.get(key)
     if found is None:
         buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        found = kept.sends[key] = (buffer, *_places(buffer, _HEAD_BYTES, at, every))
+        found = kept.sends[key] = (buffer, [_view(buffer, _HEAD_BYTES + at, tensor) for at, tensor in sent])
         while len(kept.sends) > KEPT:
             kept.sends.pop(next(iter(kept.sends)))
-    buffer, places, held = found
-    _write(buffer, words, places, [every[i] for i in held])
+    buffer, places = found
+    _write(buffer, words, places, sent)
     return buffer
 
 
-def _flat(nested: Sequence[Sequence[Any]]) -> list[Any]:
-    return list(itertools.chain.from_iterable(nested))
+def _sent(
+    tensors: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]]
+) -> list[tuple[int, torch.Tensor]]:
+    """Each tensor with bytes in the payload, with its offset (the layout decides which: a key's are the same)."""
+    pairs = zip(itertools.chain.from_iterable(offsets), itertools.chain.from_iterable(tensors), strict=True)
+    return [(at, tensor) for at, tensor in pairs if at >= 0 and tensor.numel()]
 
 
-def _places(
-    buffer: torch.Tensor, base: int, at: Sequence[int], tensors: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Where each tensor with bytes in the payload goes: a view of ``buffer`` like it at ``base`` plus its offset
-    ``at``; and its index."""
-    held = [i for i, (offset, tensor) in enumerate(zip(at, tensors, strict=True)) if offset >= 0 and tensor.numel()]
-    places = []
-    for i in held:
-        start = (base + at[i]) // tensors[i].element_size()
-        places.append(buffer.view(tensors[i].dtype)[start : start + tensors[i].numel()].view(tensors[i].shape))
-    return places, held
+def _view(buffer: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``buffer`` from ``at`` on (a multiple of the dtype's size) viewed as a tensor like ``like``."""
+    start = at // like.element_size()
+    return buffer.view(like.dtype)[start : start + like.numel()].view(like.shape)
 
 
-def _write(buffer: torch.Tensor, words: Sequence[int], places: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-    """``words`` at the start of ``buffer`` and each tensor into its place."""
+def _write(
+    buffer: torch.Tensor, words: Sequence[int], places: list[torch.Tensor], sent: list[tuple[int, torch.Tensor]]
+) -> None:
+    """``words`` at the start of ``buffer``, and each tensor of ``sent`` into its place."""
     head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
     if buffer.device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
         head = head.pin_memory()
     buffer[: head.numel()].copy_(head, non_blocking=True)
     with torch.no_grad():
-        internals.copy_all(places, tensors)
+        internals.copy_all(places, [tensor for _, tensor in sent])
 
 
 #: the stand-in for a piece a buffer does not hold (see :func:`unpack`)
@@ -302,11 +298,6 @@ def unpack(buffer: torch.Tensor, views: Views) -> list[list[torch.Tensor]]:
             held.append(found[0].as_strided(shape, strides, found[1] + at))
         out.append(held)
     return out
-
-
-def absent(views: Views) -> list[list[torch.Tensor]]:
-    """What :func:`unpack` gives for a buffer holding none of its pieces."""
-    return [[] if pieces is None else [ABSENT] * len(pieces) for pieces in views]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -342,8 +333,8 @@ class Group:
         self.needs: deque[tuple[int, int] | None] = deque(maxlen=WINDOW)
         self.capacity = Capacity()
         #: collective 1's send buffers by layout (the newest :data:`KEPT`), each with the views its pieces are
-        #: copied into and which of the layout's tensors it holds: nothing reads one after its collective returned
-        self.sends: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
+        #: copied into: nothing reads one after its collective returned
+        self.sends: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     @classmethod
     def of(cls, group: Any) -> Group:
