@@ -210,9 +210,8 @@ def pack(
     device: torch.device,
     base: int = 0,
 ) -> torch.Tensor:
-    """This rank's payload in a new buffer of ``size`` bytes: ``words``, then each tensor's bytes at its offset plus
-    ``base`` (where the payload starts after a header). Padding is zeros, so nothing of this process's memory
-    travels; the local states' bytes are copied once."""
+    """This rank's payload in a new zeroed buffer of ``size`` bytes (no byte of this process's memory travels):
+    ``words``, then each tensor's bytes at its offset plus ``base`` (where the payload starts after a header)."""
     sent = _sent(tensors, offsets)
     buffer = torch.zeros(size, dtype=torch.uint8, device=device)
     _write(buffer, words, [_view(buffer, base + at, tensor) for at, tensor in sent], sent)
@@ -320,17 +319,15 @@ class Capacity:
 
 
 class Group:
-    """What a process group's fused exchanges keep: the needs (largest inline payload and description; ``None`` over
-    :data:`INLINE_MAX`) of its last :data:`WINDOW` exchanges, the capacity they give, and the kept send buffers.
-
-    Made at the group's first exchange (:meth:`of`), agreed at every exchange (:meth:`agree`), forgotten with the
-    group object or by ``fused.reset()``; nothing else changes it (docs/design.md, "The wire")."""
+    """What a process group's fused exchanges keep: the needs of its last :data:`WINDOW` exchanges, the capacity they
+    give, and the kept send buffers. Made at its first exchange (:meth:`of`), agreed at every one (:meth:`agree`),
+    forgotten with the group object or by ``fused.reset()``: nothing else changes it (docs/design.md, "The wire")."""
 
     _all: ClassVar[weakref.WeakKeyDictionary[Any, Group]] = weakref.WeakKeyDictionary()
     _strong: ClassVar[dict[Any, Group]] = {}  # groups that take no weak reference (kept alive, as the group itself is)
 
     def __init__(self) -> None:
-        self.needs: deque[tuple[int, int] | None] = deque(maxlen=WINDOW)
+        self.needs: deque[tuple[int, int] | None] = deque(maxlen=WINDOW)  # bytes and words; None: over INLINE_MAX
         self.capacity = Capacity()
         #: collective 1's send buffers by layout (the newest :data:`KEPT`), each with the views its pieces are
         #: copied into: nothing reads one after its collective returned
@@ -411,9 +408,8 @@ def gather_first(
 
 
 def _gather_rows(flat: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
-    """Every rank's ``mine`` into its row of ``flat``: into the one tensor where the backend takes it (on the CPU
-    from torch 2.13's ``all_gather_single`` on, which saves ``all_gather``'s copy and list checks), else through
-    ``all_gather``."""
+    """Every rank's ``mine`` into its row of ``flat``: in one tensor where the backend takes it (on the CPU from torch
+    2.13's ``all_gather_single`` on, saving ``all_gather``'s copy and list checks), else through ``all_gather``."""
     into = getattr(dist, "all_gather_single", None)
     if into is None and flat.device.type == "cuda":
         into = dist.all_gather_into_tensor
