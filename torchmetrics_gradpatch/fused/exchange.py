@@ -1,13 +1,9 @@
 """One fused exchange: this rank's states in, every rank's synced states out, over one process group.
 
-:class:`Exchange` owns what crosses (a *slot* per distinct state), its buffers and its phases, in this order:
-:meth:`~Exchange.add` (torchmetrics' step 1 for a state), :meth:`~Exchange.send` (collective 1, and 2 where a payload
-did not fit: :mod:`.wire`), :meth:`~Exchange.validate`, :meth:`~Exchange.settle` (the side channels: :mod:`.transit`,
-:mod:`.reduced`, :mod:`.large`) and :meth:`~Exchange.entries` (global mode's node: :mod:`.grad`); then
-:func:`set_states` is torchmetrics' step 3 for one Metric. The single sync (:func:`sync_metric`), the collection's
-``compute()`` (:mod:`.collection`) and its step (:mod:`.step`) are adapters around it. Every error that the ranks'
-disagreement causes is raised on every rank, with the same text, after the same collectives. The design, and
-what each phase does to a state: docs/design.md ("The fused exchange").
+:class:`Exchange` owns a *slot* per distinct state, its buffers and its phases, run once each in order: ``add``,
+``send``, ``validate``, ``settle``, ``entries``; :func:`set_states` is then torchmetrics' step 3 for one Metric, and
+:func:`sync_metric` the single sync. Every error the ranks' disagreement causes is raised on every rank, with the same
+text, after the same collectives. What each phase does to a state: docs/design.md ("The fused exchange").
 """
 
 from __future__ import annotations
@@ -72,8 +68,8 @@ def reduction_name(fn: object) -> str:
 
 
 def describe(metric: Any) -> str:
-    """``metric`` as errors name it to the other ranks: its class and each state's reduction."""
-    held = internals.reductions(metric).items()  # any object: what a rank holds where it should be a Metric
+    """``metric`` (any object) as errors name it to the other ranks: its class and each state's reduction."""
+    held = internals.reductions(metric).items()
     states = ", ".join(f"{a}: {reduction_name(r).removeprefix('dim_zero_')}" for a, r in held)
     return f"{type(metric).__name__} ({states})"
 
@@ -138,7 +134,7 @@ def forget() -> None:
     reduced.forget()
 
 
-_NOT_SENT = torch.empty(0, dtype=torch.uint8)  # a separate piece's stand-in: it holds no reference to the tensor
+_NOT_SENT = torch.empty(0, dtype=torch.uint8)  # the stand-in for a tensor of a dtype the format cannot carry
 
 
 class Exchange:
@@ -154,8 +150,8 @@ class Exchange:
         self.slots: list[Slot] = []
         self._keys: dict[Hashable, int] = {}
         self.failure: Exception | None = None
-        # once sent, every rank's: header row, description words, table, slot descriptions, pieces (views of the
-        # receive buffers; this rank's are its own tensors), and the slots every rank reduced (skip) with their values
+        # once sent, every rank's: header row, description words, table, slot descriptions and pieces; the slots
+        # every rank reduced (skip) and their values
         self.rows: list[list[int]] = []
         self.words: tuple[tuple[int, ...], ...] = ()
         self.tables: list[tuple[int, ...]] = []
@@ -219,75 +215,71 @@ class Exchange:
         self, flags: int = 0, fingerprint: int = 0, table: Sequence[int] = (), placement: Sequence[int] = ()
     ) -> list[list[int]]:
         """Collective 1, and 2 where some payload did not fit: every rank's header row (returned), description and
-        pieces. ``flags``: the caller's (:data:`wire.FLAG_ASIDE`, :data:`wire.FLAG_UNSTAGED`); ``table``: words sent
-        in front of the description (a collection's member table); ``placement``: what a proposal to reduce must
-        agree on besides the slots. Raises on every rank alike where some rank failed or the ranks' settings differ."""
-        slots = self.slots
-        requires_grad = any(t.requires_grad for s in slots for t in s.tensors)
-        flags |= wire.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0
-        flags |= (wire.FLAG_REQUIRES_GRAD if requires_grad else 0) | (wire.FLAG_CHECK if effective_check() else 0)
-        flags |= wire.FLAG_FAILED if self.failure is not None else 0
-        for s in large.chosen(slots):  # large cat states leave the payload
-            piece = replace(slots[s].described.pieces[0], separate=True)
-            slots[s].described = replace(slots[s].described, pieces=(piece,))
-        for slot in slots:  # step 1 completed for the deferred states that stay in the payload
-            if large.deferred(slot) and not slot.described.pieces[0].separate:
-                slot.tensors[:] = [_dim_zero_cat()(slot.value).contiguous()]
-        words = wire.encode([s.described for s in slots], table)
-        self._proposal = proposal = reduced.propose(slots, placement)
+        pieces. ``flags``: the caller's; ``table``: a collection's member table, sent in front of the description;
+        ``placement``: what a proposal to reduce must agree on besides the slots. Refusals are raised on every rank."""
+        flags |= self._flags()
+        self._complete_large()
+        words = wire.encode([s.described for s in self.slots], table)
+        self._proposal = proposal = reduced.propose(self.slots, placement)
         whole = wire.read(tuple(words))
-        offsets, size = whole.offsets, whole.size
-        left = wire.read(tuple(words), proposal.slots) if proposal.slots else whole
-        offsets_reduced, size_reduced = left.offsets, left.size
-        # a separate piece is never packed; a piece of a dtype the format does not know (described with none) never sent
+        # the payload collective 1 carries leaves out what this rank proposes to reduce
+        proposed = wire.read(tuple(words), proposal.slots) if proposal.slots else whole
         sent = [
-            s.tensors
-            if len(s.tensors) == 1 and not s.described.pieces[0].separate and s.described.pieces[0].dtype is not None
-            else [
-                _NOT_SENT if p.separate else wire.sendable(t)
-                for t, p in zip(s.tensors, s.described.pieces, strict=True)
-            ]
-            for s in slots
+            [t if p.dtype is not None else _NOT_SENT for t, p in zip(s.tensors, s.described.pieces, strict=True)]
+            for s in self.slots
         ]
-        header = [len(words), size, flags, fingerprint, size_reduced, proposal.digest, chunk_bytes()]
+        header = [len(words), whole.size, flags, fingerprint, proposed.size, proposal.digest, chunk_bytes()]
         with torch.no_grad():
-            first = wire.gather_first(
-                header, words, sent, offsets_reduced, size_reduced, self.group, self.world_size, self.device
+            self.rows, inline, regions = wire.gather_first(
+                header, words, sent, proposed.offsets, proposed.size, self.group, self.world_size, self.device
             )
-            self.rows = rows = first.rows
-            self._refuse(rows)
-            self.skip = skip = proposal.slots if reduced.agreed(rows, proposal) else ()
+            self._refuse(self.rows)
+            self.skip = skip = proposal.slots if reduced.agreed(self.rows, proposal) else ()
             # an inline payload leaves out what its rank proposed to reduce: usable where that was agreed, or empty
             if all(
                 row[wire.FLAGS] & wire.FLAG_INLINE and (skip or row[wire.SIZE_REDUCED] == row[wire.SIZE])
-                for row in rows
+                for row in self.rows
             ):
-                buffers = first.regions
+                buffers = regions
             else:
-                largest = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in rows)
-                buffers = wire.gather_payloads(
-                    wire.pack(words, sent, offsets_reduced if skip else offsets, largest, self.device),
-                    self.group,
-                    self.world_size,
-                )
-            inline = first.words
-            del first  # the receive buffers live on in the views below only
-            views = []
-            for r, (buffer, row) in enumerate(zip(buffers, rows, strict=True)):
-                known = words if r == self.rank else inline[r]
-                theirs = tuple(known if known is not None else wire.words_of(buffer, row[wire.WORDS]))
-                described = wire.read(theirs, skip)
-                self.words += (theirs,)
-                self.tables.append(described.table)
-                self.every.append(described.states)
-                views.append(described.views)
-            # this rank's own pieces are its own tensors: viewed back only where global mode's node needs them
-            self.gathered = [
-                wire.absent(v) if r == self.rank else wire.unpack(buffer, v)
-                for r, (buffer, v) in enumerate(zip(buffers, views, strict=True))
-            ]
-            self._own = (buffers[self.rank], views[self.rank])
-        return rows
+                largest = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in self.rows)
+                payload = wire.pack(words, sent, (proposed if skip else whole).offsets, largest, self.device)
+                buffers = wire.gather_payloads(payload, self.group, self.world_size)
+            del regions  # the receive buffers live on in the pieces' views only
+            self._receive(words, inline, buffers)
+        return self.rows
+
+    def _flags(self) -> int:
+        """This rank's header flags: grad mode, some tensor requiring grad, check mode, a failure."""
+        flags = wire.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0
+        flags |= wire.FLAG_REQUIRES_GRAD if any(t.requires_grad for s in self.slots for t in s.tensors) else 0
+        flags |= wire.FLAG_CHECK if effective_check() else 0
+        return flags | (wire.FLAG_FAILED if self.failure is not None else 0)
+
+    def _complete_large(self) -> None:
+        """Step 1 completed for :mod:`.large`: its chosen ``cat`` states leave the payload, and the deferred states
+        that stay in it are joined."""
+        for s in large.chosen(self.slots):
+            described = self.slots[s].described
+            self.slots[s].described = replace(described, pieces=(replace(described.pieces[0], separate=True),))
+        for slot in self.slots:
+            if large.deferred(slot) and not slot.described.pieces[0].separate:
+                slot.tensors[:] = [_dim_zero_cat()(slot.value).contiguous()]
+
+    def _receive(self, words: list[int], inline: list[list[int] | None], buffers: list[torch.Tensor]) -> None:
+        """Every rank's description (inline, or at the start of its buffer) and pieces (views of its buffer)."""
+        for r, (buffer, row) in enumerate(zip(buffers, self.rows, strict=True)):
+            known = words if r == self.rank else inline[r]
+            theirs = tuple(known if known is not None else wire.words_of(buffer, row[wire.WORDS]))
+            described = wire.read(theirs, self.skip)
+            self.words += (theirs,)
+            self.tables.append(described.table)
+            self.every.append(described.states)
+            if r == self.rank:  # its own pieces are its own tensors: viewed back only where global mode's node needs
+                self.gathered.append([[] if v is None else [wire.ABSENT] * len(v) for v in described.views])
+                self._own = (buffer, described.views)
+            else:
+                self.gathered.append(wire.unpack(buffer, described.views))
 
     def _refuse(self, rows: list[list[int]]) -> None:
         """What every rank refuses right after collective 1, alike: another format, a chunk size setting that is not
@@ -343,102 +335,98 @@ class Exchange:
         key = (self.words, tuple((s.slot, is_cat(s.reduction)) for s in states))  # the views follow from these
         if key in _VALID:
             return
-        kinds = {wire.KIND_TENSOR: "a tensor", wire.KIND_LIST: "a list of tensors", wire.KIND_OTHER: "something else"}
         for i, state in enumerate(states):
             described = {r: held[i] for r, held in enumerate(views)}
             kind = {r: d.kind for r, d in described.items()}
             if wire.KIND_OTHER in kind.values() or len(set(kind.values())) > 1:
                 rule = "it must be a tensor, or a list of tensors, on every rank"
-                raise structure_error(name, state.attr, rule, {r: kinds[k] for r, k in kind.items()})
+                raise structure_error(name, state.attr, rule, {r: _KINDS[k] for r, k in kind.items()})
             for r, d in described.items():
                 if any(p.dtype is None for p in d.pieces):
-                    raise structure_error(
-                        name, state.attr, "a dtype the fused sync does not know", {r: "an unknown dtype"}
-                    )
+                    rule = "a dtype the fused sync does not know"
+                    raise structure_error(name, state.attr, rule, {r: "an unknown dtype"})
             if kind[self.rank] == wire.KIND_TENSOR:
                 pieces = {r: d.pieces[0] for r, d in described.items()}
                 if len({(p.dtype, p.shape) for p in pieces.values()}) > 1:
                     rule = (
                         "a tensor state must have one dtype and shape on every rank (its gathered values are stacked)"
                     )
-                    raise structure_error(
-                        name, state.attr, rule, {r: f"{p.dtype} {list(p.shape)}" for r, p in pieces.items()}
-                    )
+                    raise structure_error(name, state.attr, rule, _held(pieces))
             elif is_cat(state.reduction):
-                real = {r: d.pieces[0] for r, d in described.items() if d.pieces and not d.placeholder}
-                if (
-                    len({p.dtype for p in real.values()}) > 1
-                    or len({wire.cat_key(p.shape) for p in real.values()} - {None}) > 1
-                ):
+                pieces = {r: d.pieces[0] for r, d in described.items() if d.pieces and not d.placeholder}
+                dtypes = {p.dtype for p in pieces.values()}
+                if len(dtypes) > 1 or len({wire.cat_key(p.shape) for p in pieces.values()} - {None}) > 1:
                     rule = "the tensors of a 'cat' state must agree in dtype, number of dimensions and every size but "
-                    rule += "the first"
-                    raise structure_error(
-                        name, state.attr, rule, {r: f"{p.dtype} {list(p.shape)}" for r, p in real.items()}
-                    )
+                    raise structure_error(name, state.attr, rule + "the first", _held(pieces))
         remember(_VALID, key, None)
 
     # -- phase 4: the side channels ------------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """After validation, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
-        states cross (each side channel's collectives, none where the descriptions call for none)."""
+        """The side channels, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
+        states cross (no collective where the descriptions call for none)."""
         chunk = min(row[wire.CHUNK] for row in self.rows)
         traits = [wire.read(words) for words in self.words]
         with torch.no_grad():
             if any(each.streams for each in traits):
                 own = [s.tensors for s in self.slots]
-                for r, s, i, piece in transit.receive_stream(
-                    own, self.every, self.skip, self.rank, self.group, self.staging, chunk
-                ):
+                moved = transit.receive_stream(own, self.every, self.skip, self.rank, self.group, self.staging, chunk)
+                for r, s, i, piece in moved:
                     self.gathered[r][s][i] = piece
             if self.skip:
                 self.reduced = reduced.run(self._proposal, self.slots, self.group, self.device, self.staging, chunk)
             if any(each.separates for each in traits):
-                moved = large.run(self.tables, self.every, self.slots, self.rank, self.group, self.device)
-                for r, s, i, piece in moved.pieces:
+                apart = large.run(self.tables, self.every, self.slots, self.rank, self.group, self.device)
+                for r, s, i, piece in apart.pieces:
                     self.gathered[r][s][i] = piece
-                for s, written in moved.written.items():  # the buffer holds them now: the local tensors can go
+                for s, written in apart.written.items():  # the buffer holds them now: the local tensors can go
                     self.slots[s].tensors[:] = [written]
                     if isinstance(self.slots[s].value, list):
                         self.slots[s].value.clear()
-                self.reduced.update(moved.joined)
+                self.reduced.update(apart.joined)
 
     # -- phase 5: every rank's entries -----------------------------------------------------------------------------
 
     def entries(self, keep: list[list[bool]]) -> list[list[list[torch.Tensor]]]:
-        """Per rank, per slot, the entries torchmetrics' step 3 sees: this rank's own tensors (their graphs kept),
-        every other rank's gathered pieces; in global mode with a graph anywhere, the differentiable ones as the
-        outputs of one node. ``keep[r][s]``: rank ``r``'s slot ``s`` becomes list-state content, so its entries are
-        copies, not views of the buffers."""
-        gathered, rank = self.gathered, self.rank
-        result = [[list(pieces) for pieces in gathered[r]] for r in range(self.world_size)]
-        result[rank] = [list(slot.tensors) for slot in self.slots]
-        node = self.mode == "global" and self.flagged(wire.FLAG_REQUIRES_GRAD) and torch.is_grad_enabled()
-        if node:
-            plan = grad.Node(
-                [], rank, self.world_size, None if self.group is dist.group.WORLD else self.group, self.device
-            )
+        """Per rank, per slot, the entries torchmetrics' step 3 sees: this rank's own tensors, every other rank's
+        pieces (in global mode with a graph anywhere, through one node). ``keep[r][s]``: rank ``r``'s slot ``s``
+        becomes list-state content, so its entries are copies, not views of the buffers."""
+        rank = self.rank
+        result = [
+            [list(slot.tensors) for slot in self.slots] if r == rank else [list(pieces) for pieces in gathered]
+            for r, gathered in enumerate(self.gathered)
+        ]
+        if self.mode == "global" and self.flagged(wire.FLAG_REQUIRES_GRAD) and torch.is_grad_enabled():
+            viewed = wire.unpack(*self._own) if self._own is not None else self.gathered[rank]
+            group = None if self.group is dist.group.WORLD else self.group
+            plan = grad.Node([], rank, self.world_size, group, self.device)
             places, inputs = [], []
-            viewed = wire.unpack(*self._own) if self._own is not None else gathered[rank]
-            for r in range(self.world_size):
-                for s, described in enumerate(self.every[r]):
-                    for i, piece in enumerate(described.pieces):
-                        if piece.requires_grad:
-                            value = gathered[r][s][i]
-                            if r == rank and value is wire.ABSENT:  # not sent apart nor streamed: in the buffer
+            for r, described in enumerate(self.every):
+                for s, state in enumerate(described):
+                    for i, piece in enumerate(state.pieces):
+                        if not piece.requires_grad:
+                            continue
+                        value = self.gathered[r][s][i]
+                        if r == rank:
+                            inputs.append(self.slots[s].tensors[i])
+                            if value is wire.ABSENT:  # not sent apart nor streamed: in the buffer
                                 value = viewed[s][i]
-                            plan.entries.append(grad.Entry(r, value, keep[r][s]))
-                            places.append((r, s, i))
-                            if r == rank:
-                                inputs.append(self.slots[s].tensors[i])
+                        plan.entries.append(grad.Entry(r, value, keep[r][s]))
+                        places.append((r, s, i))
             for (r, s, i), output in zip(places, grad.apply(plan, inputs), strict=True):
                 result[r][s][i] = output
         for r in range(self.world_size):
-            if r != rank:
-                for s, pieces in enumerate(result[r]):
-                    if keep[r][s]:
-                        result[r][s] = [e if e.grad_fn is not None else e.clone() for e in pieces]
+            for s, pieces in enumerate(result[r]):
+                if r != rank and keep[r][s]:  # list-state content owns its memory
+                    result[r][s] = [e if e.grad_fn is not None else e.clone() for e in pieces]
         return result
+
+
+def _held(pieces: dict[int, wire.Piece]) -> dict[int, str]:
+    return {r: f"{p.dtype} {list(p.shape)}" for r, p in pieces.items()}
+
+
+_KINDS = {wire.KIND_TENSOR: "a tensor", wire.KIND_LIST: "a list of tensors", wire.KIND_OTHER: "something else"}
 
 
 def set_states(
@@ -448,11 +436,9 @@ def set_states(
     entries: list[list[list[torch.Tensor]]],
     values: Sequence[torch.Tensor | None] = (),
 ) -> None:
-    """torchmetrics' step 3 for ``metric``: per state, stack (a tensor state) or flatten (a list state: element ``i``
-    of every rank, then ``i + 1``; a rank with no ``i``-th element is skipped there), reduce and set.
-
-    ``views[r][i]`` and ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``; ``values[i]``,
-    where given and not ``None``, is its value reduced across the ranks already."""
+    """torchmetrics' step 3 for ``metric``: per state, stack or flatten, reduce and set. ``views[r][i]`` and
+    ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``; ``values[i]``, where given and not
+    ``None``, is its value reduced across the ranks already."""
     if uneven_lists:  # in check mode: the list states whose lengths differ between ranks
         for i, state in enumerate(states):
             if len({len(held[i].pieces) for held in views}) > 1:

@@ -1,11 +1,8 @@
-"""The fused exchange's global gradient mode: one autograd node for all of an exchange's states, one backward
-collective.
+"""Global mode's node for the fused exchange: one autograd node for all of an exchange's states.
 
-The node's inputs are this rank's own tensors that require grad; its outputs every rank's gathered copies of the
-tensors that required grad on their rank (every rank knows which from the exchanged descriptions). Its backward is
-global mode's own (:func:`torchmetrics_gradpatch._global.scatter_sum`): one ``all_to_all_single`` of byte-packed
-gradients. A rank with no graph ties the node to a zero-element leaf, so its ``backward()`` issues the same
-collective; double backward raises (``once_differentiable``). docs/gradient-modes.md has the semantics.
+Its inputs are this rank's own tensors that require grad, its outputs every rank's gathered copies of the tensors
+that required grad on their rank; its backward is global mode's one ``all_to_all_single``
+(:func:`torchmetrics_gradpatch._global.scatter_sum`). Semantics: docs/gradient-modes.md.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from torchmetrics_gradpatch._global import scatter_sum
 
 @dataclass(frozen=True)
 class Entry:
-    """One differentiable entry: its owner rank, the gathered copy (a view of the receive buffer), whether the
-    output must own its memory (it outlives the sync as list-state content)."""
+    """One differentiable entry: its owner rank, its gathered copy, and whether the output must own its memory (it
+    outlives the sync as list-state content)."""
 
     owner: int
     value: torch.Tensor
@@ -32,8 +29,7 @@ class Entry:
 
 @dataclass
 class Node:
-    """What the node needs, fixed at the forward. ``entries`` are in owner-rank order, then in state order; each
-    rank's entries in that order are exactly its own inputs' order."""
+    """What the node needs: ``entries`` in owner-rank order, then state order (a rank's own are its inputs' order)."""
 
     entries: list[Entry]
     rank: int
@@ -68,7 +64,7 @@ class _FusedGather(torch.autograd.Function):
 
 
 def apply(plan: Node, own: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The differentiable entries as outputs of one node whose inputs are ``own`` (this rank's tensors that
-    require grad, in the order of this rank's entries in ``plan``); a zero-element leaf stands in when none."""
+    """The differentiable entries as outputs of one node whose inputs are ``own``; a rank with none ties the node to a
+    zero-element leaf, so its ``backward()`` issues the same collective."""
     leaf = None if own else torch.empty(0, device=plan.device, requires_grad=True)
     return list(_FusedGather.apply(plan, leaf, *own))  # type: ignore[no-untyped-call,unused-ignore]

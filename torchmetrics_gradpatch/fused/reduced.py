@@ -1,11 +1,8 @@
 """Exact reductions: states whose reduction gives the same bits in any order are all-reduced, not gathered.
 
-An integer ``sum`` (torchmetrics' ``dim_zero_sum`` gives ``int64``), an integer ``max`` or ``min``, and a
-floating-point ``max`` or ``min`` over values without NaN, ``-0.0`` or subnormals come out bit for bit the same in
-any order; a tensor state of at least :data:`REDUCE_MIN_BYTES` with no graph and one of those is proposed
-(:func:`propose`). Every rank follows a proposal only where every rank sent the same digest (:func:`agreed`), so
-no state of one rank can make the ranks issue other collectives; then :func:`run` issues one ``all_reduce`` per
-operation and transport dtype (docs/fused-sync.md, "Exact reductions").
+Every rank follows this rank's proposal (:func:`propose`) only where every rank sent the same digest
+(:func:`agreed`), so no state of one rank can make the ranks issue other collectives; :func:`run` then issues one
+``all_reduce`` per operation and transport dtype. Which states, and why: docs/fused-sync.md ("Exact reductions").
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +29,8 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 @dataclass(frozen=True)
 class Reduced:
-    """One reduced slot: its index, the operation (``sum``, ``max``, ``min``), the dtype it is reduced in
-    (``transport``) and comes out as (``result``), its shape, and whether it is held on the CPU and streamed."""
+    """One reduced slot: the operation (``sum``, ``max``, ``min``), the dtype it is reduced in (``transport``) and
+    comes out as (``result``), and whether it is held on the CPU and streamed."""
 
     slot: int
     op: str
@@ -49,7 +46,7 @@ class Proposal:
 
     entries: tuple[Reduced, ...] = ()
     digest: int = 0
-    slots: tuple[int, ...] = field(default=())
+    slots: tuple[int, ...] = ()
 
 
 def _ops() -> dict[Any, str]:
@@ -86,9 +83,8 @@ _EXPONENTS = {
 
 
 def _order_free(tensor: torch.Tensor) -> bool:
-    """Whether a floating-point max/min over ``tensor`` gives the same bits in any order, in any floating-point
-    mode: no NaN, no ``-0.0``, no subnormal (under ``set_flush_denormal(True)`` one compares as zero). Read from
-    the bits, which the mode cannot change."""
+    """Whether a max or min over ``tensor`` gives the same bits in any order and floating-point mode: no NaN, no
+    ``-0.0``, no subnormal (read from the bits, which ``set_flush_denormal`` cannot change)."""
     if not tensor.is_floating_point():
         return True
     as_int, exponent = _EXPONENTS[tensor.dtype]
@@ -97,9 +93,8 @@ def _order_free(tensor: torch.Tensor) -> bool:
 
 
 def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
-    """This rank's proposal for ``slots`` (the fused sync's prepared states: ``reduction``, ``tensors``,
-    ``described``); ``table`` (the collection's member table) enters the digest, so ranks whose members map to
-    other slots do not agree."""
+    """This rank's proposal for the exchange's ``slots``; ``table`` (a collection's member table) enters the digest,
+    so ranks whose members map to other slots do not agree."""
     ops = _ops()
     entries = []
     for index, slot in enumerate(slots):
@@ -110,7 +105,10 @@ def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
         tensor, piece = slot.tensors[0], described.pieces[0]
         if piece.dtype is None or piece.requires_grad or piece.nbytes < REDUCE_MIN_BYTES:
             continue
-        op = ops.get(slot.reduction) if _hashable(slot.reduction) else None
+        try:
+            op = ops.get(slot.reduction)
+        except TypeError:  # a reduction that cannot be hashed
+            continue
         if op is None:
             continue
         transport = _transport(op, piece.dtype)
@@ -126,30 +124,9 @@ def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
     return Proposal(tuple(entries), digest, tuple(e.slot for e in entries))
 
 
-def _hashable(value: object) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
 def agreed(rows: Sequence[Sequence[int]], proposal: Proposal) -> bool:
     """Whether every rank follows the proposal: every rank sent this rank's non-zero digest."""
     return proposal.digest != 0 and all(row[wire.PROPOSAL] == proposal.digest for row in rows)
-
-
-def _encode(entry: Reduced, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    moved = tensor.detach().to(device=device, dtype=entry.transport).reshape(-1)
-    if entry.op != "min":
-        return moved
-    return torch.bitwise_not(moved) if entry.transport == torch.int64 else torch.neg(moved)
-
-
-def _decode(entry: Reduced, flat: torch.Tensor) -> torch.Tensor:
-    if entry.op == "min":
-        flat = torch.bitwise_not(flat) if entry.transport == torch.int64 else torch.neg(flat)
-    return flat.to(entry.result).view(entry.shape)
 
 
 def run(
@@ -160,12 +137,8 @@ def run(
     staging: torch.device | None,
     chunk: int,
 ) -> dict[int, torch.Tensor]:
-    """The agreed reductions: per slot index, its value as torchmetrics' stacked reduction gives it.
-
-    A group whose slots are streamed (held on the CPU) is built on the CPU and crosses on ``staging`` in chunks of
-    ``chunk`` bytes (gloo: as it is); the others are built and reduced on ``device``. Values held on the CPU come
-    back there.
-    """
+    """The agreed reductions: per slot, its value as torchmetrics' stacked reduction gives it. Streamed slots are
+    reduced on the CPU, crossing on ``staging`` in chunks of ``chunk`` bytes, and come back there."""
     groups: dict[tuple[str, torch.dtype, bool], list[Reduced]] = {}
     for entry in proposal.entries:
         key = ("sum" if entry.op == "sum" else "max", entry.transport, entry.streamed)
@@ -173,7 +146,10 @@ def run(
     out: dict[int, torch.Tensor] = {}
     for (op, transport, streamed), members in groups.items():
         where = torch.device("cpu") if streamed else device
-        flat = torch.cat([_encode(e, slots[e.slot].tensors[0], where) for e in members])
+        # a min crosses as the max of its bitwise complement (integers) or of its negation
+        flat = torch.cat(
+            [_flip(e, slots[e.slot].tensors[0].detach().to(where, e.transport).reshape(-1)) for e in members]
+        )
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         if streamed and staging is not None:
             all_reduce_chunked(flat, reduce_op, group, staging, chunk)
@@ -182,9 +158,15 @@ def run(
         at = 0
         for entry in members:
             n = _bytes.nbytes(entry.shape, transport) // _bytes.itemsize(transport)
-            out[entry.slot] = _decode(entry, flat[at : at + n])
+            out[entry.slot] = _flip(entry, flat[at : at + n]).to(entry.result).view(entry.shape)
             at += n
     return out
+
+
+def _flip(entry: Reduced, flat: torch.Tensor) -> torch.Tensor:
+    if entry.op != "min":
+        return flat
+    return torch.bitwise_not(flat) if entry.transport == torch.int64 else torch.neg(flat)
 
 
 def forget() -> None:

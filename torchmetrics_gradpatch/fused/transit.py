@@ -1,10 +1,8 @@
 """Where the fused exchange runs, and how states held on the CPU cross when it runs on a device.
 
-The exchange device is the Metric's, or the current CUDA device for a Metric on the CPU under a group that takes
-device tensors only (NCCL). A tensor held on the CPU while the exchange runs on a device is *streamed*: described in
-the payload, its bytes crossing afterwards in chunks of at most the agreed chunk size per rank, into CPU buffers
-(docs/fused-sync.md, "States held on the CPU"). Every rank counts the chunk collectives from the exchanged
-descriptions and the smallest chunk size any rank sent, so every rank issues the same ones.
+A tensor held on the CPU while the exchange runs on a device is *streamed*: described in the payload, its bytes
+crossing afterwards in chunks of at most the smallest chunk size any rank sent, so every rank counts the same
+collectives from the exchanged descriptions (docs/fused-sync.md, "States held on the CPU").
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ from torchmetrics_gradpatch.fused import wire
 
 
 def devices(metric_device: Any, group: Any) -> tuple[torch.device, torch.device | None, bool]:
-    """The exchange device, the staging device (``None``: the group takes CPU tensors) and whether CPU-held
-    tensors are streamed, for a Metric on ``metric_device`` syncing over ``group``."""
+    """The exchange device (the Metric's, or the CUDA device a group that takes device tensors only stages on), the
+    staging device (``None``: the group takes CPU tensors) and whether CPU-held tensors are streamed."""
     staging = _gather.staging_device(group)
     device = torch.device(metric_device)
     if device.type == "cpu" and staging is not None:
@@ -45,9 +43,8 @@ def receive_stream(
     staging: torch.device | None,
     chunk: int,
 ) -> list[tuple[int, int, int, torch.Tensor]]:
-    """Every other rank's streamed pieces, as ``(rank, slot, index, piece)`` (CPU tensors; none when no rank streams
-    anything). ``own[s]``: this rank's tensors of slot ``s``; ``every[r]``: rank ``r``'s description; ``skip``: the
-    reduced slots; ``chunk``: the agreed chunk size (used when ``staging`` is a device)."""
+    """Every other rank's streamed pieces as ``(rank, slot, index, piece)``, CPU tensors. ``own[s]``: this rank's
+    tensors of slot ``s``; ``every[r]``: rank ``r``'s description; ``skip``: the reduced slots."""
     layouts = [_stream_layout(tuple(states), tuple(skip)) for states in every]
     total = max(size for _, size, _ in layouts)
     if total == 0:

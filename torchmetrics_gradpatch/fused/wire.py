@@ -1,11 +1,8 @@
 """The fused exchange's wire format and each process group's agreed inline capacity.
 
-A rank sends a header row of :data:`HEADER_WORDS` int64 words (its fields are named below), then a payload: its
-description (int64 words: :func:`encode`) and each piece's bytes at an offset aligned to :data:`ALIGN`, so a piece is
-viewed back as its dtype in place. Collective 1 (:func:`gather_first`) carries every header and, where it fits the
-group's inline capacity, every payload; collective 2 (:func:`gather_payloads`) the payloads padded to the largest.
-:class:`Group` holds what must evolve alike on every rank of a group. Format, capacity rule and why it agrees:
-docs/design.md ("The wire").
+A rank sends a header row of :data:`HEADER_WORDS` int64 words, then its payload: its description (:func:`encode`)
+and each piece's bytes, which are viewed back in place. :class:`Group` holds what must evolve alike on every rank of a
+group. The format, the capacity rule and why every rank holds the same capacity: docs/design.md ("The wire").
 """
 
 from __future__ import annotations
@@ -16,21 +13,19 @@ import itertools
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from torchmetrics_gradpatch import _bytes
-from torchmetrics_gradpatch._bytes import ALIGN, as_bytes
 from torchmetrics_gradpatch.fused import internals
 
+ALIGN = _bytes.ALIGN  # every piece starts at a multiple of it
 TAG = 0x7467_6673_0006  # "tgfs", format 6: a rank running another format of this header size is told so
 HEADER_WORDS = 10  # 80 bytes: a multiple of ALIGN, so an inline payload's pieces can be viewed in place
-# a header row's fields: the format tag, the description's length in words, the payload's size in bytes, flags, the
-# sender's fingerprint, the payload's size without what it proposes to reduce, that proposal's digest (0: none),
-# its chunk size for CPU-held states, and the inline capacity it used
+# a header row's fields, as docs/design.md ("The wire") gives them; the words after them are zeros
 FORMAT, WORDS, SIZE, FLAGS, FINGERPRINT, SIZE_REDUCED, PROPOSAL, CHUNK, CAPACITY = range(9)
 FLAG_GRAD_MODE = 1
 FLAG_REQUIRES_GRAD = 2
@@ -40,12 +35,10 @@ FLAG_UNSTAGED = 32  # a collection step's rank that sends its member table alone
 FLAG_ASIDE = 64  # this rank runs torchmetrics' own path here: every rank does (docs/fused-sync.md, stepping aside)
 FLAG_CHECK = 128  # this rank runs in check mode: every rank must
 
-#: The largest inline capacity: a payload over it always takes the second collective.
-INLINE_MAX = 64 * 1024
-#: The smallest non-zero inline capacity (a few states' description and data).
-INLINE_MIN = 256
-#: How many of a group's recent exchanges the capacity follows.
-WINDOW = 32
+INLINE_MAX = 64 * 1024  # the largest inline capacity: a payload over it always takes collective 2
+INLINE_MIN = 256  # the smallest non-zero inline capacity (a few states' description and data)
+WINDOW = 32  # how many of a group's recent exchanges the capacity follows
+KEPT = 8  # collective 1's send buffers a group keeps
 _HEAD_BYTES = 8 * HEADER_WORDS
 
 KIND_TENSOR = 0
@@ -57,15 +50,15 @@ UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
 
 @dataclass(frozen=True)
 class Piece:
-    """One tensor as the description gives it: dtype (``None``: unknown to the format), shape, requires_grad, and
-    whether it is streamed (held on the CPU while the exchange runs on a device) or separate (sent apart from the
-    payload, :mod:`torchmetrics_gradpatch.fused.large`)."""
+    """One tensor as a description gives it (``dtype`` ``None``: unknown to the format). ``streamed``: held on the
+    CPU while the exchange runs on a device (:mod:`.transit`); ``separate``: sent apart from the payload
+    (:mod:`.large`)."""
 
     dtype: torch.dtype | None
     shape: tuple[int, ...]
     requires_grad: bool
     streamed: bool = False
-    separate: bool = False  # left out of the payload: it crosses in a collective of its own (fused.large)
+    separate: bool = False
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -74,8 +67,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class State:
-    """One state as the description gives it: its kind, its pieces, and whether its one piece is the placeholder
-    torchmetrics puts in for an empty ``cat`` list (so it is no data of this rank's)."""
+    """One state as a description gives it; ``placeholder``: its one piece is the stand-in torchmetrics puts in for
+    an empty ``cat`` list, no data of this rank's."""
 
     kind: int
     pieces: tuple[Piece, ...]
@@ -83,18 +76,13 @@ class State:
 
     @functools.cached_property
     def words(self) -> tuple[int, ...]:
-        """This state's words in a description (:func:`encode`); a steady exchange describes the same objects."""
+        """This state's words in a description (made once: a steady exchange describes the same objects)."""
         words = [self.kind, int(self.placeholder), len(self.pieces)]
         for piece in self.pieces:
             code = UNKNOWN_DTYPE if piece.dtype is None else _bytes.code(piece.dtype)
             flags = int(piece.requires_grad) | 2 * int(piece.streamed) | 4 * int(piece.separate)
             words += [code, flags, len(piece.shape), *piece.shape]
         return tuple(words)
-
-
-def sendable(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or an empty stand-in when its dtype is unknown to the format (described, refused, never sent)."""
-    return tensor if _bytes.plain(tensor.dtype) else torch.empty(0, dtype=torch.uint8)
 
 
 def piece_of(tensor: torch.Tensor, streamed: bool = False) -> Piece:
@@ -107,75 +95,65 @@ def tensor_state(tensor: torch.Tensor, streamed: bool = False) -> State:
     return _tensor_state(tensor.dtype, tuple(tensor.shape), tensor.requires_grad, streamed)
 
 
-@functools.lru_cache(maxsize=1024)
-def _tensor_state(dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, streamed: bool) -> State:
-    # one object per description, as _piece: its words (State.words) are made once
-    return State(KIND_TENSOR, (_piece(dtype, shape, requires_grad, streamed),))
-
-
+# a steady exchange describes the same tensors step after step: one object each, its nbytes and words made once
 @functools.lru_cache(maxsize=1024)
 def _piece(dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, streamed: bool) -> Piece:
-    # a steady exchange describes the same tensors step after step: one object each (its nbytes computed once)
     return Piece(dtype if _bytes.plain(dtype) else None, shape, requires_grad, streamed)
 
 
-def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
-    """The description as int64 words (see the module docstring), padded to an even count (``ALIGN`` bytes).
+@functools.lru_cache(maxsize=1024)
+def _tensor_state(dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, streamed: bool) -> State:
+    return State(KIND_TENSOR, (_piece(dtype, shape, requires_grad, streamed),))
 
-    ``table``: words the caller adds in front (the collection sync's member table), given back by :func:`decode`.
-    """
+
+def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
+    """The description as int64 words, padded to an even count (``ALIGN`` bytes); ``table``: words the caller puts
+    in front (a collection's member table), given back by :func:`decode`."""
     words = [len(table), *table, len(states)]
     for state in states:
         words += state.words
-    if len(words) % 2:
-        words.append(0)
-    return words
+    return words + [0] * (len(words) % 2)
 
 
 def decode(words: Sequence[int]) -> tuple[list[int], list[State]]:
     """The inverse of :func:`encode`: the table and the states (trailing padding ignored)."""
-    table = list(words[1 : 1 + words[0]])
-    at = 1 + words[0]
-    states: list[State] = []
-    count = words[at]
-    at += 1
-    for _ in range(count):
-        kind, placeholder, n_pieces = words[at : at + 3]
-        at += 3
+    at = iter(words)
+    table = list(itertools.islice(at, next(at)))
+    states = []
+    for _ in range(next(at)):
+        kind, placeholder, n_pieces = itertools.islice(at, 3)
         pieces = []
         for _ in range(n_pieces):
-            code, flags, ndim = words[at : at + 3]
-            shape = tuple(words[at + 3 : at + 3 + ndim])
-            at += 3 + ndim
+            code, flags, ndim = itertools.islice(at, 3)
+            shape = tuple(itertools.islice(at, ndim))
             dtype = _bytes.dtype_of(code)
-            plain = dtype if dtype is not None and _bytes.plain(dtype) else None
-            pieces.append(Piece(plain, shape, bool(flags & 1), bool(flags & 2), bool(flags & 4)))
+            known = dtype if dtype is not None and _bytes.plain(dtype) else None
+            pieces.append(Piece(known, shape, bool(flags & 1), bool(flags & 2), bool(flags & 4)))
         states.append(State(kind, tuple(pieces), bool(placeholder)))
     return table, states
 
 
-#: how to view one rank's pieces in its buffer: per state, ``None`` where it is left out (reduced), else per piece
-#: of a known dtype its dtype, shape, strides and offset in elements (``-1``: not in this buffer)
+#: how to view one rank's pieces in a buffer: per state, ``None`` where it is left out (reduced), else per piece of
+#: a known dtype its dtype, shape, strides and offset in elements (``-1``: not in this buffer)
 Views = tuple[tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...] | None, ...]
 
 
 class Described(NamedTuple):
-    """A rank's description read back: its table, its states, its payload's offsets and size with the reduced
-    states left out, whether it streams or sends apart some piece, and how to view its pieces (:func:`unpack`)."""
+    """A rank's description read back, with its payload's offsets and size (the reduced states left out)."""
 
     table: tuple[int, ...]
     states: tuple[State, ...]
     offsets: list[list[int]]
     size: int
-    streams: bool
-    separates: bool
+    streams: bool  # some piece is streamed
+    separates: bool  # some piece is sent apart
     views: Views
 
 
 @functools.lru_cache(maxsize=128)
 def read(words: tuple[int, ...], skip: tuple[int, ...] = ()) -> Described:
-    """The description ``words`` read back with the states ``skip`` left out of its payload: a steady exchange reads
-    each description once (the result is shared; callers do not change it)."""
+    """The description ``words`` read back, the states ``skip`` left out of its payload (read once per description:
+    the result is shared, callers do not change it)."""
     table, states = decode(words)
     pieces = [piece for state in states for piece in state.pieces]
     offsets, size = layout(states, 8 * len(words), skip)
@@ -208,26 +186,20 @@ def cat_key(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 def layout(
     states: Sequence[State], start: int, skip: Sequence[int] = (), streamed: bool = False
 ) -> tuple[list[list[int]], int]:
-    """Each piece's byte offset in the payload (pieces from ``start`` on, each aligned), and the payload's size.
-
-    With ``streamed``, the same for the stream of streamed pieces instead. A piece that is not in that buffer (a
-    state in ``skip``, which is reduced, a separate piece, or a piece of the other buffer) has offset ``-1``.
-    """
-    left_out = set(skip)
-    wanted = [
-        [s not in left_out and not piece.separate and piece.streamed == streamed for piece in state.pieces]
-        for s, state in enumerate(states)
-    ]
-    sizes = (
-        piece.nbytes
-        for state, keep in zip(states, wanted, strict=True)
-        for piece, k in zip(state.pieces, keep, strict=True)
-        if k
-    )
-    found, end = _bytes.offsets(sizes, start)
-    at = iter(found)
-    offsets = [[next(at) if k else -1 for k in keep] for keep in wanted]
-    return offsets, _bytes.aligned(end)
+    """Each piece's byte offset in the payload (from ``start`` on, each aligned), and the payload's size; with
+    ``streamed``, in the stream instead. A piece not in it (of a reduced state in ``skip``, separate, or of the other
+    buffer) has offset ``-1``."""
+    offsets: list[list[int]] = []
+    end, left_out = _bytes.aligned(start), set(skip)
+    for s, state in enumerate(states):
+        offsets.append([])
+        for piece in state.pieces:
+            if s in left_out or piece.separate or piece.streamed != streamed:
+                offsets[-1].append(-1)
+            else:
+                offsets[-1].append(end)
+                end = _bytes.aligned(end + piece.nbytes)
+    return offsets, end
 
 
 def pack(
@@ -238,49 +210,76 @@ def pack(
     device: torch.device,
     base: int = 0,
 ) -> torch.Tensor:
-    """This rank's payload in a buffer of ``size`` bytes: its description, then each tensor's bytes at its offset
-    (plus ``base``: where the payload starts after words of another kind, a header).
+    """This rank's payload in a new zeroed buffer of ``size`` bytes (no byte of this process's memory travels):
+    ``words``, then each tensor's bytes at its offset plus ``base`` (where the payload starts after a header)."""
+    sent = _sent(tensors, offsets)
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    _write(buffer, words, [_view(buffer, base + at, tensor) for at, tensor in sent], sent)
+    return buffer
 
-    The one copy of the local states' bytes that the fused sync makes (one ``torch.cat``); padding bytes are zeros,
-    not left uninitialised, so nothing of this process's memory travels.
-    """
+
+def _pack_kept(
+    kept: Group,
+    words: Sequence[int],
+    tensors: Sequence[Sequence[torch.Tensor]],
+    offsets: Sequence[Sequence[int]],
+    size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`pack` (the payload after the header) into the send buffer ``kept`` holds for this layout: the
+    description after the header and the offsets are the layout, so the buffer's padding stays zeros. On CUDA the
+    key holds the current stream too (a collective's ``wait()`` orders it before that stream's next write only);
+    devices other than CUDA and the CPU take :func:`pack`."""
+    if device.type not in ("cuda", "cpu"):
+        return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    sent = _sent(tensors, offsets)
+    key = (device, stream, size, tuple(words[HEADER_WORDS:]), tuple(itertools.chain.from_iterable(offsets)))
+    found = kept.sends.get(key)
+    if found is None:
+        buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        found = kept.sends[key] = (buffer, [_view(buffer, _HEAD_BYTES + at, tensor) for at, tensor in sent])
+        while len(kept.sends) > KEPT:
+            kept.sends.pop(next(iter(kept.sends)))
+    buffer, places = found
+    _write(buffer, words, places, sent)
+    return buffer
+
+
+def _sent(
+    tensors: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]]
+) -> list[tuple[int, torch.Tensor]]:
+    """Each tensor with bytes in the payload, with its offset (the layout decides which: a key's are the same)."""
+    pairs = zip(itertools.chain.from_iterable(offsets), itertools.chain.from_iterable(tensors), strict=True)
+    return [(at, tensor) for at, tensor in pairs if at >= 0 and tensor.numel()]
+
+
+def _view(buffer: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``buffer`` from ``at`` on (a multiple of the dtype's size) viewed as a tensor like ``like``."""
+    start = at // like.element_size()
+    return buffer.view(like.dtype)[start : start + like.numel()].view(like.shape)
+
+
+def _write(
+    buffer: torch.Tensor, words: Sequence[int], places: list[torch.Tensor], sent: list[tuple[int, torch.Tensor]]
+) -> None:
+    """``words`` at the start of ``buffer``, and each tensor of ``sent`` into its place."""
     head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
-    if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
-        head = head.pin_memory().to(device, non_blocking=True)
-    parts = [head]
-    end = head.numel()
-    for state_tensors, state_offsets in zip(tensors, offsets, strict=True):
-        for tensor, offset in zip(state_tensors, state_offsets, strict=True):
-            if offset < 0:
-                continue  # reduced, or streamed
-            offset += base
-            if offset > end:
-                parts.append(_zeros(offset - end, device))
-            data = as_bytes(tensor)
-            parts.append(data)
-            end = offset + data.numel()
-    if size > end:
-        parts.append(_zeros(size - end, device))
-    return torch.cat(parts)
+    if buffer.device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
+        head = head.pin_memory()
+    buffer[: head.numel()].copy_(head, non_blocking=True)
+    with torch.no_grad():
+        internals.copy_all(places, [tensor for _, tensor in sent])
 
 
-_ZEROS: dict[torch.device, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-
-
-def _zeros(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` zero bytes on ``device`` (a view of one kept buffer; read only)."""
-    kept = _ZEROS.get(device)
-    if kept is None or kept[0].numel() < n:
-        zeros = torch.zeros(max(n, 2 * _HEAD_BYTES + INLINE_MAX), dtype=torch.uint8, device=device)
-        kept = _ZEROS[device] = (zeros, [zeros[:k] for k in range(ALIGN)])  # the pads between pieces, made once
-    return kept[1][n] if n < ALIGN else kept[0][:n]
+#: the stand-in for a piece a buffer does not hold (see :func:`unpack`)
+ABSENT = torch.empty(0)
 
 
 def unpack(buffer: torch.Tensor, views: Views) -> list[list[torch.Tensor]]:
-    """Every piece of one rank's ``buffer`` (its payload, or its stream) viewed back as its dtype and shape (no copy):
-    one view of the buffer per dtype, one strided view of that per piece. A piece not in it is :data:`ABSENT`, for
-    another buffer to fill; a state left out (reduced) has no pieces."""
-    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+    """Every piece of one rank's ``buffer`` (its payload, or its stream) viewed back as its dtype and shape, without
+    a copy; a piece not in it is :data:`ABSENT`, and a state left out (reduced) has no pieces."""
+    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # one view of the buffer per dtype
     out: list[list[torch.Tensor]] = []
     for pieces in views:
         if pieces is None:
@@ -300,11 +299,6 @@ def unpack(buffer: torch.Tensor, views: Views) -> list[list[torch.Tensor]]:
     return out
 
 
-def absent(views: Views) -> list[list[torch.Tensor]]:
-    """What :func:`unpack` gives for a buffer holding none of its pieces."""
-    return [[] if pieces is None else [ABSENT] * len(pieces) for pieces in views]
-
-
 @functools.lru_cache(maxsize=1024)
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A contiguous tensor's strides."""
@@ -313,10 +307,6 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-#: the stand-in for a piece a buffer does not hold (see :func:`unpack`)
-ABSENT = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -329,24 +319,19 @@ class Capacity:
 
 
 class Group:
-    """What a process group's fused exchanges keep: the needs (largest inline payload and description; ``None`` over
-    :data:`INLINE_MAX`) of its last :data:`WINDOW` exchanges, the inline capacity they give, and the kept send buffers.
-
-    Lifecycle: made at the group's first exchange (:meth:`of`, capacity 0, so that exchange costs two collectives);
-    agreed at every exchange (:meth:`agree`, on every rank from the same gathered rows, right after collective 1 and
-    before anything can raise, so the capacity is the same on every rank of the group); forgotten with the group
-    object (weakly keyed: a group made anew starts afresh on every rank) or by ``fused.reset()``, which every rank
-    calls at the same point. Nothing else changes it; why that keeps it alike: docs/design.md ("The wire")."""
+    """What a process group's fused exchanges keep: the needs of its last :data:`WINDOW` exchanges, the capacity they
+    give, and the kept send buffers. Made at its first exchange (:meth:`of`), agreed at every one (:meth:`agree`),
+    forgotten with the group object or by ``fused.reset()``: nothing else changes it (docs/design.md, "The wire")."""
 
     _all: ClassVar[weakref.WeakKeyDictionary[Any, Group]] = weakref.WeakKeyDictionary()
     _strong: ClassVar[dict[Any, Group]] = {}  # groups that take no weak reference (kept alive, as the group itself is)
 
     def __init__(self) -> None:
-        self.needs: deque[tuple[int, int] | None] = deque(maxlen=WINDOW)
+        self.needs: deque[tuple[int, int] | None] = deque(maxlen=WINDOW)  # bytes and words; None: over INLINE_MAX
         self.capacity = Capacity()
         #: collective 1's send buffers by layout (the newest :data:`KEPT`), each with the views its pieces are
-        #: copied into and which of the layout's tensors it holds: nothing reads one after its collective returned
-        self.sends: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[int]]] = {}
+        #: copied into: nothing reads one after its collective returned
+        self.sends: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     @classmethod
     def of(cls, group: Any) -> Group:
@@ -365,7 +350,7 @@ class Group:
         cls._strong.clear()
 
     def agree(self, rows: Sequence[Sequence[int]]) -> None:
-        """Record one exchange from its gathered header ``rows``."""
+        """Record one exchange from its gathered header ``rows`` (every rank, right after collective 1)."""
         size = max(row[SIZE_REDUCED] for row in rows)
         need = (size, max(row[WORDS] for row in rows)) if size <= INLINE_MAX else None
         # the capacity is a function of the window: where the need a full window drops is the one added (a steady
@@ -386,16 +371,6 @@ def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@dataclass
-class First:
-    """What collective 1 brought: every rank's header row, its description words where it inlined its payload
-    (else ``None``), and its inline region (a view of the receive buffer, the payload's offsets apply to it)."""
-
-    rows: list[list[int]]
-    words: list[list[int] | None]
-    regions: list[torch.Tensor] = field(default_factory=list)
-
-
 def gather_first(
     header: Sequence[int],
     words: Sequence[int],
@@ -405,89 +380,36 @@ def gather_first(
     group: Any,
     world_size: int,
     device: torch.device,
-) -> First:
-    """Collective 1: every rank's header and, where it fits the group's capacity, its payload (``words``, then
-    ``tensors`` at ``offsets``, ``size`` bytes in all); one device-to-host read of the headers and descriptions.
-
-    ``header`` is the row without the format tag and the capacity; :data:`FLAG_INLINE` is added to its flags here.
-    """
+) -> tuple[list[list[int]], list[list[int] | None], list[torch.Tensor]]:
+    """Collective 1: every rank's header row and, where it fits the group's capacity, its payload (``words``, then
+    ``tensors`` at ``offsets``: ``size`` bytes). Returns every rank's row, its description where inline (else
+    ``None``) and its inline region (a view of the receive buffer). ``header``: the row without tag and capacity."""
     kept = Group.of(group)
     agreed = kept.capacity
     inline = 0 < size <= agreed.data and len(words) <= agreed.words
     row = [TAG, *header, agreed.data]
     row[FLAGS] |= FLAG_INLINE if inline else 0
     row += [0] * (HEADER_WORDS - len(row))
+    if not inline:
+        words, tensors, offsets = [], [], []
     total = _HEAD_BYTES + agreed.data
-    if inline:
-        mine = _pack_kept(kept, [*row, *words], tensors, offsets, total, device)
-    else:
-        mine = _pack_kept(kept, row, [], [], total, device)
+    mine = _pack_kept(kept, [*row, *words], tensors, offsets, total, device)
     flat = torch.empty((world_size, total), dtype=torch.uint8, device=mine.device)
     _gather_rows(flat, mine, group)
     del mine
-    read = _HEAD_BYTES + 8 * agreed.words
     # the exchange's one device-to-host read: every header and every inline description at once
-    table = flat[:, :read].view(torch.int64).tolist()
-    rows = [list(t[:HEADER_WORDS]) for t in table]
-    described = [
-        list(t[HEADER_WORDS : HEADER_WORDS + r[1]]) if r[FLAGS] & FLAG_INLINE else None
-        for t, r in zip(table, rows, strict=True)
+    table = flat[:, : _HEAD_BYTES + 8 * agreed.words].view(torch.int64).tolist()
+    rows = [t[:HEADER_WORDS] for t in table]
+    inline_words = [
+        t[HEADER_WORDS : HEADER_WORDS + row[WORDS]] if row[FLAGS] & FLAG_INLINE else None
+        for t, row in zip(table, rows, strict=True)
     ]
-    return First(rows, described, list(flat[:, _HEAD_BYTES:].unbind(0)))
-
-
-KEPT = 8  # send buffers a group keeps
-
-
-def _pack_kept(
-    kept: Group,
-    words: Sequence[int],
-    tensors: Sequence[Sequence[torch.Tensor]],
-    offsets: Sequence[Sequence[int]],
-    size: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """:func:`pack` (the pieces after the header) into the send buffer ``kept`` holds for this layout, each piece
-    copied into a view made once. The buffer is zeros when made and a layout writes the same bytes of it, so its
-    padding stays zeros; the description (``words`` after the header) gives every piece's dtype and shape, so it
-    and the offsets are the layout. On CUDA the key holds the current stream too (the collective that read a buffer
-    is ordered before the stream's next write by its ``wait()``, not before another stream's); devices other than
-    CUDA and the CPU take :func:`pack`."""
-    if device.type == "cuda":
-        stream: int | None = torch.cuda.current_stream(device).cuda_stream
-    elif device.type == "cpu":
-        stream = None
-    else:
-        return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
-    at = tuple(itertools.chain.from_iterable(offsets))
-    every = list(itertools.chain.from_iterable(tensors))
-    key = (device, stream, size, tuple(words[HEADER_WORDS:]), at)
-    found = kept.sends.get(key)
-    if found is None:
-        held = [i for i, (offset, tensor) in enumerate(zip(at, every, strict=True)) if offset >= 0 and tensor.numel()]
-        buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        found = kept.sends[key] = (buffer, [_view(buffer, _HEAD_BYTES + at[i], every[i]) for i in held], held)
-        while len(kept.sends) > KEPT:
-            kept.sends.pop(next(iter(kept.sends)))
-    buffer, views, held = found
-    head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
-    if device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
-        head = head.pin_memory()
-    buffer[: head.numel()].copy_(head, non_blocking=True)
-    internals.copy_all(views, [every[i] for i in held])
-    return buffer
-
-
-def _view(buffer: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``buffer`` from ``at`` on (a multiple of the dtype's size) viewed as a tensor like ``like``."""
-    start = at // like.element_size()
-    return buffer.view(like.dtype)[start : start + like.numel()].view(like.shape)
+    return rows, inline_words, list(flat[:, _HEAD_BYTES:].unbind(0))
 
 
 def _gather_rows(flat: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
-    """Every rank's ``mine`` into its row of ``flat``: into the one tensor where the backend takes it (on the CPU
-    from torch 2.13's ``all_gather_single`` on, which saves ``all_gather``'s copy and list checks), else into the
-    rows through ``all_gather``."""
+    """Every rank's ``mine`` into its row of ``flat``: in one tensor where the backend takes it (on the CPU from torch
+    2.13's ``all_gather_single`` on, saving ``all_gather``'s copy and list checks), else through ``all_gather``."""
     into = getattr(dist, "all_gather_single", None)
     if into is None and flat.device.type == "cuda":
         into = dist.all_gather_into_tensor
@@ -510,8 +432,7 @@ def words_of(buffer: torch.Tensor, count: int) -> list[int]:
 
 
 def forget() -> None:
-    """Forget every group's record, the kept pads and the descriptions read once (``fused.reset``)."""
+    """Forget every group's record and the descriptions read once (``fused.reset``)."""
     Group.forget()
-    _ZEROS.clear()
     for cached in (read, _tensor_state, _piece, _strides):
         cached.cache_clear()
