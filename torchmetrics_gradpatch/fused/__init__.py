@@ -59,7 +59,7 @@ def reset() -> None:
 
     Every rank of a group must call it at the same point: the capacity is agreed, never exchanged. Never needed in a
     program; tests that reuse processes call it between cases."""
-    for name in ("wire", "exchange", "collection", "transit", "recognise"):
+    for name in ("wire", "exchange", "collection", "transit", "recognise", "internals"):
         module = sys.modules.get(f"{__name__}.{name}")  # one never loaded holds nothing
         if module is not None:
             module.forget()

@@ -12,7 +12,7 @@ import functools
 import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,7 @@ class Slot:
     described: wire.State
 
 
-@dataclass(frozen=True, slots=True)
-class State:
+class State(NamedTuple):
     """A Metric's state in an exchange: its name, its reduction and its slot's index (compute groups share slots)."""
 
     attr: str

@@ -103,7 +103,7 @@ def sync_cache(metric: Any) -> dict[str, Any] | None:
 
 def copies_states() -> bool:
     """Whether ``sync()`` and ``forward()`` keep copies of the states (1.4 on), not the state objects."""
-    return release() >= Version("1.4")
+    return release() >= _V1_4
 
 
 def copy_state_dict(metric: Any) -> dict[str, Any]:
@@ -116,9 +116,9 @@ def copy_state_dict(metric: Any) -> dict[str, Any]:
 def placeholder_rule(metric: Any) -> bool:
     """Whether ``_sync_dist`` puts ``tensor([])`` in for an empty ``cat`` list: from 1.4 on, where torch >= 2.1."""
     made = release()
-    if made < Version("1.4"):
+    if made < _V1_4:
         return False
-    if made < Version("1.4.1"):  # 1.4.0 reads the module's _TORCH_GREATER_EQUAL_2_1, later ones the instance's
+    if made < _V1_4_1:  # 1.4.0 reads the module's _TORCH_GREATER_EQUAL_2_1, later ones the instance's
         return bool(sys.modules["torchmetrics.metric"]._TORCH_GREATER_EQUAL_2_1)
     return bool(metric._TORCH_GREATER_EQUAL_2_1)
 
@@ -169,9 +169,7 @@ def sequence_nr(node: Any) -> int | None:
 
 def copy_all(into: list[Any], values: list[Any]) -> None:
     """``into[i].copy_(values[i])`` for every ``i``: one ``_foreach_copy_`` (torch 2.1 on), else a loop."""
-    import torch
-
-    copy = getattr(torch, "_foreach_copy_", None)
+    copy = _foreach_copy()
     if copy is not None and into:
         copy(into, values)
     else:
@@ -179,10 +177,32 @@ def copy_all(into: list[Any], values: list[Any]) -> None:
             view.copy_(value)
 
 
+@functools.cache
+def _foreach_copy() -> Any:
+    import torch
+
+    return getattr(torch, "_foreach_copy_", None)
+
+
+_V1_4, _V1_4_1 = Version("1.4"), Version("1.4.1")
+#: the live ``torchmetrics.metric`` and its release, read once per module object (asked at every sync). A cache.
+_release: list[tuple[object, Version]] = []
+
+
 def release() -> Version:
     """The first torchmetrics release whose ``torchmetrics.metric`` source is the live one's (``main``: newer than
     every release). Raises ``LookupError`` where it is not recognised."""
-    return _first(recognise.release_of("torchmetrics.metric"))
+    module = sys.modules.get("torchmetrics.metric")
+    if _release and _release[0][0] is module:
+        return _release[0][1]
+    found = _first(recognise.release_of("torchmetrics.metric"))
+    _release[:] = [(module, found)]
+    return found
+
+
+def forget() -> None:
+    """Forget the release read (``fused.reset``)."""
+    _release.clear()
 
 
 @functools.lru_cache(maxsize=16)

@@ -268,8 +268,7 @@ def _write(
     if buffer.device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
         head = head.pin_memory()
     buffer[: head.numel()].copy_(head, non_blocking=True)
-    with torch.no_grad():
-        internals.copy_all(places, [tensor for _, tensor in sent])
+    internals.copy_all(places, [tensor for _, tensor in sent])  # the exchange sends under no_grad
 
 
 #: the stand-in for a piece a buffer does not hold (see :func:`unpack`)
