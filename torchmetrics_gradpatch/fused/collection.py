@@ -184,6 +184,13 @@ class Outcome:
     def torchmetrics_sync(self) -> Any:
         return _torchmetrics_sync(self.own_sync)
 
+    def take(self) -> list[Synced]:
+        """The synced members' states, handed over once: the outcome no longer holds their entries, nor the receive
+        buffers those view, while the members compute."""
+        taken = list(self.synced.values())
+        self.synced.clear()
+        return taken
+
 
 def _table(exchange: Any, members: list[tuple[str, Any]], codes: list[int], staged: bool) -> tuple[Any, ...]:
     """Step 1 for every joining member (``staged``; else the table travels alone): each member's states, the member
@@ -330,7 +337,7 @@ def _exchange_and_compute(
     outcome = sync_members(members, _engine.effective_mode(), codes, staged=not aside_here, aside_here=aside_here)
     joined: list[Any] = []
     try:
-        for synced in outcome.synced.values():
+        for synced in outcome.take():
             synced.set_through_sync()
             joined.append(synced.metric)
     except BaseException:

@@ -58,6 +58,7 @@ class _Pending:
         metric = self.metric
         if self.synced is not None:
             self.synced.set()
+            self.synced = None  # its entries, and the receive buffers they view, are not held while it computes
             internals.set_flags(metric, is_synced=True, to_sync=False)
         batch_val = metric.compute()
         self.restore()
@@ -161,7 +162,7 @@ class _Step:
 
     def synced(self, outcome: Any) -> None:
         """Hand each member the exchange synced its batch states."""
-        for synced in outcome.synced.values():
+        for synced in outcome.take():
             self.pending[id(synced.metric)].synced = synced
 
     def restore(self) -> None:
