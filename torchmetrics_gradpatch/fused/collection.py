@@ -249,6 +249,7 @@ def sync_members(
         states, table, placement, agreed = [], [], [], 0
     flags = (0 if staged else wire.FLAG_UNSTAGED) | (wire.FLAG_ASIDE if aside_here else 0)
     exchange.send(flags, agreed, table, placement)
+    exchange.receive()  # the member tables are in the descriptions
     tables = [_rows(t) for t in exchange.tables]
     everywhere = not exchange.flagged(wire.FLAG_UNSTAGED)
     # what the tables settle depends on the descriptions and flags alone: a steady exchange settles them once

@@ -1,9 +1,9 @@
 """One fused exchange: this rank's states in, every rank's synced states out, over one process group.
 
 :class:`Exchange` owns a *slot* per distinct state, its buffers and its phases, run once each in order: ``add``,
-``send``, ``validate``, ``settle``, ``entries``; :func:`set_states` is then torchmetrics' step 3 for one Metric, and
-:func:`sync_metric` the single sync. Every error the ranks' disagreement causes is raised on every rank, with the same
-text, after the same collectives. What each phase does to a state: docs/design.md ("The fused exchange").
+``send``, ``receive``, ``validate``, ``settle``, ``entries``; :func:`set_states` is then torchmetrics' step 3 for one
+Metric, and :func:`sync_metric` the single sync. Every error the ranks' disagreement causes is raised on every rank,
+with the same text, after the same collectives. What each phase does to a state: docs/design.md ("The fused exchange").
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ class Exchange:
         self.reduced: dict[int, torch.Tensor] = {}
         self._proposal = reduced.Proposal()
         self._own: tuple[torch.Tensor, wire.Views] | None = None
+        self._sending: tuple[Any, ...] = ()  # between send and receive: what collective 2 may need
 
     # -- phase 1: this rank's states, after torchmetrics' step 1 -----------------------------------------------------
 
@@ -213,9 +214,10 @@ class Exchange:
     def send(
         self, flags: int = 0, fingerprint: int = 0, table: Sequence[int] = (), placement: Sequence[int] = ()
     ) -> list[list[int]]:
-        """Collective 1, and 2 where some payload did not fit: every rank's header row (returned), description and
-        pieces. ``flags``: the caller's; ``table``: a collection's member table, sent in front of the description;
-        ``placement``: what a proposal to reduce must agree on besides the slots. Refusals are raised on every rank."""
+        """Collective 1: every rank's header row (returned) and, where it fits the group's capacity, its description
+        and pieces. ``flags``: the caller's; ``table``: a collection's member table, sent in front of the
+        description; ``placement``: what a proposal to reduce must agree on besides the slots. Refusals are raised on
+        every rank."""
         flags |= self._flags()
         self._complete_large()
         words = wire.encode([s.described for s in self.slots], table)
@@ -232,8 +234,16 @@ class Exchange:
             self.rows, inline, regions = wire.gather_first(
                 header, words, sent, proposed.offsets, proposed.size, self.group, self.world_size, self.device
             )
-            self._refuse(self.rows)
-            self.skip = skip = proposal.slots if reduced.agreed(self.rows, proposal) else ()
+        self._sending = (words, sent, whole, proposed, inline, regions)
+        self._refuse(self.rows)
+        return self.rows
+
+    def receive(self) -> None:
+        """Collective 2 where some payload did not fit the first, then every rank's description and pieces."""
+        words, sent, whole, proposed, inline, regions = self._sending
+        del self._sending  # the receive buffers live on in the pieces' views only
+        self.skip = skip = self._proposal.slots if reduced.agreed(self.rows, self._proposal) else ()
+        with torch.no_grad():
             # an inline payload leaves out what its rank proposed to reduce: usable where that was agreed, or empty
             if all(
                 row[wire.FLAGS] & wire.FLAG_INLINE and (skip or row[wire.SIZE_REDUCED] == row[wire.SIZE])
@@ -244,9 +254,8 @@ class Exchange:
                 largest = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in self.rows)
                 payload = wire.pack(words, sent, (proposed if skip else whole).offsets, largest, self.device)
                 buffers = wire.gather_payloads(payload, self.group, self.world_size)
-            del regions  # the receive buffers live on in the pieces' views only
+            del regions
             self._receive(words, inline, buffers)
-        return self.rows
 
     def _flags(self) -> int:
         """This rank's header flags: grad mode, some tensor requiring grad, check mode, a failure."""
@@ -495,6 +504,7 @@ def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) ->
         rule = "the ranks are syncing different metrics (another class, or other states or reductions)"
         raise structure_error("a Metric", None, rule, dict(enumerate(held)))
     exchange.check_grad_modes()
+    exchange.receive()
     exchange.validate(exchange.name, states, exchange.every)
     exchange.settle()
     keep = [s.described.kind == wire.KIND_LIST and not s.is_cat for s in slots]
