@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from torchmetrics_gradpatch import _gather
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
-from torchmetrics_gradpatch._gather import staging_device
 from torchmetrics_gradpatch.fused import internals
 from torchmetrics_gradpatch.fused.exchange import uneven_lists
 
@@ -268,10 +268,8 @@ def _first(
 
 def _facts(mine: list[int], group: Any) -> list[list[int]]:
     """Every rank's ``mine`` (as many small integers on every rank): one collective, on the group's device."""
-    found = torch.tensor(mine, dtype=torch.int64, device=staging_device(group))
-    every = [torch.empty_like(found) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, found, group)
-    return [[int(v) for v in row.tolist()] for row in every]
+    found = torch.tensor(mine, dtype=torch.int64, device=_gather.staging_device(group))
+    return [[int(v) for v in row] for row in _gather.exchange(found, group, dist.get_world_size(group)).tolist()]
 
 
 def _agree(text: str | None, what: str, group: Any, cause: BaseException | None) -> None:
@@ -280,7 +278,7 @@ def _agree(text: str | None, what: str, group: Any, cause: BaseException | None)
 
     if not any(row[0] for row in _facts([int(text is not None)], group)):
         return
-    texts = gather_texts(text or "", group, dist.get_world_size(group), staging_device(group))
+    texts = gather_texts(text or "", group, dist.get_world_size(group), _gather.staging_device(group))
     differing = [(r, t) for r, t in enumerate(texts) if t]
     rank, first = differing[0]
     raise FusedSyncError(

@@ -155,6 +155,7 @@ class Exchange:
         self.words: tuple[tuple[int, ...], ...] = ()
         self.tables: list[tuple[int, ...]] = []
         self.every: list[tuple[wire.State, ...]] = []
+        self._described: list[wire.Described] = []  # every rank's description as read back (what settle needs)
         self.gathered: list[list[list[torch.Tensor]]] = []
         self.skip: tuple[int, ...] = ()
         self.reduced: dict[int, torch.Tensor] = {}
@@ -280,6 +281,7 @@ class Exchange:
             known = words if r == self.rank else inline[r]
             theirs = tuple(known if known is not None else wire.words_of(buffer, row[wire.WORDS]))
             described = wire.read(theirs, self.skip)
+            self._described.append(described)
             self.words += (theirs,)
             self.tables.append(described.table)
             self.every.append(described.states)
@@ -374,16 +376,15 @@ class Exchange:
         """The side channels, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
         states cross (no collective where the descriptions call for none)."""
         chunk = min(row[wire.CHUNK] for row in self.rows)
-        traits = [wire.read(words) for words in self.words]
         with torch.no_grad():
-            if any(each.streams for each in traits):
+            if any(each.streams for each in self._described):
                 own = [s.tensors for s in self.slots]
                 moved = transit.receive_stream(own, self.every, self.skip, self.rank, self.group, self.staging, chunk)
                 for r, s, i, piece in moved:
                     self.gathered[r][s][i] = piece
             if self.skip:
                 self.reduced = reduced.run(self._proposal, self.slots, self.group, self.device, self.staging, chunk)
-            if any(each.separates for each in traits):
+            if any(each.separates for each in self._described):
                 apart = large.run(self.tables, self.every, self.slots, self.rank, self.group, self.device)
                 for r, s, i, piece in apart.pieces:
                     self.gathered[r][s][i] = piece

@@ -205,7 +205,6 @@ def forget() -> None:
     _release.clear()
 
 
-@functools.lru_cache(maxsize=16)
 def _first(releases: str) -> Version:
     if not releases:
         raise LookupError("torchmetrics.metric is not recognised")
