@@ -800,9 +800,9 @@ def test_kept_send_buffer_gives_packs_bytes_and_zero_padding() -> None:
         offsets, size = wire.layout(described, 8 * len(words))
         row = list(range(wire.HEADER_WORDS))
         total = 8 * wire.HEADER_WORDS + size + 64
-        cpu = torch.device("cpu")
-        kept = wire._pack_kept(group, [*row, *words], [[t] for t in tensors], offsets, total, cpu).clone()
-        return kept, wire.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, 8 * wire.HEADER_WORDS)
+        cpu, head = torch.device("cpu"), 8 * wire.HEADER_WORDS
+        kept = wire.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, head, group).clone()
+        return kept, wire.pack([*row, *words], [[t] for t in tensors], offsets, total, cpu, head)
 
     group = wire.Group()  # a group's record of its own: the process's others stay as they were
     first = [torch.full((3,), 7.0, dtype=torch.float64), torch.ones((), dtype=torch.complex128).conj()]

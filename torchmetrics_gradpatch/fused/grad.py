@@ -8,8 +8,7 @@ that required grad on their rank; its backward is global mode's one ``all_to_all
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -17,8 +16,7 @@ from torch.autograd.function import once_differentiable
 from torchmetrics_gradpatch._global import scatter_sum
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One differentiable entry: its owner rank, its gathered copy, and whether the output must own its memory (it
     outlives the sync as list-state content)."""
 
@@ -27,8 +25,7 @@ class Entry:
     copy: bool
 
 
-@dataclass
-class Node:
+class Node(NamedTuple):
     """What the node needs: ``entries`` in owner-rank order, then state order (a rank's own are its inputs' order)."""
 
     entries: list[Entry]

@@ -9,26 +9,30 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from torchmetrics_gradpatch import _bytes
 from torchmetrics_gradpatch._gather import all_reduce_chunked
 from torchmetrics_gradpatch.fused import wire
 
 #: A state smaller than this rides in the payload: its own collective would cost more than the bytes it saves.
 REDUCE_MIN_BYTES = 64 * 1024
 
-_INTEGERS = ("bool", "uint8", "int8", "int16", "int32", "int64")
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
+_INTEGERS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+#: Per floating-point dtype: the integer dtype of its width and the mask of its exponent bits.
+_EXPONENTS = {
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float32: (torch.int32, 0x7F80_0000),
+    torch.float64: (torch.int64, 0x7FF0_0000_0000_0000),
+}
 
 
-@dataclass(frozen=True)
-class Reduced:
+class Reduced(NamedTuple):
     """One reduced slot: the operation (``sum``, ``max``, ``min``), the dtype it is reduced in (``transport``) and
     comes out as (``result``), and whether it is held on the CPU and streamed."""
 
@@ -40,19 +44,12 @@ class Reduced:
     streamed: bool
 
 
-@dataclass(frozen=True)
-class Proposal:
+class Proposal(NamedTuple):
     """This rank's proposal: the slots it would reduce and the digest every rank compares (``0``: none)."""
 
     entries: tuple[Reduced, ...] = ()
     digest: int = 0
     slots: tuple[int, ...] = ()
-
-
-def _ops() -> dict[Any, str]:
-    from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
-
-    return {dim_zero_sum: "sum", dim_zero_max: "max", dim_zero_min: "min"}
 
 
 @functools.cache
@@ -62,24 +59,6 @@ def _result_dtype(reduction: Any, dtype: torch.dtype) -> torch.dtype | None:
         return reduction(torch.zeros(1, dtype=dtype)).dtype  # type: ignore[no-any-return]
     except Exception:  # a dtype this torch cannot reduce: gathered, as torchmetrics does
         return None
-
-
-def _transport(op: str, dtype: torch.dtype) -> torch.dtype | None:
-    name = str(dtype).removeprefix("torch.")
-    if name in _INTEGERS:
-        return torch.int64
-    if name in _FLOATS and op != "sum":
-        return torch.float64 if dtype == torch.float64 else torch.float32
-    return None
-
-
-#: Per floating-point dtype: the integer dtype of its width and the mask of its exponent bits.
-_EXPONENTS = {
-    torch.float16: (torch.int16, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float32: (torch.int32, 0x7F80_0000),
-    torch.float64: (torch.int64, 0x7FF0_0000_0000_0000),
-}
 
 
 def _order_free(tensor: torch.Tensor) -> bool:
@@ -95,7 +74,9 @@ def _order_free(tensor: torch.Tensor) -> bool:
 def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
     """This rank's proposal for the exchange's ``slots``; ``table`` (a collection's member table) enters the digest,
     so ranks whose members map to other slots do not agree."""
-    ops = _ops()
+    from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
+
+    ops = ((dim_zero_sum, "sum"), (dim_zero_max, "max"), (dim_zero_min, "min"))
     entries = []
     for index, slot in enumerate(slots):
         described = slot.described
@@ -105,16 +86,17 @@ def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
         tensor, piece = slot.tensors[0], described.pieces[0]
         if piece.dtype is None or piece.requires_grad or piece.nbytes < REDUCE_MIN_BYTES:
             continue
-        try:
-            op = ops.get(slot.reduction)
-        except TypeError:  # a reduction that cannot be hashed
-            continue
+        op = next((name for known, name in ops if known is slot.reduction), None)  # any reduction, hashable or not
         if op is None:
             continue
-        transport = _transport(op, piece.dtype)
-        result = _result_dtype(slot.reduction, piece.dtype)
-        wanted = torch.int64 if op == "sum" else piece.dtype
-        if transport is None or result is None or result != wanted or not _order_free(tensor):
+        if piece.dtype in _INTEGERS:
+            transport = torch.int64
+        elif piece.dtype in _EXPONENTS and op != "sum":
+            transport = torch.float64 if piece.dtype == torch.float64 else torch.float32
+        else:
+            continue
+        result = torch.int64 if op == "sum" else piece.dtype
+        if _result_dtype(slot.reduction, piece.dtype) != result or not _order_free(tensor):
             continue
         entries.append(Reduced(index, op, transport, result, piece.shape, piece.streamed))
     if not entries:
@@ -144,7 +126,7 @@ def run(
         key = ("sum" if entry.op == "sum" else "max", entry.transport, entry.streamed)
         groups.setdefault(key, []).append(entry)
     out: dict[int, torch.Tensor] = {}
-    for (op, transport, streamed), members in groups.items():
+    for (op, _, streamed), members in groups.items():
         where = torch.device("cpu") if streamed else device
         # a min crosses as the max of its bitwise complement (integers) or of its negation
         flat = torch.cat(
@@ -155,11 +137,8 @@ def run(
             all_reduce_chunked(flat, reduce_op, group, staging, chunk)
         else:
             dist.all_reduce(flat, reduce_op, group)
-        at = 0
-        for entry in members:
-            n = _bytes.nbytes(entry.shape, transport) // _bytes.itemsize(transport)
-            out[entry.slot] = _flip(entry, flat[at : at + n]).to(entry.result).view(entry.shape)
-            at += n
+        for entry, part in zip(members, torch.split(flat, [math.prod(e.shape) for e in members]), strict=True):
+            out[entry.slot] = _flip(entry, part).to(entry.result).view(entry.shape)
     return out
 
 

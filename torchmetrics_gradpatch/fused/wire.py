@@ -41,9 +41,8 @@ WINDOW = 32  # how many of a group's recent exchanges the capacity follows
 KEPT = 8  # collective 1's send buffers a group keeps
 _HEAD_BYTES = 8 * HEADER_WORDS
 
-KIND_TENSOR = 0
-KIND_LIST = 1
-KIND_OTHER = 2  # neither a tensor nor a list of tensors: refused on every rank (Exchange.validate)
+# a state's kind; other: neither a tensor nor a list of tensors, refused on every rank (Exchange.validate)
+KIND_TENSOR, KIND_LIST, KIND_OTHER = range(3)
 
 UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
 
@@ -87,7 +86,7 @@ class State:
 
 def piece_of(tensor: torch.Tensor, streamed: bool = False) -> Piece:
     """The description of ``tensor``."""
-    return _piece(tensor.dtype, tuple(tensor.shape), tensor.requires_grad, streamed)
+    return _tensor_state(tensor.dtype, tuple(tensor.shape), tensor.requires_grad, streamed).pieces[0]
 
 
 def tensor_state(tensor: torch.Tensor, streamed: bool = False) -> State:
@@ -96,14 +95,9 @@ def tensor_state(tensor: torch.Tensor, streamed: bool = False) -> State:
 
 
 # a steady exchange describes the same tensors step after step: one object each, its nbytes and words made once
-@functools.lru_cache(maxsize=1024)
-def _piece(dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, streamed: bool) -> Piece:
-    return Piece(dtype if _bytes.plain(dtype) else None, shape, requires_grad, streamed)
-
-
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=2048)
 def _tensor_state(dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool, streamed: bool) -> State:
-    return State(KIND_TENSOR, (_piece(dtype, shape, requires_grad, streamed),))
+    return State(KIND_TENSOR, (Piece(dtype if _bytes.plain(dtype) else None, shape, requires_grad, streamed),))
 
 
 def encode(states: Sequence[State], table: Sequence[int] = ()) -> list[int]:
@@ -163,10 +157,9 @@ def read(words: tuple[int, ...], skip: tuple[int, ...] = ()) -> Described:
 
 def views(states: Sequence[State], offsets: Sequence[Sequence[int]], skip: Sequence[int]) -> Views:
     """How to view each piece of a buffer laid out by ``offsets`` (:func:`layout`)."""
-    left_out = set(skip)
     return tuple(
         None
-        if s in left_out
+        if s in skip
         else tuple(
             (p.dtype, p.shape, _strides(p.shape), o // _bytes.itemsize(p.dtype) if o >= 0 else -1)
             for p, o in zip(state.pieces, state_offsets, strict=True)
@@ -209,66 +202,35 @@ def pack(
     size: int,
     device: torch.device,
     base: int = 0,
+    kept: Group | None = None,
 ) -> torch.Tensor:
-    """This rank's payload in a new zeroed buffer of ``size`` bytes (no byte of this process's memory travels):
-    ``words``, then each tensor's bytes at its offset plus ``base`` (where the payload starts after a header)."""
-    sent = _sent(tensors, offsets)
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    _write(buffer, words, [_view(buffer, base + at, tensor) for at, tensor in sent], sent)
-    return buffer
-
-
-def _pack_kept(
-    kept: Group,
-    words: Sequence[int],
-    tensors: Sequence[Sequence[torch.Tensor]],
-    offsets: Sequence[Sequence[int]],
-    size: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """:func:`pack` (the payload after the header) into the send buffer ``kept`` holds for this layout: the
-    description after the header and the offsets are the layout, so the buffer's padding stays zeros. On CUDA the
-    key holds the current stream too (a collective's ``wait()`` orders it before that stream's next write only);
-    devices other than CUDA and the CPU take :func:`pack`."""
-    if device.type not in ("cuda", "cpu"):
-        return pack(words, tensors, offsets, size, device, _HEAD_BYTES)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    sent = _sent(tensors, offsets)
-    key = (device, stream, size, tuple(words[HEADER_WORDS:]), tuple(itertools.chain.from_iterable(offsets)))
-    found = kept.sends.get(key)
+    """This rank's payload in a zeroed buffer of ``size`` bytes (no byte of this process's memory travels): ``words``,
+    then each tensor's bytes at its offset plus ``base`` (where the payload starts after a header). With ``kept``, the
+    send buffer it holds for this layout: the words after ``base`` and the offsets are the layout, so the buffer's
+    padding stays zeros. On CUDA the key holds the current stream too (a collective's ``wait()`` orders it before
+    that stream's next write only); devices other than CUDA and the CPU take a new buffer."""
+    pairs = zip(itertools.chain.from_iterable(offsets), itertools.chain.from_iterable(tensors), strict=True)
+    sent = [(at, tensor) for at, tensor in pairs if at >= 0 and tensor.numel()]  # a key's are the same
+    key: tuple[Any, ...] | None = None
+    found = None
+    if kept is not None and device.type in ("cuda", "cpu"):
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        key = (device, stream, size, tuple(words[base // 8 :]), tuple(itertools.chain.from_iterable(offsets)))
+        found = kept.sends.get(key)
     if found is None:
         buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        found = kept.sends[key] = (buffer, [_view(buffer, _HEAD_BYTES + at, tensor) for at, tensor in sent])
-        while len(kept.sends) > KEPT:
-            kept.sends.pop(next(iter(kept.sends)))
+        found = (buffer, [buffer[base + at : base + at + t.nbytes].view(t.dtype).view(t.shape) for at, t in sent])
+        if kept is not None and key is not None:
+            kept.sends[key] = found
+            while len(kept.sends) > KEPT:
+                kept.sends.pop(next(iter(kept.sends)))
     buffer, places = found
-    _write(buffer, words, places, sent)
-    return buffer
-
-
-def _sent(
-    tensors: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]]
-) -> list[tuple[int, torch.Tensor]]:
-    """Each tensor with bytes in the payload, with its offset (the layout decides which: a key's are the same)."""
-    pairs = zip(itertools.chain.from_iterable(offsets), itertools.chain.from_iterable(tensors), strict=True)
-    return [(at, tensor) for at, tensor in pairs if at >= 0 and tensor.numel()]
-
-
-def _view(buffer: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``buffer`` from ``at`` on (a multiple of the dtype's size) viewed as a tensor like ``like``."""
-    start = at // like.element_size()
-    return buffer.view(like.dtype)[start : start + like.numel()].view(like.shape)
-
-
-def _write(
-    buffer: torch.Tensor, words: Sequence[int], places: list[torch.Tensor], sent: list[tuple[int, torch.Tensor]]
-) -> None:
-    """``words`` at the start of ``buffer``, and each tensor of ``sent`` into its place."""
     head = torch.frombuffer(array.array("q", words), dtype=torch.uint8)
     if buffer.device.type != "cpu":  # pinned, so the copy neither waits for the device nor counts as a sync
         head = head.pin_memory()
     buffer[: head.numel()].copy_(head, non_blocking=True)
     internals.copy_all(places, [tensor for _, tensor in sent])  # the exchange sends under no_grad
+    return buffer
 
 
 #: the stand-in for a piece a buffer does not hold (see :func:`unpack`)
@@ -281,11 +243,8 @@ def unpack(buffer: torch.Tensor, views: Views) -> list[list[torch.Tensor]]:
     typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # one view of the buffer per dtype
     out: list[list[torch.Tensor]] = []
     for pieces in views:
-        if pieces is None:
-            out.append([])
-            continue
         held = []
-        for dtype, shape, strides, at in pieces:
+        for dtype, shape, strides, at in pieces or ():
             if at < 0:
                 held.append(ABSENT)
                 continue
@@ -308,8 +267,7 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-@dataclass(frozen=True)
-class Capacity:
+class Capacity(NamedTuple):
     """A group's inline capacity: payload bytes a rank may put in collective 1 (``0``: none), and description words
     every rank reads back from it (at most ``data // 8``)."""
 
@@ -343,11 +301,6 @@ class Group:
             found = cls._strong.setdefault(key, cls())
         return found
 
-    @classmethod
-    def forget(cls) -> None:
-        cls._all.clear()
-        cls._strong.clear()
-
     def agree(self, rows: Sequence[Sequence[int]]) -> None:
         """Record one exchange from its gathered header ``rows`` (every rank, right after collective 1)."""
         size = max(row[SIZE_REDUCED] for row in rows)
@@ -359,11 +312,8 @@ class Group:
         if unchanged:
             return
         needs = [need for need in self.needs if need is not None]
-        if not needs:
-            self.capacity = Capacity()
-            return
-        data = min(max(_power_of_two(max(n for n, _ in needs)), INLINE_MIN), INLINE_MAX)
-        self.capacity = Capacity(data, min(_power_of_two(max(w for _, w in needs)), data // 8))
+        data = min(max(_power_of_two(max(n for n, _ in needs)), INLINE_MIN), INLINE_MAX) if needs else 0
+        self.capacity = Capacity(data, min(_power_of_two(max((w for _, w in needs), default=0)), data // 8))
 
 
 def _power_of_two(n: int) -> int:
@@ -392,9 +342,8 @@ def gather_first(
     if not inline:
         words, tensors, offsets = [], [], []
     total = _HEAD_BYTES + agreed.data
-    mine = _pack_kept(kept, [*row, *words], tensors, offsets, total, device)
-    flat = torch.empty((world_size, total), dtype=torch.uint8, device=mine.device)
-    _gather_rows(flat, mine, group)
+    mine = pack([*row, *words], tensors, offsets, total, device, _HEAD_BYTES, kept)
+    flat = _gather_rows(mine, group, world_size)
     del mine
     # the exchange's one device-to-host read: every header and every inline description at once
     table = flat[:, : _HEAD_BYTES + 8 * agreed.words].view(torch.int64).tolist()
@@ -406,9 +355,10 @@ def gather_first(
     return rows, inline_words, list(flat[:, _HEAD_BYTES:].unbind(0))
 
 
-def _gather_rows(flat: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
-    """Every rank's ``mine`` into its row of ``flat``: in one tensor where the backend takes it (on the CPU from torch
-    2.13's ``all_gather_single`` on, saving ``all_gather``'s copy and list checks), else through ``all_gather``."""
+def _gather_rows(mine: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
+    """Every rank's ``mine`` in its row of a new tensor, gathered into it where the backend takes one tensor (on the
+    CPU from torch 2.13's ``all_gather_single`` on, saving ``all_gather``'s copy and list checks)."""
+    flat = torch.empty((world_size, mine.numel()), dtype=mine.dtype, device=mine.device)
     into = getattr(dist, "all_gather_single", None)
     if into is None and flat.device.type == "cuda":
         into = dist.all_gather_into_tensor
@@ -416,13 +366,12 @@ def _gather_rows(flat: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
         into(flat.view(-1), mine, group=group)
     else:
         dist.all_gather(list(flat), mine, group)
+    return flat
 
 
 def gather_payloads(buffer: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:
     """Collective 2: every rank's payload (all padded to the same size), in group-rank order."""
-    flat = torch.empty((world_size, buffer.numel()), dtype=buffer.dtype, device=buffer.device)
-    _gather_rows(flat, buffer, group)
-    return list(flat)
+    return list(_gather_rows(buffer, group, world_size))
 
 
 def words_of(buffer: torch.Tensor, count: int) -> list[int]:
@@ -432,6 +381,7 @@ def words_of(buffer: torch.Tensor, count: int) -> list[int]:
 
 def forget() -> None:
     """Forget every group's record and the descriptions read once (``fused.reset``)."""
-    Group.forget()
-    for cached in (read, _tensor_state, _piece, _strides):
+    Group._all.clear()
+    Group._strong.clear()
+    for cached in (read, _tensor_state, _strides):
         cached.cache_clear()
