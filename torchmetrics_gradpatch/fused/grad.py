@@ -1,9 +1,7 @@
-"""Global mode's node for the fused exchange: one autograd node for all of an exchange's states.
-
-Its inputs are this rank's own tensors that require grad, its outputs every rank's gathered copies of the tensors
-that required grad on their rank; its backward is global mode's one ``all_to_all_single``
-(:func:`torchmetrics_gradpatch._global.scatter_sum`). Semantics: docs/gradient-modes.md.
-"""
+"""Global mode's one autograd node for all of a fused exchange's states: its inputs are this rank's own tensors that
+require grad, its outputs every rank's gathered copies of the tensors that required grad on their rank, its backward
+global mode's one ``all_to_all_single`` (:func:`torchmetrics_gradpatch._global.scatter_sum`). Semantics:
+docs/gradient-modes.md."""
 
 from __future__ import annotations
 

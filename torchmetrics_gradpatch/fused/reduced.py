@@ -1,9 +1,7 @@
-"""Exact reductions: states whose reduction gives the same bits in any order are all-reduced, not gathered.
-
-Every rank follows this rank's proposal (:func:`propose`) only where every rank sent the same digest
-(:func:`agreed`), so no state of one rank can make the ranks issue other collectives; :func:`run` then issues one
-``all_reduce`` per operation and transport dtype. Which states, and why: docs/fused-sync.md ("Exact reductions").
-"""
+"""Exact reductions: states whose reduction gives the same bits in any order are all-reduced, not gathered. Every
+rank follows this rank's proposal (:func:`propose`) only where every rank sent the same digest (:func:`agreed`), so
+no state of one rank can make the ranks issue other collectives; :func:`run` then issues one ``all_reduce`` per
+operation and transport dtype. Which states, and why: docs/fused-sync.md ("Exact reductions")."""
 
 from __future__ import annotations
 
@@ -61,16 +59,6 @@ def _result_dtype(reduction: Any, dtype: torch.dtype) -> torch.dtype | None:
         return None
 
 
-def _order_free(tensor: torch.Tensor) -> bool:
-    """Whether a max or min over ``tensor`` gives the same bits in any order and floating-point mode: no NaN, no
-    ``-0.0``, no subnormal (read from the bits, which ``set_flush_denormal`` cannot change)."""
-    if not tensor.is_floating_point():
-        return True
-    as_int, exponent = _EXPONENTS[tensor.dtype]
-    bits = tensor.view(as_int)
-    return not bool(torch.isnan(tensor).any()) and not bool((((bits & exponent) == 0) & (bits != 0)).any())
-
-
 def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
     """This rank's proposal for the exchange's ``slots``; ``table`` (a collection's member table) enters the digest,
     so ranks whose members map to other slots do not agree."""
@@ -96,8 +84,15 @@ def propose(slots: Sequence[Any], table: Sequence[int] = ()) -> Proposal:
         else:
             continue
         result = torch.int64 if op == "sum" else piece.dtype
-        if _result_dtype(slot.reduction, piece.dtype) != result or not _order_free(tensor):
+        if _result_dtype(slot.reduction, piece.dtype) != result:
             continue
+        if piece.dtype in _EXPONENTS:
+            # a max or min gives the same bits in any order and floating-point mode only without NaN, -0.0 and
+            # subnormals (read from the bits, which set_flush_denormal cannot change)
+            as_int, exponent = _EXPONENTS[piece.dtype]
+            bits = tensor.view(as_int)
+            if bool(torch.isnan(tensor).any()) or bool((((bits & exponent) == 0) & (bits != 0)).any()):
+                continue
         entries.append(Reduced(index, op, transport, result, piece.shape, piece.streamed))
     if not entries:
         return Proposal()
@@ -121,18 +116,17 @@ def run(
 ) -> dict[int, torch.Tensor]:
     """The agreed reductions: per slot, its value as torchmetrics' stacked reduction gives it. Streamed slots are
     reduced on the CPU, crossing on ``staging`` in chunks of ``chunk`` bytes, and come back there."""
-    groups: dict[tuple[str, torch.dtype, bool], list[Reduced]] = {}
+    groups: dict[tuple[Any, torch.dtype, bool], list[Reduced]] = {}
     for entry in proposal.entries:
-        key = ("sum" if entry.op == "sum" else "max", entry.transport, entry.streamed)
-        groups.setdefault(key, []).append(entry)
+        reduce_op = dist.ReduceOp.SUM if entry.op == "sum" else dist.ReduceOp.MAX
+        groups.setdefault((reduce_op, entry.transport, entry.streamed), []).append(entry)
     out: dict[int, torch.Tensor] = {}
-    for (op, _, streamed), members in groups.items():
+    for (reduce_op, _, streamed), members in groups.items():
         where = torch.device("cpu") if streamed else device
         # a min crosses as the max of its bitwise complement (integers) or of its negation
         flat = torch.cat(
             [_flip(e, slots[e.slot].tensors[0].detach().to(where, e.transport).reshape(-1)) for e in members]
         )
-        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         if streamed and staging is not None:
             all_reduce_chunked(flat, reduce_op, group, staging, chunk)
         else:

@@ -1,9 +1,7 @@
-"""Where the fused exchange runs, and how states held on the CPU cross when it runs on a device.
-
-A tensor held on the CPU while the exchange runs on a device is *streamed*: described in the payload, its bytes
-crossing afterwards in chunks of at most the smallest chunk size any rank sent, so every rank counts the same
-collectives from the exchanged descriptions (docs/fused-sync.md, "States held on the CPU").
-"""
+"""Where the fused exchange runs, and how tensors held on the CPU cross when it runs on a device: *streamed*,
+described in the payload, their bytes crossing afterwards in chunks of at most the smallest chunk size any rank sent,
+so every rank counts the same collectives from the exchanged descriptions (docs/fused-sync.md, "States held on the
+CPU")."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
-"""The fused exchange's wire format and each process group's agreed inline capacity.
-
-A rank sends a header row of :data:`HEADER_WORDS` int64 words, then its payload: its description (:func:`encode`)
-and each piece's bytes, which are viewed back in place. :class:`Group` holds what must evolve alike on every rank of a
-group. The format, the capacity rule and why every rank holds the same capacity: docs/design.md ("The wire").
-"""
+"""The fused exchange's wire format: a rank sends a header row of :data:`HEADER_WORDS` int64 words, then its payload,
+its description (:func:`encode`) and each piece's bytes, which are viewed back in place. :class:`Group` holds what
+must evolve alike on every rank of a group, its agreed inline capacity. The format, the capacity rule and why every
+rank holds the same capacity: docs/design.md ("The wire")."""
 
 from __future__ import annotations
 
 import array
 import functools
 import itertools
+import math
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -49,9 +48,8 @@ UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
 
 @dataclass(frozen=True)
 class Piece:
-    """One tensor as a description gives it (``dtype`` ``None``: unknown to the format). ``streamed``: held on the
-    CPU while the exchange runs on a device (:mod:`.transit`); ``separate``: sent apart from the payload
-    (:mod:`.large`)."""
+    """One tensor as a description gives it (``dtype`` ``None``: unknown to the format); ``streamed``: held on the
+    CPU while the exchange runs on a device (:mod:`.transit`); ``separate``: out of the payload (:mod:`.large`)."""
 
     dtype: torch.dtype | None
     shape: tuple[int, ...]
@@ -74,8 +72,7 @@ class State:
     placeholder: bool = False
 
     @functools.cached_property
-    def words(self) -> tuple[int, ...]:
-        """This state's words in a description (made once: a steady exchange describes the same objects)."""
+    def words(self) -> tuple[int, ...]:  # made once: a steady exchange describes the same objects
         words = [self.kind, int(self.placeholder), len(self.pieces)]
         for piece in self.pieces:
             code = UNKNOWN_DTYPE if piece.dtype is None else _bytes.code(piece.dtype)
@@ -206,13 +203,11 @@ def pack(
 ) -> torch.Tensor:
     """This rank's payload in a zeroed buffer of ``size`` bytes (no byte of this process's memory travels): ``words``,
     then each tensor's bytes at its offset plus ``base`` (where the payload starts after a header). With ``kept``, the
-    send buffer it holds for this layout: the words after ``base`` and the offsets are the layout, so the buffer's
-    padding stays zeros. On CUDA the key holds the current stream too (a collective's ``wait()`` orders it before
-    that stream's next write only); devices other than CUDA and the CPU take a new buffer."""
+    buffer it keeps per layout (words after ``base``, offsets: its padding stays zeros) and on CUDA per current stream
+    (a collective's ``wait()`` orders only that stream's next write); on devices but CUDA and the CPU, a new one."""
     pairs = zip(itertools.chain.from_iterable(offsets), itertools.chain.from_iterable(tensors), strict=True)
     sent = [(at, tensor) for at, tensor in pairs if at >= 0 and tensor.numel()]  # a key's are the same
-    key: tuple[Any, ...] | None = None
-    found = None
+    found = key = None
     if kept is not None and device.type in ("cuda", "cpu"):
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         key = (device, stream, size, tuple(words[base // 8 :]), tuple(itertools.chain.from_iterable(offsets)))
@@ -260,11 +255,7 @@ def unpack(buffer: torch.Tensor, views: Views) -> list[list[torch.Tensor]]:
 @functools.lru_cache(maxsize=1024)
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A contiguous tensor's strides."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return tuple(math.prod(max(size, 1) for size in shape[i + 1 :]) for i in range(len(shape)))
 
 
 class Capacity(NamedTuple):
@@ -294,12 +285,11 @@ class Group:
     def of(cls, group: Any) -> Group:
         key = dist.group.WORLD if group is None else group
         try:
-            found = cls._all.get(key)
-            if found is None:
-                found = cls._all[key] = cls()
-        except TypeError:
-            found = cls._strong.setdefault(key, cls())
-        return found
+            return cls._all[key]
+        except KeyError:
+            return cls._all.setdefault(key, cls())
+        except TypeError:  # no weak reference to it
+            return cls._strong.setdefault(key, cls())
 
     def agree(self, rows: Sequence[Sequence[int]]) -> None:
         """Record one exchange from its gathered header ``rows`` (every rank, right after collective 1)."""
@@ -347,12 +337,8 @@ def gather_first(
     del mine
     # the exchange's one device-to-host read: every header and every inline description at once
     table = flat[:, : _HEAD_BYTES + 8 * agreed.words].view(torch.int64).tolist()
-    rows = [t[:HEADER_WORDS] for t in table]
-    inline_words = [
-        t[HEADER_WORDS : HEADER_WORDS + row[WORDS]] if row[FLAGS] & FLAG_INLINE else None
-        for t, row in zip(table, rows, strict=True)
-    ]
-    return rows, inline_words, list(flat[:, _HEAD_BYTES:].unbind(0))
+    inline_words = [t[HEADER_WORDS : HEADER_WORDS + t[WORDS]] if t[FLAGS] & FLAG_INLINE else None for t in table]
+    return [t[:HEADER_WORDS] for t in table], inline_words, list(flat[:, _HEAD_BYTES:].unbind(0))
 
 
 def _gather_rows(mine: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
