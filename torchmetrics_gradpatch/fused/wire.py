@@ -40,7 +40,7 @@ WINDOW = 32  # how many of a group's recent exchanges the capacity follows
 KEPT = 8  # collective 1's send buffers a group keeps
 _HEAD_BYTES = 8 * HEADER_WORDS
 
-# a state's kind; other: neither a tensor nor a list of tensors, refused on every rank (Exchange.validate)
+# a state's kind (other: neither a tensor nor a list of tensors, refused on every rank by Exchange.validate)
 KIND_TENSOR, KIND_LIST, KIND_OTHER = range(3)
 
 UNKNOWN_DTYPE = -1  # a dtype a packed buffer cannot carry (no code is negative)
