@@ -185,28 +185,21 @@ def _foreach_copy() -> Any:
 
 
 _V1_4, _V1_4_1 = Version("1.4"), Version("1.4.1")
-#: the live ``torchmetrics.metric`` and its release, read once per module object (asked at every sync). A cache.
-_release: list[tuple[object, Version]] = []
 
 
 def release() -> Version:
     """The first torchmetrics release whose ``torchmetrics.metric`` source is the live one's (``main``: newer than
     every release). Raises ``LookupError`` where it is not recognised."""
-    module = sys.modules.get("torchmetrics.metric")
-    if _release and _release[0][0] is module:
-        return _release[0][1]
-    found = _first(recognise.release_of("torchmetrics.metric"))
-    _release[:] = [(module, found)]
-    return found
+    return _release_of(sys.modules.get("torchmetrics.metric"))
 
 
-def forget() -> None:
-    """Forget the release read (``fused.reset``)."""
-    _release.clear()
-
-
-def _first(releases: str) -> Version:
+@functools.lru_cache(maxsize=1)
+def _release_of(module: object) -> Version:  # read once per module object (asked at every sync)
+    releases = recognise.release_of("torchmetrics.metric")
     if not releases:
         raise LookupError("torchmetrics.metric is not recognised")
     first = releases.split(",")[0].split("-")[0].strip()
     return Version("999") if first == "main" else Version(first)
+
+
+forget = _release_of.cache_clear  # forget the release read (``fused.reset``)

@@ -9,12 +9,12 @@ ranks hold other members: docs/design.md ("The fused step").
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import STEP_MARK, Site
@@ -32,23 +32,6 @@ class _Pending:
     synced: Any = None  # the exchange's synced batch states (collection.Synced), once it ran
     finished: bool = False
     result: Any = None
-
-    @classmethod
-    def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pending:
-        """torchmetrics' lines up to ``batch_val = self.compute()``."""
-        metric.update(*args, **kwargs)  # global accumulation
-        update_count = internals.flag(metric, "update_count")
-        compute_on_cpu = metric.compute_on_cpu
-        # should_unsync: the states are restored below, not by compute()'s unsync
-        internals.set_flags(metric, to_sync=metric.dist_sync_on_step, should_unsync=False, compute_on_cpu=False)
-        cache = internals.copy_state_dict(metric)
-        internals.set_flags(metric, enable_grad=True)  # allow grads for batch computation
-        metric.reset()
-        first = _next_node()
-        metric.update(*args, **kwargs)
-        if first is not None:
-            _alias_older(metric, first)
-        return cls(metric, update_count, compute_on_cpu, cache)
 
     def finish(self) -> Any:
         """torchmetrics' lines from ``batch_val = self.compute()`` on (once; then that value again). Synced batch
@@ -84,15 +67,13 @@ def _probe() -> Any:
     return torch.zeros((), requires_grad=True)
 
 
-_UNNUMBERED = -1  # torch 2.0's nodes made in C++ do not tell their sequence number: every state counts as older
-
-
 def _next_node() -> int | None:
     """The sequence number of the next autograd node made on this thread (``None``: grad mode is off)."""
     if not torch.is_grad_enabled():
         return None
     numbered = internals.sequence_nr(_probe().view(()).grad_fn)
-    return _UNNUMBERED if numbered is None else numbered + 1
+    # torch 2.0's nodes made in C++ do not tell their sequence number: every state counts as older
+    return sys.maxsize if numbered is None else numbered + 1
 
 
 def _older(value: Any, first: int) -> bool:
@@ -100,7 +81,7 @@ def _older(value: Any, first: int) -> bool:
     if not getattr(value, "requires_grad", False):
         return False
     node = value.grad_fn
-    return node is None or first == _UNNUMBERED or (internals.sequence_nr(node) or 0) < first
+    return node is None or (internals.sequence_nr(node) or 0) < first
 
 
 def _alias_older(metric: Any, first: int) -> None:
@@ -115,8 +96,7 @@ def _alias_older(metric: Any, first: int) -> None:
             internals.put(metric, {attr: value.view_as(value)})
 
 
-@dataclass
-class _Done:
+class _Done(NamedTuple):
     """A member that ran its own ``forward`` whole at its place (it joins no exchange): its result, handed back."""
 
     metric: Any
@@ -143,9 +123,22 @@ class _Step:
                     (self.shared if id(value) in seen else seen).add(id(value))
 
     def begin(self, i: int) -> None:
-        """The first half of member ``i``'s ``forward``, which joins an exchange."""
+        """The first half of member ``i``'s ``forward``, which joins an exchange: torchmetrics' lines up to
+        ``batch_val = self.compute()``."""
         metric = self.members[i][1]
-        begun = _Pending.begin(metric, self.args, internals.filter_kwargs(metric, self.kwargs))
+        kwargs = internals.filter_kwargs(metric, self.kwargs)
+        metric.update(*self.args, **kwargs)  # global accumulation
+        update_count = internals.flag(metric, "update_count")
+        compute_on_cpu = metric.compute_on_cpu
+        # should_unsync: the states are restored below, not by compute()'s unsync
+        internals.set_flags(metric, to_sync=metric.dist_sync_on_step, should_unsync=False, compute_on_cpu=False)
+        cache = internals.copy_state_dict(metric)
+        internals.set_flags(metric, enable_grad=True)  # allow grads for batch computation
+        metric.reset()
+        first = _next_node()
+        metric.update(*self.args, **kwargs)
+        if first is not None:
+            _alias_older(metric, first)
         # a list another member holds becomes its own: torchmetrics (1.4 on) clears a list in place in reset(), which
         # the next member's first half runs before this member computes
         if self.shared:
@@ -153,7 +146,7 @@ class _Step:
                 value = getattr(metric, attr)
                 if isinstance(value, list) and id(value) in self.shared:
                     setattr(metric, attr, list(value))
-        self.pending[id(metric)] = self.steps[i] = begun
+        self.pending[id(metric)] = self.steps[i] = _Pending(metric, update_count, compute_on_cpu, cache)
 
     def run(self, i: int) -> None:
         """Member ``i``'s own ``forward``, whole, with its hooks (it joins no exchange)."""
@@ -190,7 +183,7 @@ class _Step:
                 # some rank has a member the exchange does not take over: from the same tables, every rank runs each
                 # member in order, the ones that join everywhere up to their compute(), every other member whole (its
                 # sync where every rank issues it, at its place), then a second exchange for the ones that join
-                with outcome.torchmetrics_sync():
+                with collection.torchmetrics_sync(outcome.own_sync):
                     if not staged and not outcome.joins:
                         return original(metrics, *args, **kwargs)
                     for i in range(len(members)):
@@ -243,24 +236,17 @@ def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
     return queue.pop(0).finish()
 
 
-def _forward(original: Callable[..., Any], metrics: Any, unrecognised: bool, *args: Any, **kwargs: Any) -> Any:
-    """``forward`` with one exchange for every member that joins; in check mode compared with torchmetrics' own."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return original(metrics, *args, **kwargs)
-    members, aside_here = collection.members_of(metrics, unrecognised)
-    codes = forms.forms_of(members, on_step=True)
-    if not collection.syncs_here(members, codes, on_step=True):
-        return original(metrics, *args, **kwargs)
-    if not _engine.effective_check():
-        return _Step(members, args, kwargs).forward(original, metrics, codes, aside_here)
-    from torchmetrics_gradpatch.fused import compare
-
-    return compare.run(
-        "a MetricCollection's forward",
-        metrics,
-        lambda: _Step(members, args, kwargs).forward(original, metrics, codes, aside_here),
-        lambda: collection.torchmetrics_own(original, metrics, *args, **kwargs),
-    )
+def _fused(
+    original: Callable[..., Any],
+    metrics: Any,
+    members: list[tuple[str, Any]],
+    codes: list[int],
+    aside_here: bool,
+    /,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    return _Step(members, args, kwargs).forward(original, metrics, codes, aside_here)
 
 
 def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -271,8 +257,9 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
         # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
         unrecognised = recognise.stepping_aside(recognise.STEP)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
-            return _compile.run_eagerly(functools.partial(_forward, original, self, unrecognised, *args, **kwargs))
-        return _forward(original, self, unrecognised, *args, **kwargs)
+            adapted = functools.partial(collection.adapt, _fused, original, self, unrecognised, True, *args, **kwargs)
+            return _compile.run_eagerly(adapted)
+        return collection.adapt(_fused, original, self, unrecognised, True, *args, **kwargs)
 
     return forward
 
