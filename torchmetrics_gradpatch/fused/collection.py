@@ -21,6 +21,9 @@ from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import COLLECTION_MARK, Site
 from torchmetrics_gradpatch.fused import forms, internals, large, membership, recognise, wire
 
+Members = list[tuple[str, Any]]  # a collection's members: (key, Metric), in its order
+Method = Callable[..., Any]  # a collection's compute or forward, or what runs in its place
+
 
 def _member_name(key: str, metric: Any) -> str:
     return f"{type(metric).__name__} (MetricCollection member {key!r})"
@@ -48,10 +51,9 @@ def _rows(table: tuple[int, ...]) -> list[_Row]:
     return rows
 
 
-_Settled = tuple[list[int], list[int], list[int], dict[int, tuple[list[tuple[int, ...]], list[list[Any]], list[bool]]]]
-
-
-def _settle(exchange: Any, members: list[tuple[str, Any]], codes: list[int], tables: list[list[_Row]]) -> _Settled:
+def _settle(
+    exchange: Any, members: Members, codes: list[int]
+) -> tuple[list[int], list[int], list[int], dict[int, Any]]:
     """What the tables settle, alike on every rank: the members whose forms differ between ranks, which every rank
     syncs with torchmetrics' own ``_sync_dist``; the members that join; the ones computed anew; and per member the
     exchange syncs (``joined[i]``) every rank's slots and their descriptions and which of this rank's slots an
@@ -59,6 +61,7 @@ def _settle(exchange: Any, members: list[tuple[str, Any]], codes: list[int], tab
     all) or where torchmetrics' own sync could not complete."""
     from torchmetrics_gradpatch.fused.exchange import describe, gather_texts, structure_error
 
+    tables = [_rows(table) for table in exchange.tables]
     sizes = {len(table) for table in tables}
     differing = [i for i in range(min(sizes)) if len({table[i].fingerprint for table in tables}) > 1]
     if len(sizes) > 1 or differing:
@@ -104,7 +107,7 @@ def _settle(exchange: Any, members: list[tuple[str, Any]], codes: list[int], tab
 
 
 #: (every rank's description, which flags some rank sent, this rank) -> what it settled, where its checks passed
-_SETTLED: dict[tuple[Any, ...], _Settled] = {}
+_SETTLED: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], dict[int, Any]]] = {}
 
 
 class Synced(NamedTuple):
@@ -162,7 +165,7 @@ class Outcome:
         return taken
 
 
-def _table(exchange: Any, members: list[tuple[str, Any]], codes: list[int], staged: bool) -> tuple[Any, ...]:
+def _table(exchange: Any, members: Members, codes: list[int], staged: bool) -> tuple[Any, ...]:
     """Step 1 for every joining member (``staged``; else the table travels alone): each member's states, the member
     table, what a proposal to reduce must agree on, and the fingerprint every rank must share."""
     from torchmetrics_gradpatch.fused.exchange import State, fingerprint
@@ -197,7 +200,7 @@ def _table(exchange: Any, members: list[tuple[str, Any]], codes: list[int], stag
 
 
 def sync_members(
-    members: list[tuple[str, Any]],
+    members: Members,
     mode: str,
     codes: list[int] | None = None,
     staged: bool = True,
@@ -221,11 +224,10 @@ def sync_members(
     flags = (0 if staged else wire.FLAG_UNSTAGED) | (wire.FLAG_ASIDE if aside_here else 0)
     exchange.send(flags, agreed, table, placement)
     exchange.receive()  # the member tables are in the descriptions
-    tables = [_rows(t) for t in exchange.tables]
     everywhere = not exchange.flagged(wire.FLAG_UNSTAGED)
     # what the tables settle depends on the descriptions and flags alone: a steady exchange settles them once
     key = (exchange.words, everywhere, exchange.flagged(wire.FLAG_ASIDE), exchange.rank)
-    settled = _SETTLED.get(key) or _settle(exchange, members, codes, tables)
+    settled = _SETTLED.get(key) or _settle(exchange, members, codes)
     own, joins, recompute, joined = settled
     for i in recompute:
         internals.set_flags(members[i][1], computed=None)  # a peer syncs it: computed from the same states here too
@@ -268,14 +270,7 @@ def sync_members(
 
 
 def adapt(
-    fused: Callable[..., Any],
-    original: Callable[..., Any],
-    metrics: Any,
-    unrecognised: bool,
-    on_step: bool,
-    /,
-    *args: Any,
-    **kwargs: Any,
+    fused: Method, original: Method, metrics: Any, unrecognised: bool, on_step: bool, /, *args: Any, **kwargs: Any
 ) -> Any:
     """``original`` (the collection's ``compute`` or, ``on_step``, ``forward``) as ``fused(original, metrics,
     members, codes, aside_here, *args, **kwargs)`` runs it, with one exchange for every member that joins; in check
@@ -291,9 +286,8 @@ def adapt(
     codes = forms.forms_of(members, on_step=on_step)
     # where no member syncs over the default group (in compute(): with no cached result), the rank issues no
     # collective, as torchmetrics' own path issues none
-    syncing = (forms.JOINED, forms.OWN_PATH)
     if not any(
-        forms.kind(code) in syncing and (on_step or forms.computes_anew(metric))
+        forms.kind(code) in (forms.JOINED, forms.OWN_PATH) and (on_step or forms.computes_anew(metric))
         for code, (_, metric) in zip(codes, members, strict=True)
     ):
         return original(metrics, *args, **kwargs)
@@ -305,17 +299,13 @@ def adapt(
         with torchmetrics_sync([metrics]):
             return original(metrics, *args, **kwargs)
 
+    what = "a MetricCollection's forward" if on_step else "a MetricCollection's compute()"
     return compare.run(
-        "a MetricCollection's forward" if on_step else "a MetricCollection's compute()",
-        metrics,
-        lambda: fused(original, metrics, members, codes, aside_here, *args, **kwargs),
-        own,
+        what, metrics, lambda: fused(original, metrics, members, codes, aside_here, *args, **kwargs), own
     )
 
 
-def _exchange_and_compute(
-    original: Callable[[Any], Any], collection: Any, members: list[tuple[str, Any]], codes: list[int], aside_here: bool
-) -> Any:
+def _compute(original: Method, collection: Any, members: Members, codes: list[int], aside_here: bool) -> Any:
     outcome = sync_members(members, _engine.effective_mode(), codes, staged=not aside_here, aside_here=aside_here)
     joined: list[Any] = []
     try:
@@ -356,8 +346,8 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
         unrecognised = recognise.stepping_aside(recognise.COMPUTE)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
-            return _compile.run_eagerly(adapt, _exchange_and_compute, original, self, unrecognised, False)
-        return adapt(_exchange_and_compute, original, self, unrecognised, False)
+            return _compile.run_eagerly(adapt, _compute, original, self, unrecognised, False)
+        return adapt(_compute, original, self, unrecognised, False)
 
     return compute
 

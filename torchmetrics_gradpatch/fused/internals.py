@@ -160,11 +160,10 @@ def global_hooks() -> bool:
     return any(getattr(module, name, None) for name in GLOBAL_HOOKS)
 
 
-def sequence_nr(node: Any) -> int | None:
-    """An autograd node's sequence number (torch 2.1 on; ``None`` where torch 2.0's nodes lack it: assume the
-    worst)."""
+def sequence_nr(node: Any, default: int) -> int:
+    """An autograd node's sequence number (torch 2.1 on; ``default`` where torch 2.0's nodes lack it)."""
     numbered = getattr(node, "_sequence_nr", None)
-    return None if numbered is None else int(numbered())
+    return default if numbered is None else int(numbered())
 
 
 def copy_all(into: list[Any], values: list[Any]) -> None:
@@ -194,7 +193,7 @@ def release() -> Version:
 
 
 @functools.lru_cache(maxsize=1)
-def _release_of(module: object) -> Version:  # read once per module object (asked at every sync)
+def _release_of(module: object) -> Version:  # keyed by the live module: read once per module (asked at every sync)
     releases = recognise.release_of("torchmetrics.metric")
     if not releases:
         raise LookupError("torchmetrics.metric is not recognised")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -19,6 +18,7 @@ import torch
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import STEP_MARK, Site
 from torchmetrics_gradpatch.fused import collection, forms, internals, recognise
+from torchmetrics_gradpatch.fused.collection import Members, Method
 
 
 @dataclass
@@ -46,8 +46,7 @@ class _Pending:
         batch_val = metric.compute()
         self.restore()
         internals.set_flags(metric, forward_cache=batch_val)
-        self.finished = True
-        self.result = batch_val
+        self.finished, self.result = True, batch_val
         return batch_val
 
     def restore(self) -> None:
@@ -71,9 +70,8 @@ def _next_node() -> int | None:
     """The sequence number of the next autograd node made on this thread (``None``: grad mode is off)."""
     if not torch.is_grad_enabled():
         return None
-    numbered = internals.sequence_nr(_probe().view(()).grad_fn)
     # torch 2.0's nodes made in C++ do not tell their sequence number: every state counts as older
-    return sys.maxsize if numbered is None else numbered + 1
+    return internals.sequence_nr(_probe().view(()).grad_fn, sys.maxsize - 1) + 1
 
 
 def _older(value: Any, first: int) -> bool:
@@ -81,7 +79,7 @@ def _older(value: Any, first: int) -> bool:
     if not getattr(value, "requires_grad", False):
         return False
     node = value.grad_fn
-    return node is None or (internals.sequence_nr(node) or 0) < first
+    return node is None or internals.sequence_nr(node, 0) < first
 
 
 def _alias_older(metric: Any, first: int) -> None:
@@ -109,7 +107,7 @@ class _Done(NamedTuple):
 class _Step:
     """One collection step: the members, and each one's state between the two halves (see the module docstring)."""
 
-    def __init__(self, members: list[tuple[str, Any]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, members: Members, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.members, self.args, self.kwargs = members, args, kwargs
         self.pending: dict[int, _Pending] = {}
         self.steps: dict[int, _Pending | _Done] = {}  # by member index
@@ -158,13 +156,7 @@ class _Step:
         for synced in outcome.take():
             self.pending[id(synced.metric)].synced = synced
 
-    def restore(self) -> None:
-        """Every joining member not finished yet, as after its update of this batch (its accumulated states kept)."""
-        for begun in self.pending.values():
-            if not begun.finished:
-                begun.restore()
-
-    def forward(self, original: Callable[..., Any], metrics: Any, codes: list[int], aside_here: bool) -> Any:
+    def forward(self, original: Method, metrics: Any, codes: list[int], aside_here: bool) -> Any:
         """The collection's ``forward``: the first halves, the exchange, torchmetrics' own ``forward`` to collect; on
         failure every member begun is put back as after its update of this batch."""
         mode = _engine.effective_mode()
@@ -187,26 +179,21 @@ class _Step:
                     if not staged and not outcome.joins:
                         return original(metrics, *args, **kwargs)
                     for i in range(len(members)):
-                        if i in outcome.joins:
-                            if not staged:
-                                self.begin(i)
-                        elif not staged:
-                            self.run(i)
-                        elif codes[i] == forms.JOINS:
+                        if not staged:
+                            self.begin(i) if i in outcome.joins else self.run(i)
+                        elif i not in outcome.joins and codes[i] == forms.JOINS:
                             self.steps[i].finish()  # its sync differs between ranks: torchmetrics' own, now
                 if outcome.joins:
                     again = [forms.JOINS if i in outcome.joins else forms.RAN for i in range(len(members))]
                     self.synced(collection.sync_members(members, mode, again))
-        except BaseException:
-            self.restore()
-            raise
-        try:
             return self.collect(original, metrics)
         except BaseException:
-            self.restore()  # a member's compute() failed: the others as after their update of this batch
+            for begun in self.pending.values():
+                if not begun.finished:  # a finished one was restored by its finish()
+                    begun.restore()
             raise
 
-    def collect(self, original: Callable[..., Any], metrics: Any) -> Any:
+    def collect(self, original: Method, metrics: Any) -> Any:
         """torchmetrics' own collection ``forward``, each member's ``forward`` handing back what it has done (in call
         order, for an object held under several keys)."""
         queues: dict[int, list[_Pending | _Done]] = {}
@@ -237,19 +224,12 @@ def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
 
 
 def _fused(
-    original: Callable[..., Any],
-    metrics: Any,
-    members: list[tuple[str, Any]],
-    codes: list[int],
-    aside_here: bool,
-    /,
-    *args: Any,
-    **kwargs: Any,
+    original: Method, metrics: Any, members: Members, codes: list[int], aside_here: bool, /, *args: Any, **kwargs: Any
 ) -> Any:
     return _Step(members, args, kwargs).forward(original, metrics, codes, aside_here)
 
 
-def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+def _replacement(original: Method) -> Method:
     @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _engine.effective_sync() != "fused":
