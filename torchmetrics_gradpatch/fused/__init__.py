@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from torchmetrics_gradpatch import _syncs
+from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch.fused import recognise
 from torchmetrics_gradpatch.fused.membership import explain, trust, trusted_names
 
@@ -33,7 +33,6 @@ def fused_sync(metric: Any, process_group: Any | None = None, mode: str = "local
     header that tells them; in check mode the fused sync is compared with it
     (:mod:`torchmetrics_gradpatch.fused.compare`).
     """
-    from torchmetrics_gradpatch import _engine
     from torchmetrics_gradpatch.fused import compare, exchange
 
     # a rank that steps aside still sends its header, so that every rank steps aside with it
@@ -75,8 +74,6 @@ def _sites() -> tuple[tuple[Any, str], ...]:
 
 
 def _install() -> None:
-    from torchmetrics_gradpatch import _compile
-
     _compile.watch_dynamo()  # the graph breaks' wrapper, once dynamo is imported
     for site, _ in _sites():
         site.install()

@@ -13,7 +13,7 @@ import json
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -21,29 +21,22 @@ from torchmetrics_gradpatch import _compile, _engine, _syncs
 from torchmetrics_gradpatch._site import COLLECTION_MARK, Site
 from torchmetrics_gradpatch.fused import forms, internals, large, membership, recognise, wire
 
-
-def syncs_here(members: list[tuple[str, Any]], codes: list[int], on_step: bool = False) -> bool:
-    """Whether some member of this rank syncs over the default group (in ``compute()``: with no cached result); if
-    not, the rank issues no collective, as torchmetrics' own path issues none."""
-    return any(
-        forms.kind(code) in (forms.JOINED, forms.OWN_PATH) and (on_step or forms.computes_anew(metric))
-        for code, (_, metric) in zip(codes, members, strict=True)
-    )
+Members = list[tuple[str, Any]]  # a collection's members: (key, Metric), in its order
+Method = Callable[..., Any]  # a collection's compute or forward, or what runs in its place
 
 
 def _member_name(key: str, metric: Any) -> str:
     return f"{type(metric).__name__} (MetricCollection member {key!r})"
 
 
-@dataclass(frozen=True)
-class _Row:
+class _Row(NamedTuple):
     """One member in one rank's table: its fingerprint, form, whether it needs a sync, its detail and its slots."""
 
     fingerprint: int
     form: int
     needs: bool
     detail: int
-    refs: list[int]
+    refs: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=256)
@@ -53,17 +46,22 @@ def _rows(table: tuple[int, ...]) -> list[_Row]:
     at = 1
     for _ in range(table[0]):  # per member: fingerprint, form, needs, detail, the slot count, the slots
         fingerprint, form, needs, detail, count = table[at : at + 5]
-        rows.append(_Row(fingerprint, form, bool(needs), detail, list(table[at + 5 : at + 5 + count])))
+        rows.append(_Row(fingerprint, form, bool(needs), detail, table[at + 5 : at + 5 + count]))
         at += 5 + count
     return rows
 
 
-def _own_sync(exchange: Any, members: list[tuple[str, Any]], tables: list[list[_Row]]) -> list[int]:
-    """The members whose forms differ between ranks that every rank syncs with torchmetrics' own ``_sync_dist``.
-    Raises alike where the ranks hold other members (gathered, two collectives, to name them all) or where
-    torchmetrics' own sync could not complete."""
+def _settle(
+    exchange: Any, members: Members, codes: list[int]
+) -> tuple[list[int], list[int], list[int], dict[int, Any]]:
+    """What the tables settle, alike on every rank: the members whose forms differ between ranks, which every rank
+    syncs with torchmetrics' own ``_sync_dist``; the members that join; the ones computed anew; and per member the
+    exchange syncs (``joined[i]``) every rank's slots and their descriptions and which of this rank's slots an
+    earlier member holds. Raises alike where the ranks hold other members (gathered, two collectives, to name them
+    all) or where torchmetrics' own sync could not complete."""
     from torchmetrics_gradpatch.fused.exchange import describe, gather_texts, structure_error
 
+    tables = [_rows(table) for table in exchange.tables]
     sizes = {len(table) for table in tables}
     differing = [i for i in range(min(sizes)) if len({table[i].fingerprint for table in tables}) > 1]
     if len(sizes) > 1 or differing:
@@ -92,49 +90,27 @@ def _own_sync(exchange: Any, members: list[tuple[str, Any]], tables: list[list[_
             "the ranks disagree on whether it syncs (torchmetrics' own sync would leave the ranks that sync waiting)",
             {r: forms.describe(row.form) for r, row in enumerate(seen)},
         )
-    return own
-
-
-@dataclass
-class _Settled:
-    """What the tables settle, alike on every rank: which members sync how, and per member the exchange syncs every
-    rank's slots (``refs[i][r]``) and descriptions (``views[i][r]``) and which slots an earlier member holds."""
-
-    own: list[int]
-    joins: list[int]
-    joined: list[int]
-    recompute: list[int]
-    refs: dict[int, list[list[int]]] = field(default_factory=dict)
-    views: dict[int, list[list[Any]]] = field(default_factory=dict)
-    shared: dict[int, list[bool]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, exchange: Any, members: list[tuple[str, Any]], codes: list[int], tables: list[list[_Row]]) -> _Settled:
-        own = _own_sync(exchange, members, tables)
-        needed = [any(table[i].needs for table in tables) for i in range(len(members))]
-        joins = [i for i, code in enumerate(codes) if code == forms.JOINS and i not in own]
-        if exchange.flagged(wire.FLAG_ASIDE):
-            joins = []
-        joined = [] if exchange.flagged(wire.FLAG_UNSTAGED) else [i for i in joins if needed[i]]
-        recompute = [
-            i for i, need in enumerate(needed) if need and (i in own or forms.kind(codes[i]) == forms.OWN_PATH)
-        ]
-        settled = cls(own, joins, joined, recompute)
-        given: set[int] = set()  # slots a member already holds: the next member of its group gets copies
-        for i in joined:
-            refs = settled.refs[i] = [table[i].refs for table in tables]
-            settled.views[i] = [[exchange.every[r][ref] for ref in refs[r]] for r in range(exchange.world_size)]
-            settled.shared[i] = [ref in given for ref in refs[exchange.rank]]
+    needed = [any(table[i].needs for table in tables) for i in range(len(members))]
+    joins = [i for i, code in enumerate(codes) if code == forms.JOINS and i not in own]
+    if exchange.flagged(wire.FLAG_ASIDE):
+        joins = []
+    recompute = [i for i, need in enumerate(needed) if need and (i in own or forms.kind(codes[i]) == forms.OWN_PATH)]
+    joined: dict[int, Any] = {}
+    given: set[int] = set()  # slots a member already holds: the next member of its group gets copies
+    for i in [] if exchange.flagged(wire.FLAG_UNSTAGED) else joins:
+        if needed[i]:
+            refs = [table[i].refs for table in tables]
+            views = [[exchange.every[r][ref] for ref in refs[r]] for r in range(exchange.world_size)]
+            joined[i] = (refs, views, [ref in given for ref in refs[exchange.rank]])
             given.update(refs[exchange.rank])
-        return settled
+    return own, joins, recompute, joined
 
 
 #: (every rank's description, which flags some rank sent, this rank) -> what it settled, where its checks passed
-_SETTLED: dict[tuple[Any, ...], _Settled] = {}
+_SETTLED: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], dict[int, Any]]] = {}
 
 
-@dataclass
-class Synced:
+class Synced(NamedTuple):
     """A member's synced states, ready to set: torchmetrics' step 3 (:meth:`set`), or its own ``sync()`` with that
     step standing in for ``_sync_dist`` (:meth:`set_through_sync`)."""
 
@@ -162,7 +138,7 @@ class Synced:
             internals.stand_down(metric, "_sync_dist")
 
 
-def _torchmetrics_sync(modules: Iterable[Any]) -> Any:
+def torchmetrics_sync(modules: Iterable[Any]) -> Any:
     """A context in which every Metric among ``modules`` and inside them syncs with torchmetrics' own ``_sync_dist``."""
     from torchmetrics import Metric
 
@@ -174,15 +150,12 @@ def _torchmetrics_sync(modules: Iterable[Any]) -> Any:
 class Outcome:
     """What the exchange settled, alike on every rank: whether every rank sent its states, the members that join on
     every rank, each synced member's states (none unless ``everywhere``), and the members every rank syncs with
-    torchmetrics' own ``_sync_dist`` (in :meth:`torchmetrics_sync`)."""
+    torchmetrics' own ``_sync_dist`` (in :func:`torchmetrics_sync`)."""
 
     everywhere: bool
     joins: list[int]
     synced: dict[int, Synced] = field(default_factory=dict)
     own_sync: list[Any] = field(default_factory=list)
-
-    def torchmetrics_sync(self) -> Any:
-        return _torchmetrics_sync(self.own_sync)
 
     def take(self) -> list[Synced]:
         """The synced members' states, handed over once: the outcome no longer holds their entries, nor the receive
@@ -192,7 +165,7 @@ class Outcome:
         return taken
 
 
-def _table(exchange: Any, members: list[tuple[str, Any]], codes: list[int], staged: bool) -> tuple[Any, ...]:
+def _table(exchange: Any, members: Members, codes: list[int], staged: bool) -> tuple[Any, ...]:
     """Step 1 for every joining member (``staged``; else the table travels alone): each member's states, the member
     table, what a proposal to reduce must agree on, and the fingerprint every rank must share."""
     from torchmetrics_gradpatch.fused.exchange import State, fingerprint
@@ -227,16 +200,17 @@ def _table(exchange: Any, members: list[tuple[str, Any]], codes: list[int], stag
 
 
 def sync_members(
-    members: list[tuple[str, Any]],
+    members: Members,
     mode: str,
     codes: list[int] | None = None,
     staged: bool = True,
     aside_here: bool = False,
 ) -> Outcome:
     """The one exchange over the default group for a collection's ``members`` (``codes``: their forms, by default
-    for ``compute()``), a collective of every rank where :func:`syncs_here`. ``staged``: the joining members hold
-    their states (else this rank sends its table alone, and no member is synced on any rank); ``aside_here``: this
-    rank runs torchmetrics' own path for the whole collection (its table alone; no member joins on any rank)."""
+    for ``compute()``), a collective of every rank where some member syncs (:func:`adapt`). ``staged``: the joining
+    members hold their states (else this rank sends its table alone, and no member is synced on any rank);
+    ``aside_here``: this rank runs torchmetrics' own path for the whole collection (its table alone; no member joins
+    on any rank)."""
     from torchmetrics_gradpatch.fused.exchange import Exchange, remember
 
     codes = forms.forms_of(members) if codes is None else codes
@@ -250,91 +224,88 @@ def sync_members(
     flags = (0 if staged else wire.FLAG_UNSTAGED) | (wire.FLAG_ASIDE if aside_here else 0)
     exchange.send(flags, agreed, table, placement)
     exchange.receive()  # the member tables are in the descriptions
-    tables = [_rows(t) for t in exchange.tables]
     everywhere = not exchange.flagged(wire.FLAG_UNSTAGED)
     # what the tables settle depends on the descriptions and flags alone: a steady exchange settles them once
     key = (exchange.words, everywhere, exchange.flagged(wire.FLAG_ASIDE), exchange.rank)
-    settled = _SETTLED.get(key) or _Settled.of(exchange, members, codes, tables)
-    for i in settled.recompute:
+    settled = _SETTLED.get(key) or _settle(exchange, members, codes)
+    own, joins, recompute, joined = settled
+    for i in recompute:
         internals.set_flags(members[i][1], computed=None)  # a peer syncs it: computed from the same states here too
-    if settled.joined:
+    if joined:
         exchange.check_grad_modes()
-    for i in settled.joined:
-        exchange.validate(_member_name(*members[i]), states[i], settled.views[i])
+    for i, (_, views, _) in joined.items():
+        exchange.validate(_member_name(*members[i]), states[i], views)
     remember(_SETTLED, key, settled)
     if everywhere:
         exchange.settle()
-    outcome = Outcome(everywhere, settled.joins, own_sync=[members[i][1] for i in settled.own])
-    if not settled.joined:
+    outcome = Outcome(everywhere, joins, own_sync=[members[i][1] for i in own])
+    if not joined:
         return outcome
     rank, slots = exchange.rank, exchange.slots
     keep = [[False] * len(described) for described in exchange.every]  # slots that become list content: copies
-    for i in settled.joined:
-        for s, ref in enumerate(settled.refs[i][rank]):
+    for every_refs, _, _ in joined.values():
+        for s, ref in enumerate(every_refs[rank]):
             if exchange.every[rank][ref].kind == wire.KIND_LIST and not slots[ref].is_cat:
-                for r, refs in enumerate(settled.refs[i]):
+                for r, refs in enumerate(every_refs):
                     keep[r][refs[s]] = True
     entries = exchange.entries(keep)
-    for i in settled.joined:
+    for i, (every_refs, views, shared) in joined.items():
         # torchmetrics syncs each member apart, so no two members share a synced tensor: copies past the first
-        shared = settled.shared[i]
         per_rank = [
             [
                 [e.clone() for e in entries[r][ref]] if r != rank and keep[r][ref] and shared[s] else entries[r][ref]
                 for s, ref in enumerate(refs)
             ]
-            for r, refs in enumerate(settled.refs[i])
+            for r, refs in enumerate(every_refs)
         ]
         values = []
-        joined = {}  # cat states concatenated in place: this rank's tensors as the buffer holds them
+        in_place = {}  # cat states concatenated in place: this rank's tensors as the buffer holds them
         for state, twice in zip(states[i], shared, strict=True):
             value = exchange.reduced.get(state.slot)
             values.append(value.clone() if twice and value is not None else value)
             if slots[state.slot].is_cat and value is not None:
-                joined[state.attr] = slots[state.slot].tensors[0] if slots[state.slot].tensors else None
-        outcome.synced[i] = Synced(members[i][1], states[i], settled.views[i], per_rank, values, joined)
+                in_place[state.attr] = slots[state.slot].tensors[0] if slots[state.slot].tensors else None
+        outcome.synced[i] = Synced(members[i][1], states[i], views, per_rank, values, in_place)
     return outcome
 
 
-def members_of(collection: Any, unrecognised: bool) -> tuple[list[tuple[str, Any]], bool]:
-    """The collection's members, and whether this rank runs torchmetrics' own path for the whole collection
-    (``unrecognised``, or a class it does not trust: :mod:`.membership`); linked to their compute group's states
-    (``items(copy_state=False)``) only where the rank takes part."""
-    members = [(str(key), metric) for key, metric in internals.children(collection).items()]
-    if unrecognised or membership.untrusted(collection, members) is not None:
-        return members, True
-    return [(str(key), metric) for key, metric in collection.items(keep_base=True, copy_state=False)], False
-
-
-def torchmetrics_own(original: Callable[..., Any], collection: Any, *args: Any, **kwargs: Any) -> Any:
-    """``original`` (``compute`` or ``forward``) with every Metric in the collection on torchmetrics' own sync."""
-    with _torchmetrics_sync([collection]):
-        return original(collection, *args, **kwargs)
-
-
-def _compute(original: Callable[[Any], Any], collection: Any, unrecognised: bool) -> Any:
-    """``compute()`` with one exchange for every member that joins; in check mode compared with torchmetrics' own."""
+def adapt(
+    fused: Method, original: Method, metrics: Any, unrecognised: bool, on_step: bool, /, *args: Any, **kwargs: Any
+) -> Any:
+    """``original`` (the collection's ``compute`` or, ``on_step``, ``forward``) as ``fused(original, metrics,
+    members, codes, aside_here, *args, **kwargs)`` runs it, with one exchange for every member that joins; in check
+    mode compared with torchmetrics' own. ``aside_here``: this rank runs torchmetrics' own path for the whole
+    collection (``unrecognised``, or a class it does not trust: :mod:`.membership`); the members are linked to their
+    compute group's states (``items(copy_state=False)``) only where it does not."""
     if not (dist.is_available() and dist.is_initialized()):
-        return original(collection)
-    members, aside_here = members_of(collection, unrecognised)
-    codes = forms.forms_of(members)
-    if not members or not syncs_here(members, codes):
-        return original(collection)
+        return original(metrics, *args, **kwargs)
+    members = [(str(key), metric) for key, metric in internals.children(metrics).items()]
+    aside_here = unrecognised or membership.untrusted(metrics, members) is not None
+    if not aside_here:
+        members = [(str(key), metric) for key, metric in metrics.items(keep_base=True, copy_state=False)]
+    codes = forms.forms_of(members, on_step=on_step)
+    # where no member syncs over the default group (in compute(): with no cached result), the rank issues no
+    # collective, as torchmetrics' own path issues none
+    if not any(
+        forms.kind(code) in (forms.JOINED, forms.OWN_PATH) and (on_step or forms.computes_anew(metric))
+        for code, (_, metric) in zip(codes, members, strict=True)
+    ):
+        return original(metrics, *args, **kwargs)
     if not _engine.effective_check():
-        return _exchange_and_compute(original, collection, members, codes, aside_here)
+        return fused(original, metrics, members, codes, aside_here, *args, **kwargs)
     from torchmetrics_gradpatch.fused import compare
 
+    def own() -> Any:
+        with torchmetrics_sync([metrics]):
+            return original(metrics, *args, **kwargs)
+
+    what = "a MetricCollection's forward" if on_step else "a MetricCollection's compute()"
     return compare.run(
-        "a MetricCollection's compute()",
-        collection,
-        lambda: _exchange_and_compute(original, collection, members, codes, aside_here),
-        lambda: torchmetrics_own(original, collection),
+        what, metrics, lambda: fused(original, metrics, members, codes, aside_here, *args, **kwargs), own
     )
 
 
-def _exchange_and_compute(
-    original: Callable[[Any], Any], collection: Any, members: list[tuple[str, Any]], codes: list[int], aside_here: bool
-) -> Any:
+def _compute(original: Method, collection: Any, members: Members, codes: list[int], aside_here: bool) -> Any:
     outcome = sync_members(members, _engine.effective_mode(), codes, staged=not aside_here, aside_here=aside_here)
     joined: list[Any] = []
     try:
@@ -353,7 +324,7 @@ def _exchange_and_compute(
             # compute() links compute groups again first; done now, it would give each member its group's first
             # member's synced states (the link was made above, before the exchange)
             internals.set_state_is_copy(collection, True)
-        with outcome.torchmetrics_sync():
+        with torchmetrics_sync(outcome.own_sync):
             return original(collection)
     except BaseException:
         for metric in joined:
@@ -375,8 +346,8 @@ def _replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
         unrecognised = recognise.stepping_aside(recognise.COMPUTE)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
-            return _compile.run_eagerly(_compute, original, self, unrecognised)
-        return _compute(original, self, unrecognised)
+            return _compile.run_eagerly(adapt, _compute, original, self, unrecognised, False)
+        return adapt(_compute, original, self, unrecognised, False)
 
     return compute
 

@@ -160,11 +160,10 @@ def global_hooks() -> bool:
     return any(getattr(module, name, None) for name in GLOBAL_HOOKS)
 
 
-def sequence_nr(node: Any) -> int | None:
-    """An autograd node's sequence number (torch 2.1 on; ``None`` where torch 2.0's nodes lack it: assume the
-    worst)."""
+def sequence_nr(node: Any, default: int) -> int:
+    """An autograd node's sequence number (torch 2.1 on; ``default`` where torch 2.0's nodes lack it)."""
     numbered = getattr(node, "_sequence_nr", None)
-    return None if numbered is None else int(numbered())
+    return default if numbered is None else int(numbered())
 
 
 def copy_all(into: list[Any], values: list[Any]) -> None:
@@ -185,28 +184,21 @@ def _foreach_copy() -> Any:
 
 
 _V1_4, _V1_4_1 = Version("1.4"), Version("1.4.1")
-#: the live ``torchmetrics.metric`` and its release, read once per module object (asked at every sync). A cache.
-_release: list[tuple[object, Version]] = []
 
 
 def release() -> Version:
     """The first torchmetrics release whose ``torchmetrics.metric`` source is the live one's (``main``: newer than
     every release). Raises ``LookupError`` where it is not recognised."""
-    module = sys.modules.get("torchmetrics.metric")
-    if _release and _release[0][0] is module:
-        return _release[0][1]
-    found = _first(recognise.release_of("torchmetrics.metric"))
-    _release[:] = [(module, found)]
-    return found
+    return _release_of(sys.modules.get("torchmetrics.metric"))
 
 
-def forget() -> None:
-    """Forget the release read (``fused.reset``)."""
-    _release.clear()
-
-
-def _first(releases: str) -> Version:
+@functools.lru_cache(maxsize=1)
+def _release_of(module: object) -> Version:  # keyed by the live module: read once per module (asked at every sync)
+    releases = recognise.release_of("torchmetrics.metric")
     if not releases:
         raise LookupError("torchmetrics.metric is not recognised")
     first = releases.split(",")[0].split("-")[0].strip()
     return Version("999") if first == "main" else Version(first)
+
+
+forget = _release_of.cache_clear  # forget the release read (``fused.reset``)

@@ -9,16 +9,16 @@ ranks hold other members: docs/design.md ("The fused step").
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from torchmetrics_gradpatch import _compile, _engine
 from torchmetrics_gradpatch._site import STEP_MARK, Site
 from torchmetrics_gradpatch.fused import collection, forms, internals, recognise
+from torchmetrics_gradpatch.fused.collection import Members, Method
 
 
 @dataclass
@@ -33,23 +33,6 @@ class _Pending:
     finished: bool = False
     result: Any = None
 
-    @classmethod
-    def begin(cls, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pending:
-        """torchmetrics' lines up to ``batch_val = self.compute()``."""
-        metric.update(*args, **kwargs)  # global accumulation
-        update_count = internals.flag(metric, "update_count")
-        compute_on_cpu = metric.compute_on_cpu
-        # should_unsync: the states are restored below, not by compute()'s unsync
-        internals.set_flags(metric, to_sync=metric.dist_sync_on_step, should_unsync=False, compute_on_cpu=False)
-        cache = internals.copy_state_dict(metric)
-        internals.set_flags(metric, enable_grad=True)  # allow grads for batch computation
-        metric.reset()
-        first = _next_node()
-        metric.update(*args, **kwargs)
-        if first is not None:
-            _alias_older(metric, first)
-        return cls(metric, update_count, compute_on_cpu, cache)
-
     def finish(self) -> Any:
         """torchmetrics' lines from ``batch_val = self.compute()`` on (once; then that value again). Synced batch
         states are set first, as ``sync()`` sets them, and ``compute()`` runs without a sync of its own."""
@@ -63,8 +46,7 @@ class _Pending:
         batch_val = metric.compute()
         self.restore()
         internals.set_flags(metric, forward_cache=batch_val)
-        self.finished = True
-        self.result = batch_val
+        self.finished, self.result = True, batch_val
         return batch_val
 
     def restore(self) -> None:
@@ -84,15 +66,12 @@ def _probe() -> Any:
     return torch.zeros((), requires_grad=True)
 
 
-_UNNUMBERED = -1  # torch 2.0's nodes made in C++ do not tell their sequence number: every state counts as older
-
-
 def _next_node() -> int | None:
     """The sequence number of the next autograd node made on this thread (``None``: grad mode is off)."""
     if not torch.is_grad_enabled():
         return None
-    numbered = internals.sequence_nr(_probe().view(()).grad_fn)
-    return _UNNUMBERED if numbered is None else numbered + 1
+    # torch 2.0's nodes made in C++ do not tell their sequence number: every state counts as older
+    return internals.sequence_nr(_probe().view(()).grad_fn, sys.maxsize - 1) + 1
 
 
 def _older(value: Any, first: int) -> bool:
@@ -100,7 +79,7 @@ def _older(value: Any, first: int) -> bool:
     if not getattr(value, "requires_grad", False):
         return False
     node = value.grad_fn
-    return node is None or first == _UNNUMBERED or (internals.sequence_nr(node) or 0) < first
+    return node is None or internals.sequence_nr(node, 0) < first
 
 
 def _alias_older(metric: Any, first: int) -> None:
@@ -115,8 +94,7 @@ def _alias_older(metric: Any, first: int) -> None:
             internals.put(metric, {attr: value.view_as(value)})
 
 
-@dataclass
-class _Done:
+class _Done(NamedTuple):
     """A member that ran its own ``forward`` whole at its place (it joins no exchange): its result, handed back."""
 
     metric: Any
@@ -129,7 +107,7 @@ class _Done:
 class _Step:
     """One collection step: the members, and each one's state between the two halves (see the module docstring)."""
 
-    def __init__(self, members: list[tuple[str, Any]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, members: Members, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.members, self.args, self.kwargs = members, args, kwargs
         self.pending: dict[int, _Pending] = {}
         self.steps: dict[int, _Pending | _Done] = {}  # by member index
@@ -143,9 +121,22 @@ class _Step:
                     (self.shared if id(value) in seen else seen).add(id(value))
 
     def begin(self, i: int) -> None:
-        """The first half of member ``i``'s ``forward``, which joins an exchange."""
+        """The first half of member ``i``'s ``forward``, which joins an exchange: torchmetrics' lines up to
+        ``batch_val = self.compute()``."""
         metric = self.members[i][1]
-        begun = _Pending.begin(metric, self.args, internals.filter_kwargs(metric, self.kwargs))
+        kwargs = internals.filter_kwargs(metric, self.kwargs)
+        metric.update(*self.args, **kwargs)  # global accumulation
+        update_count = internals.flag(metric, "update_count")
+        compute_on_cpu = metric.compute_on_cpu
+        # should_unsync: the states are restored below, not by compute()'s unsync
+        internals.set_flags(metric, to_sync=metric.dist_sync_on_step, should_unsync=False, compute_on_cpu=False)
+        cache = internals.copy_state_dict(metric)
+        internals.set_flags(metric, enable_grad=True)  # allow grads for batch computation
+        metric.reset()
+        first = _next_node()
+        metric.update(*self.args, **kwargs)
+        if first is not None:
+            _alias_older(metric, first)
         # a list another member holds becomes its own: torchmetrics (1.4 on) clears a list in place in reset(), which
         # the next member's first half runs before this member computes
         if self.shared:
@@ -153,7 +144,7 @@ class _Step:
                 value = getattr(metric, attr)
                 if isinstance(value, list) and id(value) in self.shared:
                     setattr(metric, attr, list(value))
-        self.pending[id(metric)] = self.steps[i] = begun
+        self.pending[id(metric)] = self.steps[i] = _Pending(metric, update_count, compute_on_cpu, cache)
 
     def run(self, i: int) -> None:
         """Member ``i``'s own ``forward``, whole, with its hooks (it joins no exchange)."""
@@ -165,13 +156,7 @@ class _Step:
         for synced in outcome.take():
             self.pending[id(synced.metric)].synced = synced
 
-    def restore(self) -> None:
-        """Every joining member not finished yet, as after its update of this batch (its accumulated states kept)."""
-        for begun in self.pending.values():
-            if not begun.finished:
-                begun.restore()
-
-    def forward(self, original: Callable[..., Any], metrics: Any, codes: list[int], aside_here: bool) -> Any:
+    def forward(self, original: Method, metrics: Any, codes: list[int], aside_here: bool) -> Any:
         """The collection's ``forward``: the first halves, the exchange, torchmetrics' own ``forward`` to collect; on
         failure every member begun is put back as after its update of this batch."""
         mode = _engine.effective_mode()
@@ -190,30 +175,25 @@ class _Step:
                 # some rank has a member the exchange does not take over: from the same tables, every rank runs each
                 # member in order, the ones that join everywhere up to their compute(), every other member whole (its
                 # sync where every rank issues it, at its place), then a second exchange for the ones that join
-                with outcome.torchmetrics_sync():
+                with collection.torchmetrics_sync(outcome.own_sync):
                     if not staged and not outcome.joins:
                         return original(metrics, *args, **kwargs)
                     for i in range(len(members)):
-                        if i in outcome.joins:
-                            if not staged:
-                                self.begin(i)
-                        elif not staged:
-                            self.run(i)
-                        elif codes[i] == forms.JOINS:
+                        if not staged:
+                            self.begin(i) if i in outcome.joins else self.run(i)
+                        elif i not in outcome.joins and codes[i] == forms.JOINS:
                             self.steps[i].finish()  # its sync differs between ranks: torchmetrics' own, now
                 if outcome.joins:
                     again = [forms.JOINS if i in outcome.joins else forms.RAN for i in range(len(members))]
                     self.synced(collection.sync_members(members, mode, again))
-        except BaseException:
-            self.restore()
-            raise
-        try:
             return self.collect(original, metrics)
         except BaseException:
-            self.restore()  # a member's compute() failed: the others as after their update of this batch
+            for begun in self.pending.values():
+                if not begun.finished:  # a finished one was restored by its finish()
+                    begun.restore()
             raise
 
-    def collect(self, original: Callable[..., Any], metrics: Any) -> Any:
+    def collect(self, original: Method, metrics: Any) -> Any:
         """torchmetrics' own collection ``forward``, each member's ``forward`` handing back what it has done (in call
         order, for an object held under several keys)."""
         queues: dict[int, list[_Pending | _Done]] = {}
@@ -243,27 +223,13 @@ def _next(queue: list[_Pending | _Done], *_: Any, **__: Any) -> Any:
     return queue.pop(0).finish()
 
 
-def _forward(original: Callable[..., Any], metrics: Any, unrecognised: bool, *args: Any, **kwargs: Any) -> Any:
-    """``forward`` with one exchange for every member that joins; in check mode compared with torchmetrics' own."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return original(metrics, *args, **kwargs)
-    members, aside_here = collection.members_of(metrics, unrecognised)
-    codes = forms.forms_of(members, on_step=True)
-    if not collection.syncs_here(members, codes, on_step=True):
-        return original(metrics, *args, **kwargs)
-    if not _engine.effective_check():
-        return _Step(members, args, kwargs).forward(original, metrics, codes, aside_here)
-    from torchmetrics_gradpatch.fused import compare
-
-    return compare.run(
-        "a MetricCollection's forward",
-        metrics,
-        lambda: _Step(members, args, kwargs).forward(original, metrics, codes, aside_here),
-        lambda: collection.torchmetrics_own(original, metrics, *args, **kwargs),
-    )
+def _fused(
+    original: Method, metrics: Any, members: Members, codes: list[int], aside_here: bool, /, *args: Any, **kwargs: Any
+) -> Any:
+    return _Step(members, args, kwargs).forward(original, metrics, codes, aside_here)
 
 
-def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+def _replacement(original: Method) -> Method:
     @functools.wraps(original)  # name, doc, __wrapped__ = the original, restored by uninstall
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _engine.effective_sync() != "fused":
@@ -271,8 +237,9 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
         # a rank that steps aside still takes part in the exchange, so that every rank steps aside with it
         unrecognised = recognise.stepping_aside(recognise.STEP)
         if _compile.is_compiling():  # under torch.compile: one graph break, the whole of it runs eagerly
-            return _compile.run_eagerly(functools.partial(_forward, original, self, unrecognised, *args, **kwargs))
-        return _forward(original, self, unrecognised, *args, **kwargs)
+            adapted = functools.partial(collection.adapt, _fused, original, self, unrecognised, True, *args, **kwargs)
+            return _compile.run_eagerly(adapted)
+        return collection.adapt(_fused, original, self, unrecognised, True, *args, **kwargs)
 
     return forward
 
