@@ -12,7 +12,8 @@ import ctypes
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,17 +27,17 @@ LARGE_MIN_BYTES = 1 << 20
 #: Called with every buffer this module allocates (tests count the bytes a sync allocates beyond its result).
 on_buffer: Callable[[torch.Tensor], None] | None = None
 
+_DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is joined or sent apart
+
 
 def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.State] | None:
     """Step 1 for a ``cat`` list of several tensors (or one conjugate or negative view), deferred: a stand-in and the
     description of the one tensor ``dim_zero_cat`` would make (``None``: they do not join as plain bytes). Sent apart,
-    each tensor is written into the buffer in turn, never joined on this rank; else the exchange joins them."""
-    if not all(isinstance(t, torch.Tensor) for t in value):
-        return None
+    each tensor is written into the buffer in turn, never joined on this rank; else :func:`complete` joins them."""
     first = value[0]
-    if not _bytes.plain(first.dtype) or (stream_cpu and first.device.type == "cpu"):
+    if not all(isinstance(t, torch.Tensor) for t in value) or not _bytes.plain(first.dtype):
         return None
-    if any(
+    if (stream_cpu and first.device.type == "cpu") or any(
         t.requires_grad or (t.dtype, t.device, t.layout) != (first.dtype, first.device, torch.strided) for t in value
     ):
         return None
@@ -46,34 +47,28 @@ def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.
         shape = (sum(t.shape[0] for t in value), *first.shape[1:])
     else:
         return None
-    described = wire.State(wire.KIND_LIST, (wire.Piece(first.dtype, shape, False),))
-    return [_DEFERRED], described
+    return [_DEFERRED], wire.State(wire.KIND_LIST, (wire.Piece(first.dtype, shape, False),))
 
 
-_DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is joined or sent apart
-
-
-def deferred(slot: Any) -> bool:
-    """Whether ``slot``'s step 1 is deferred (:func:`defer`): its tensors are joined, or written one by one, later."""
-    return bool(slot.tensors) and slot.tensors[0] is _DEFERRED
-
-
-def chosen(slots: Sequence[Any]) -> list[int]:
-    """The slots whose tensors this rank sends apart: its ``cat`` states of one plain piece, where together they
-    reach :data:`LARGE_MIN_BYTES`."""
+def complete(slots: list[Any]) -> None:
+    """Step 1 completed: this rank's ``cat`` states of one plain piece leave the payload where together they reach
+    :data:`LARGE_MIN_BYTES`, and the deferred states that stay in it are joined."""
     picked = []
     for s, slot in enumerate(slots):
         described = slot.described
-        if (
-            slot.is_cat
-            and described.kind == wire.KIND_LIST
-            and not described.placeholder
-            and len(described.pieces) == 1
-        ):
-            piece = described.pieces[0]
-            if piece.dtype is not None and not piece.requires_grad and not piece.streamed and piece.nbytes > 0:
+        if slot.is_cat and described.kind == wire.KIND_LIST and len(described.pieces) == 1:
+            piece = described.pieces[0]  # its nbytes is 0 where its dtype is unknown
+            if not (described.placeholder or piece.requires_grad or piece.streamed) and piece.nbytes > 0:
                 picked.append(s)
-    return picked if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES else []
+    if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES:
+        for s in picked:
+            piece = replace(slots[s].described.pieces[0], separate=True)
+            slots[s] = slots[s]._replace(described=replace(slots[s].described, pieces=(piece,)))
+    for slot in slots:
+        if slot.tensors and slot.tensors[0] is _DEFERRED and not slot.described.pieces[0].separate:
+            from torchmetrics.utilities.data import dim_zero_cat
+
+            slot.tensors[:] = [dim_zero_cat(slot.value).contiguous()]
 
 
 def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
@@ -86,11 +81,10 @@ def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
     released = []
     for attr in attrs:
         current, cached = getattr(metric, attr, None), cache.get(attr)
-        if not (isinstance(current, list) and isinstance(cached, list) and len(current) == len(cached)):
+        # torchmetrics before 1.4 caches the state itself (cached is current): there is no copy to free
+        if not isinstance(current, list) or not isinstance(cached, list) or cached is current:
             continue
-        if cached is current:  # torchmetrics before 1.4 caches the state itself: there is no copy to free
-            continue
-        if all(
+        if len(current) == len(cached) and all(
             isinstance(c, torch.Tensor)
             and isinstance(t, torch.Tensor)
             and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
@@ -120,7 +114,6 @@ def _malloc_trim() -> Callable[[int], int] | None:
     except (OSError, AttributeError):  # musl has none
         return None
     trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
     return cast(Callable[[int], int], trim)
 
 
@@ -207,32 +200,18 @@ def _concatenation(
     return [real[r].nbytes if r in real else 0 for r in range(len(lists))], dtype, (rows, *key[1:])
 
 
-class Moved(NamedTuple):
-    """What :func:`run` brought: other ranks' separate pieces as ``(rank, slot, index, piece)``, this rank's tensors
-    as the buffer holds them now (slot -> view), and the slots concatenated in place (slot -> synced value)."""
-
-    pieces: list[tuple[int, int, int, torch.Tensor]]
-    written: dict[int, torch.Tensor]
-    joined: dict[int, torch.Tensor]
-
-
-def run(
-    tables: Sequence[Any],
-    every: Sequence[Sequence[wire.State]],
-    slots: Sequence[Any],
-    rank: int,
-    group: Any,
-    device: Any,
-) -> Moved:
-    """After validation, alike on every rank: one collective for every slot that has a separate piece on some rank
-    (``every[r]``: rank ``r``'s descriptions; ``tables``: the member tables; ``slots``: this rank's)."""
-    same_tables = all(table == tables[0] for table in tables)
+def run(exchange: Any) -> None:
+    """After validation, alike on every rank: one collective for every slot of ``exchange`` that has a separate piece
+    on some rank. Other ranks' separate pieces go into its ``gathered``, the slots concatenated in place into its
+    ``reduced``, and this rank's tensors sent apart are replaced by their views of the buffer."""
+    slots, rank = exchange.slots, exchange.rank
+    same_tables = all(table == exchange.tables[0] for table in exchange.tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
     places: list[tuple[int, int, int, int, wire.Piece]] = []  # rank, slot, position, offset, piece
     writes: list[tuple[int, int, wire.Piece]] = []  # this rank's: offset, slot, the piece its tensors make there
     end = 0
-    for s in range(max((len(states) for states in every), default=0)):
-        described = [states[s] if s < len(states) else None for states in every]
+    for s in range(max((len(states) for states in exchange.every), default=0)):
+        described = [states[s] if s < len(states) else None for states in exchange.every]
         if not any(p.separate for d in described if d is not None for p in d.pieces):
             continue
         own = slots[s] if s < len(slots) else None
@@ -253,23 +232,26 @@ def run(
                     places.append((r, s, i, end, piece))
                     end += _bytes.aligned(piece.nbytes)
     if end == 0:
-        return Moved([], {}, {})
-    buffer = torch.zeros(end, dtype=torch.uint8, device=device)
+        return
+    buffer = torch.zeros(end, dtype=torch.uint8, device=exchange.device)
     if on_buffer is not None:
         on_buffer(buffer)
-    written = {}
     for at, s, piece in writes:
-        written[s] = _view(buffer, at, piece)
+        written = _view(buffer, at, piece)
         # this rank's tensors (a deferred list's in turn), copied as the values they read as (a conjugate view
         # resolved, as torch.cat resolves it), never through a byte view, which could fail on this rank alone
-        for tensor in list(slots[s].value) if deferred(slots[s]) else [slots[s].tensors[0]]:
+        for tensor in list(slots[s].value) if slots[s].tensors[0] is _DEFERRED else [slots[s].tensors[0]]:
             n = _bytes.nbytes(tensor.shape, tensor.dtype)
             buffer[at : at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             at += n
+        slots[s].tensors[:] = [written]  # the buffer holds them now: the local tensors can go
+        if isinstance(slots[s].value, list):
+            slots[s].value.clear()
     # the ranks' bytes never overlap, so summing them as int64 words carries nothing: every bit arrives as written
-    dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, group)
-    pieces = [(r, s, i, _view(buffer, at, piece)) for r, s, i, at, piece in places]
-    return Moved(pieces, written, {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
+    dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, exchange.group)
+    for r, s, i, at, piece in places:
+        exchange.gathered[r][s][i] = _view(buffer, at, piece)
+    exchange.reduced.update({s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
 
 
 def _view(buffer: torch.Tensor, at: int, piece: wire.Piece) -> torch.Tensor:
