@@ -1,9 +1,9 @@
 """One fused exchange: this rank's states in, every rank's synced states out, over one process group.
 
-:class:`Exchange` owns a *slot* per distinct state, its buffers and its phases, run once each in order: ``add``,
-``send``, ``receive``, ``validate``, ``settle``, ``entries``; :func:`set_states` is then torchmetrics' step 3 for one
-Metric, and :func:`sync_metric` the single sync. Every error the ranks' disagreement causes is raised on every rank,
-with the same text, after the same collectives. What each phase does to a state: docs/design.md ("The fused exchange").
+:class:`Exchange` owns a *slot* per distinct state, its buffers and its phases, run once each in order (``add``,
+``send``, ``receive``, ``validate``, ``settle``, ``entries``); :func:`set_states` is torchmetrics' step 3 for one
+Metric, :func:`sync_metric` the single sync. Every error the ranks' disagreement causes is raised on every rank, with
+the same text, after the same collectives (docs/design.md, "The fused exchange").
 """
 
 from __future__ import annotations
@@ -88,8 +88,7 @@ def _fingerprint(key: str, cls: str, reductions: tuple[tuple[str, Any], ...]) ->
 
 
 def structure_error(what: str, attr: str | None, rule: str, seen: dict[int, str]) -> FusedSyncError:
-    """The error for a state (``attr``; ``None``: ``what`` as a whole) whose ranks break ``rule``; ``seen`` maps each
-    rank to what it holds."""
+    """The error for state ``attr`` of ``what`` (``None``: ``what`` itself) whose ranks break ``rule``, as ``seen``."""
     named = f"state {attr!r} of {what}" if attr is not None else what
     held = "; ".join(f"rank {rank}: {value}" for rank, value in sorted(seen.items()))
     return FusedSyncError(
@@ -104,8 +103,7 @@ def gather_texts(text: str, group: Any, world_size: int, device: Any) -> list[st
     an error must name what each rank holds."""
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
     lengths = _gather.exchange(torch.tensor([data.numel()], device=device), group, world_size)[:, 0].tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: data.numel()].copy_(data)
+    padded = torch.nn.functional.pad(data, (0, max(lengths) - data.numel()))
     rows = _gather.exchange(padded, group, world_size).cpu()
     return [bytes(row[:n].tolist()).decode("utf-8", "replace") for row, n in zip(rows, lengths, strict=True)]
 
@@ -149,7 +147,6 @@ class Exchange:
         self.slots: list[Slot] = []
         self._keys: dict[Hashable, int] = {}
         self.failure: Exception | None = None
-        # once sent, every rank's header row, description words, table, descriptions and pieces; the agreed reductions
         self.rows: list[list[int]] = []
         self.words: tuple[tuple[int, ...], ...] = ()
         self.tables: list[tuple[int, ...]] = []
@@ -171,12 +168,6 @@ class Exchange:
         if key is not None:
             self._keys[key] = len(self.slots) - 1
         return len(self.slots) - 1
-
-    def add_metric(self, metric: Any) -> list[State]:
-        """Step 1 for every state of ``metric``, in ``_sync_dist``'s order, a slot each."""
-        rule = internals.placeholder_rule(metric)
-        held = internals.reductions(metric).items()
-        return [State(attr, reduction, self.add(metric, attr, reduction, rule)) for attr, reduction in held]
 
     def fail(self, error: Exception) -> None:
         """This rank cannot send its states: its header says so, and every rank raises after collective 1."""
@@ -211,9 +202,8 @@ class Exchange:
         self, flags: int = 0, fingerprint: int = 0, table: Sequence[int] = (), placement: Sequence[int] = ()
     ) -> list[list[int]]:
         """Collective 1: every rank's header row (returned) and, where it fits the group's capacity, its description
-        and pieces. ``flags``: the caller's; ``table``: a collection's member table, sent in front of the
-        description; ``placement``: what a proposal to reduce must agree on besides the slots. Refusals are raised on
-        every rank."""
+        and pieces, ``table`` (a collection's member table) in front; ``placement``: what a proposal to reduce must
+        agree on besides the slots. Refusals are raised on every rank."""
         flags |= wire.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0
         flags |= wire.FLAG_REQUIRES_GRAD if any(t.requires_grad for s in self.slots for t in s.tensors) else 0
         flags |= wire.FLAG_CHECK if effective_check() else 0
@@ -234,8 +224,6 @@ class Exchange:
                 header, words, sent, proposed.offsets, proposed.size, self.group, self.world_size, self.device
             )
         self._sending = (words, sent, whole, proposed, inline, regions)
-        # refused alike right after collective 1: another format, a chunk size setting that is not valid, other check
-        # settings, a rank that could not prepare its states
         if len({row[wire.FORMAT] for row in self.rows}) > 1:
             raise FusedSyncError(
                 "torchmetrics_gradpatch: fused sync: the ranks run different versions of the fused sync's format ("
@@ -274,17 +262,15 @@ class Exchange:
         self.skip = skip = self._proposal.slots if reduced.agreed(self.rows, self._proposal) else ()
         with torch.no_grad():
             # an inline payload leaves out what its rank proposed to reduce: usable where that was agreed, or empty
-            if all(
+            buffers = regions
+            if not all(
                 row[wire.FLAGS] & wire.FLAG_INLINE and (skip or row[wire.SIZE_REDUCED] == row[wire.SIZE])
                 for row in self.rows
             ):
-                buffers = regions
-            else:
                 largest = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in self.rows)
                 payload = wire.pack(words, sent, (proposed if skip else whole).offsets, largest, self.device)
                 buffers = wire.gather_payloads(payload, self.group, self.world_size)
             del regions
-        # every rank's description (inline, or at the start of its buffer) and pieces (views of its buffer)
         for r, (buffer, row) in enumerate(zip(buffers, self.rows, strict=True)):
             known = words if r == self.rank else inline[r]
             theirs = tuple(known if known is not None else wire.words_of(buffer, row[wire.WORDS]))
@@ -345,8 +331,7 @@ class Exchange:
         remember(_VALID, key, None)
 
     def settle(self) -> None:
-        """The side channels, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
-        states cross (no collective where the descriptions call for none)."""
+        """The side channels, alike on every rank, where the descriptions call for them: streamed, reduced, large."""
         chunk = min(row[wire.CHUNK] for row in self.rows)
         with torch.no_grad():
             if any(each.streams for each in self._described):
@@ -360,9 +345,8 @@ class Exchange:
                 large.run(self)
 
     def entries(self, keep: list[list[bool]]) -> list[list[list[torch.Tensor]]]:
-        """Per rank, per slot, the entries torchmetrics' step 3 sees: this rank's own tensors, every other rank's
-        pieces (in global mode with a graph anywhere, through one node). ``keep[r][s]``: rank ``r``'s slot ``s``
-        becomes list-state content, so its entries are copies, not views of the buffers."""
+        """Per rank, per slot, the entries torchmetrics' step 3 sees (in global mode with a graph anywhere, through one
+        node); ``keep[r][s]``: rank ``r``'s slot ``s`` becomes list-state content, so its entries are copies."""
         rank = self.rank
         result = [
             [list(slot.tensors) for slot in self.slots] if r == rank else [list(pieces) for pieces in gathered]
@@ -401,9 +385,8 @@ def set_states(
     entries: list[list[list[torch.Tensor]]],
     values: Sequence[torch.Tensor | None] = (),
 ) -> None:
-    """torchmetrics' step 3 for ``metric``: per state, stack or flatten, reduce and set. ``views[r][i]`` and
-    ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``; ``values[i]``, where given and not
-    ``None``, is its value reduced across the ranks already."""
+    """torchmetrics' step 3 for ``metric``: per state, stack or flatten, reduce and set (``values[i]``, if given and
+    not ``None``: ``states[i]`` reduced). ``views[r][i]``, ``entries[r][i]``: rank ``r``'s description and entries."""
     if uneven_lists:  # in check mode: the list states whose lengths differ between ranks
         for i, state in enumerate(states):
             if len({len(held[i].pieces) for held in views}) > 1:
@@ -427,12 +410,9 @@ def set_states(
             if not gathered:
                 internals.put(metric, {state.attr: []})
                 continue
-        if state.reduction is None:
-            internals.put(metric, {state.attr: gathered})
-        elif callable(state.reduction):
-            internals.put(metric, {state.attr: state.reduction(gathered)})
-        else:
+        if state.reduction is not None and not callable(state.reduction):
             raise TypeError("reduction_fn must be callable or None")
+        internals.put(metric, {state.attr: gathered if state.reduction is None else state.reduction(gathered)})
 
 
 def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) -> bool:
@@ -441,8 +421,10 @@ def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) ->
     this rank: it sends its header alone); then every rank runs torchmetrics' own ``_sync_dist``."""
     exchange = Exchange(type(metric).__name__, process_group or metric.process_group, metric.device, mode)
     states: list[State] = []
-    try:
-        states = [] if aside_here else exchange.add_metric(metric)
+    try:  # step 1 for every state, in _sync_dist's order, a slot each
+        if not aside_here:
+            placeholders, reductions = internals.placeholder_rule(metric), internals.reductions(metric)
+            states = [State(attr, fn, exchange.add(metric, attr, fn, placeholders)) for attr, fn in reductions.items()]
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         exchange.fail(error)
     exchange.send(wire.FLAG_ASIDE if aside_here else 0, fingerprint(metric))

@@ -72,22 +72,18 @@ def complete(slots: list[Any]) -> None:
 
 
 def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
-    """Put this rank's own tensors in place of the copies ``sync()`` has just cached of the ``cat`` states ``attrs``
-    (sent apart), so that those copies are freed before the buffer is made; :func:`recopy` makes them again once the
-    synced states are set. Returns the states so released."""
+    """The ``cat`` states ``attrs`` (sent apart) whose copies ``sync()`` has just cached are freed before the buffer is
+    made, this rank's own tensors in their place (:func:`recopy` copies again): returns them."""
     cache = internals.sync_cache(metric)
     if cache is None or internals.flag(metric, "is_synced"):  # not the fresh cache sync() has just made
         return []
     released = []
     for attr in attrs:
-        current, cached = getattr(metric, attr, None), cache.get(attr)
-        # torchmetrics before 1.4 caches the state itself (cached is current): there is no copy to free
-        if not isinstance(current, list) or not isinstance(cached, list) or cached is current:
+        current, cached = getattr(metric, attr), cache.get(attr)
+        if not isinstance(cached, list) or cached is current:  # before 1.4 sync() caches the state itself
             continue
-        if len(current) == len(cached) and all(
-            isinstance(c, torch.Tensor)
-            and isinstance(t, torch.Tensor)
-            and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
+        if len(current) == len(cached) and all(  # current: a list of tensors (the exchange sent it apart)
+            isinstance(c, torch.Tensor) and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
             for c, t in zip(cached, current, strict=True)
         ):
             cache[attr] = [t.detach() for t in current]
@@ -124,7 +120,7 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
     cache = internals.sync_cache(metric)
     if cache is None:
         return
-    planned: list[tuple[list[Any], torch.Tensor, list[tuple[torch.Tensor, torch.device]]]] = []
+    planned = []
     for attr, own in parts.items():
         cached = cache.get(attr)
         if not isinstance(cached, list) or not all(isinstance(c, torch.Tensor) for c in cached):
@@ -133,18 +129,16 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
         if flat is None or sum(c.numel() for c in cached) != flat.numel() or any(c.dtype != flat.dtype for c in cached):
             cached[:] = [c.detach().clone() for c in cached]
             continue
-        likes = [(torch.empty_like(c, device="meta"), c.device) for c in cached]  # what clone() gives, no memory
-        cached[:] = [like for like, _ in likes]  # this rank's tensors go first
-        planned.append((cached, flat, likes))
+        planned.append((cached, torch.split(flat, [c.numel() for c in cached]), [c.device for c in cached]))
+        # the cached tensors go first: in their place what clone() would give, on the meta device (no memory)
+        cached[:] = [torch.empty_like(c, device="meta") for c in cached]
     if not planned:
         return
     _return_freed_memory()  # else the copies land beside the freed tensors' pages, which stay resident
-    for cached, flat, likes in planned:
-        at = 0
-        for i, (like, device) in enumerate(likes):
+    for cached, pieces, devices in planned:
+        for i, (like, piece, device) in enumerate(zip(cached, pieces, devices, strict=True)):
             copy = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
-            cached[i] = copy.copy_(flat[at : at + like.numel()].view(like.shape))
-            at += like.numel()
+            cached[i] = copy.copy_(piece.view(like.shape))
 
 
 @contextlib.contextmanager
@@ -177,13 +171,9 @@ def uncopied(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> Iterator[
         recopy(metric, {attr: parts[attr] for attr in lists})
 
 
-def _concatenation(
-    described: Sequence[wire.State | None], own: Any, same_tables: bool
-) -> tuple[list[int], torch.dtype, tuple[int, ...]] | None:
-    """Per rank the bytes it contributes to the concatenated state, its dtype and shape; ``None`` where the slot
-    is not one ``cat`` state alike on every rank that can be concatenated in place."""
-    if not same_tables or own is None or not own.is_cat or own.described.kind != wire.KIND_LIST:
-        return None
+def _concatenation(described: Sequence[wire.State | None]) -> tuple[list[int], torch.dtype, tuple[int, ...]] | None:
+    """For a ``cat`` slot's descriptions on every rank: per rank the bytes it contributes to the concatenated state,
+    its dtype and shape; ``None`` where it is not one ``cat`` state alike on every rank, concatenated in place."""
     lists = [d for d in described if d is not None and d.kind == wire.KIND_LIST and len(d.pieces) <= 1]
     if len(lists) < len(described):
         return None
@@ -191,19 +181,17 @@ def _concatenation(
         return None
     real = {r: d.pieces[0] for r, d in enumerate(lists) if d.pieces and not d.placeholder}
     keys = {key for key in (wire.cat_key(p.shape) for p in real.values()) if key is not None}
-    dtypes = {p.dtype for p in real.values()}
+    dtypes = {p.dtype for p in real.values() if p.dtype is not None}  # none is unknown (checked above)
     if len(keys) != 1 or len(dtypes) != 1:
         return None
     key, dtype = keys.pop(), dtypes.pop()
-    assert dtype is not None  # checked above; for mypy
     rows = sum((p.shape[0] if p.shape else 1) for p in real.values())
     return [real[r].nbytes if r in real else 0 for r in range(len(lists))], dtype, (rows, *key[1:])
 
 
 def run(exchange: Any) -> None:
-    """After validation, alike on every rank: one collective for every slot of ``exchange`` that has a separate piece
-    on some rank. Other ranks' separate pieces go into its ``gathered``, the slots concatenated in place into its
-    ``reduced``, and this rank's tensors sent apart are replaced by their views of the buffer."""
+    """After validation, alike on every rank: one collective for ``exchange``'s separate pieces, set into its
+    ``gathered`` (its slots concatenated in place: into ``reduced``), this rank's own ones viewed back in its slots."""
     slots, rank = exchange.slots, exchange.rank
     same_tables = all(table == exchange.tables[0] for table in exchange.tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
@@ -215,7 +203,7 @@ def run(exchange: Any) -> None:
         if not any(p.separate for d in described if d is not None for p in d.pieces):
             continue
         own = slots[s] if s < len(slots) else None
-        whole = _concatenation(described, own, same_tables)
+        whole = _concatenation(described) if same_tables and own is not None and own.is_cat else None
         if whole is not None:  # the slot's region is the concatenation itself
             sizes, dtype, shape = whole
             if sizes[rank]:
@@ -231,8 +219,6 @@ def run(exchange: Any) -> None:
                         writes.append((end, s, piece))
                     places.append((r, s, i, end, piece))
                     end += _bytes.aligned(piece.nbytes)
-    if end == 0:
-        return
     buffer = torch.zeros(end, dtype=torch.uint8, device=exchange.device)
     if on_buffer is not None:
         on_buffer(buffer)
