@@ -12,6 +12,7 @@ import functools
 import itertools
 import zlib
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -31,7 +32,8 @@ class CheckSettingError(FusedSyncError):
     its peers run no check collectives)."""
 
 
-class Slot(NamedTuple):
+@dataclass(slots=True)  # made for every state at every sync
+class Slot:
     """One state as this rank sends it, after step 1: the value it was made from, its tensors, their description."""
 
     reduction: Any
@@ -397,22 +399,22 @@ def set_states(
         if values and values[i] is not None:
             internals.put(metric, {state.attr: values[i]})
             continue
+        fn = state.reduction
         if views[0][i].kind == wire.KIND_TENSOR:
             gathered: Any = torch.stack([entries[r][i][0] for r in ranks])
         else:
             per_rank = [entries[r][i] for r in ranks]
-            if is_cat(state.reduction):  # torchmetrics' placeholder where no rank holds data, else the holders'
+            if is_cat(fn):  # torchmetrics' placeholder where no rank holds data, else the holders'
                 holders = [r for r, held in enumerate(views) if held[i].pieces and not held[i].placeholder]
                 holders = holders or [r for r, held in enumerate(views) if held[i].pieces]
                 gathered = [per_rank[r][0] for r in holders]
             else:
                 gathered = [e for at in itertools.zip_longest(*per_rank) for e in at if e is not None]
-            if not gathered:
-                internals.put(metric, {state.attr: []})
-                continue
-        if state.reduction is not None and not callable(state.reduction):
+            if not gathered:  # set as it is, not reduced
+                fn = None
+        if fn is not None and not callable(fn):
             raise TypeError("reduction_fn must be callable or None")
-        internals.put(metric, {state.attr: gathered if state.reduction is None else state.reduction(gathered)})
+        internals.put(metric, {state.attr: gathered if fn is None else fn(gathered)})
 
 
 def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) -> bool:

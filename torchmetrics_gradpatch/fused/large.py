@@ -50,7 +50,7 @@ def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.
     return [_DEFERRED], wire.State(wire.KIND_LIST, (wire.Piece(first.dtype, shape, False),))
 
 
-def complete(slots: list[Any]) -> None:
+def complete(slots: Sequence[Any]) -> None:
     """Step 1 completed: this rank's ``cat`` states of one plain piece leave the payload where together they reach
     :data:`LARGE_MIN_BYTES`, and the deferred states that stay in it are joined."""
     picked = []
@@ -63,7 +63,7 @@ def complete(slots: list[Any]) -> None:
     if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES:
         for s in picked:
             piece = replace(slots[s].described.pieces[0], separate=True)
-            slots[s] = slots[s]._replace(described=replace(slots[s].described, pieces=(piece,)))
+            slots[s].described = replace(slots[s].described, pieces=(piece,))
     for slot in slots:
         if slot.tensors and slot.tensors[0] is _DEFERRED and not slot.described.pieces[0].separate:
             from torchmetrics.utilities.data import dim_zero_cat
@@ -132,9 +132,8 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
         planned.append((cached, torch.split(flat, [c.numel() for c in cached]), [c.device for c in cached]))
         # the cached tensors go first: in their place what clone() would give, on the meta device (no memory)
         cached[:] = [torch.empty_like(c, device="meta") for c in cached]
-    if not planned:
-        return
-    _return_freed_memory()  # else the copies land beside the freed tensors' pages, which stay resident
+    if planned:
+        _return_freed_memory()  # else the copies land beside the freed tensors' pages, which stay resident
     for cached, pieces, devices in planned:
         for i, (like, piece, device) in enumerate(zip(cached, pieces, devices, strict=True)):
             copy = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
@@ -202,13 +201,11 @@ def run(exchange: Any) -> None:
         described = [states[s] if s < len(states) else None for states in exchange.every]
         if not any(p.separate for d in described if d is not None for p in d.pieces):
             continue
-        own = slots[s] if s < len(slots) else None
-        whole = _concatenation(described) if same_tables and own is not None and own.is_cat else None
+        whole = _concatenation(described) if same_tables and s < len(slots) and slots[s].is_cat else None
         if whole is not None:  # the slot's region is the concatenation itself
             sizes, dtype, shape = whole
             if sizes[rank]:
-                assert own is not None  # this rank holds the slot; for mypy
-                writes.append((end + sum(sizes[:rank]), s, own.described.pieces[0]))
+                writes.append((end + sum(sizes[:rank]), s, slots[s].described.pieces[0]))
             wholes.append((s, end, sum(sizes), dtype, shape))
             end += _bytes.aligned(sum(sizes))
             continue
