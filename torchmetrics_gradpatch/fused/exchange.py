@@ -1,17 +1,18 @@
 """One fused exchange: this rank's states in, every rank's synced states out, over one process group.
 
-:class:`Exchange` owns a *slot* per distinct state, its buffers and its phases, run once each in order: ``add``,
-``send``, ``receive``, ``validate``, ``settle``, ``entries``; :func:`set_states` is then torchmetrics' step 3 for one
-Metric, and :func:`sync_metric` the single sync. Every error the ranks' disagreement causes is raised on every rank,
-with the same text, after the same collectives. What each phase does to a state: docs/design.md ("The fused exchange").
+:class:`Exchange` owns a *slot* per distinct state, its buffers and its phases, run once each in order (``add``,
+``send``, ``receive``, ``validate``, ``settle``, ``entries``); :func:`set_states` is torchmetrics' step 3 for one
+Metric, :func:`sync_metric` the single sync. Every error the ranks' disagreement causes is raised on every rank, with
+the same text, after the same collectives (docs/design.md, "The fused exchange").
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import zlib
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -89,8 +90,7 @@ def _fingerprint(key: str, cls: str, reductions: tuple[tuple[str, Any], ...]) ->
 
 
 def structure_error(what: str, attr: str | None, rule: str, seen: dict[int, str]) -> FusedSyncError:
-    """The error for a state (``attr``; ``None``: ``what`` as a whole) whose ranks break ``rule``; ``seen`` maps each
-    rank to what it holds."""
+    """The error for state ``attr`` of ``what`` (``None``: ``what`` itself) whose ranks break ``rule``, as ``seen``."""
     named = f"state {attr!r} of {what}" if attr is not None else what
     held = "; ".join(f"rank {rank}: {value}" for rank, value in sorted(seen.items()))
     return FusedSyncError(
@@ -105,8 +105,7 @@ def gather_texts(text: str, group: Any, world_size: int, device: Any) -> list[st
     an error must name what each rank holds."""
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
     lengths = _gather.exchange(torch.tensor([data.numel()], device=device), group, world_size)[:, 0].tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: data.numel()].copy_(data)
+    padded = torch.nn.functional.pad(data, (0, max(lengths) - data.numel()))
     rows = _gather.exchange(padded, group, world_size).cpu()
     return [bytes(row[:n].tolist()).decode("utf-8", "replace") for row, n in zip(rows, lengths, strict=True)]
 
@@ -134,6 +133,7 @@ def forget() -> None:
 
 
 _NOT_SENT = torch.empty(0, dtype=torch.uint8)  # the stand-in for a tensor of a dtype the format cannot carry
+_KINDS = {wire.KIND_TENSOR: "a tensor", wire.KIND_LIST: "a list of tensors", wire.KIND_OTHER: "something else"}
 
 
 class Exchange:
@@ -149,8 +149,6 @@ class Exchange:
         self.slots: list[Slot] = []
         self._keys: dict[Hashable, int] = {}
         self.failure: Exception | None = None
-        # once sent, every rank's: header row, description words, table, slot descriptions and pieces; the slots
-        # every rank reduced (skip) and their values
         self.rows: list[list[int]] = []
         self.words: tuple[tuple[int, ...], ...] = ()
         self.tables: list[tuple[int, ...]] = []
@@ -163,8 +161,6 @@ class Exchange:
         self._own: tuple[torch.Tensor, wire.Views] | None = None
         self._sending: tuple[Any, ...] = ()  # between send and receive: what collective 2 may need
 
-    # -- phase 1: this rank's states, after torchmetrics' step 1 -----------------------------------------------------
-
     def add(self, metric: Any, attr: str, reduction: Any, rule: bool, key: Hashable | None = None) -> int:
         """Step 1 for ``metric``'s state ``attr``, exactly as ``_sync_dist`` does it (``rule``: the placeholder rule);
         returns its slot. A state added before under ``key`` is that slot."""
@@ -174,12 +170,6 @@ class Exchange:
         if key is not None:
             self._keys[key] = len(self.slots) - 1
         return len(self.slots) - 1
-
-    def add_metric(self, metric: Any) -> list[State]:
-        """Step 1 for every state of ``metric``, in ``_sync_dist``'s order, a slot each."""
-        rule = internals.placeholder_rule(metric)
-        held = internals.reductions(metric).items()
-        return [State(attr, reduction, self.add(metric, attr, reduction, rule)) for attr, reduction in held]
 
     def fail(self, error: Exception) -> None:
         """This rank cannot send its states: its header says so, and every rank raises after collective 1."""
@@ -210,17 +200,17 @@ class Exchange:
             return Slot(reduction, cat, value, tensors, wire.State(wire.KIND_LIST, pieces, placeholder))
         return Slot(reduction, cat, value, [], wire.State(wire.KIND_OTHER, ()))
 
-    # -- phase 2: the collectives ------------------------------------------------------------------------------------
-
     def send(
         self, flags: int = 0, fingerprint: int = 0, table: Sequence[int] = (), placement: Sequence[int] = ()
     ) -> list[list[int]]:
         """Collective 1: every rank's header row (returned) and, where it fits the group's capacity, its description
-        and pieces. ``flags``: the caller's; ``table``: a collection's member table, sent in front of the
-        description; ``placement``: what a proposal to reduce must agree on besides the slots. Refusals are raised on
-        every rank."""
-        flags |= self._flags()
-        self._complete_large()
+        and pieces, ``table`` (a collection's member table) in front; ``placement``: what a proposal to reduce must
+        agree on besides the slots. Refusals are raised on every rank."""
+        flags |= wire.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0
+        flags |= wire.FLAG_REQUIRES_GRAD if any(t.requires_grad for s in self.slots for t in s.tensors) else 0
+        flags |= wire.FLAG_CHECK if effective_check() else 0
+        flags |= wire.FLAG_FAILED if self.failure is not None else 0
+        large.complete(self.slots)
         words = wire.encode([s.described for s in self.slots], table)
         self._proposal = proposal = reduced.propose(self.slots, placement)
         whole = wire.read(tuple(words))
@@ -236,7 +226,35 @@ class Exchange:
                 header, words, sent, proposed.offsets, proposed.size, self.group, self.world_size, self.device
             )
         self._sending = (words, sent, whole, proposed, inline, regions)
-        self._refuse(self.rows)
+        if len({row[wire.FORMAT] for row in self.rows}) > 1:
+            raise FusedSyncError(
+                "torchmetrics_gradpatch: fused sync: the ranks run different versions of the fused sync's format ("
+                + "; ".join(f"rank {r}: {row[wire.FORMAT]:#x}" for r, row in enumerate(self.rows))
+                + "); install the same torchmetrics_gradpatch on every rank."
+            )
+        wire.Group.of(self.group).agree(self.rows)  # every rank, from the same rows, before anything else can raise
+        refusal = chunk_refusal([row[wire.CHUNK] for row in self.rows])
+        if refusal is not None:
+            raise FusedSyncError(refusal)
+        checking = [bool(row[wire.FLAGS] & wire.FLAG_CHECK) for row in self.rows]
+        if len(set(checking)) > 1:
+            raise CheckSettingError(
+                "torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on rank(s) "
+                f"{[r for r, c in enumerate(checking) if c]}, off on rank(s) "
+                f"{[r for r, c in enumerate(checking) if not c]}). Every rank raised this error after the same "
+                "exchange, before changing any state. Set check the same way on every rank (patch(check=...), "
+                "patched(check=...) or TORCHMETRICS_GRADPATCH_CHECK)."
+            )
+        failed = [r for r, row in enumerate(self.rows) if row[wire.FLAGS] & wire.FLAG_FAILED]
+        if failed:
+            own = "" if self.failure is None else f"{type(self.failure).__name__}: {self.failure}"
+            texts = gather_texts(own, self.group, self.world_size, self.device)
+            raise FusedSyncError(
+                f"torchmetrics_gradpatch: fused sync of {self.name}: rank(s) {failed} could not prepare their states "
+                f"for the sync ({'; '.join(f'rank {r}: {texts[r]}' for r in failed)}). Every rank raised this error "
+                "after the same exchange, before changing any state; none is left waiting. torchmetrics' own sync "
+                "raises the same on those ranks alone; fix what they hold."
+            ) from self.failure
         return self.rows
 
     def receive(self) -> None:
@@ -246,41 +264,19 @@ class Exchange:
         self.skip = skip = self._proposal.slots if reduced.agreed(self.rows, self._proposal) else ()
         with torch.no_grad():
             # an inline payload leaves out what its rank proposed to reduce: usable where that was agreed, or empty
-            if all(
+            buffers = regions
+            if not all(
                 row[wire.FLAGS] & wire.FLAG_INLINE and (skip or row[wire.SIZE_REDUCED] == row[wire.SIZE])
                 for row in self.rows
             ):
-                buffers = regions
-            else:
                 largest = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in self.rows)
                 payload = wire.pack(words, sent, (proposed if skip else whole).offsets, largest, self.device)
                 buffers = wire.gather_payloads(payload, self.group, self.world_size)
             del regions
-            self._receive(words, inline, buffers)
-
-    def _flags(self) -> int:
-        """This rank's header flags: grad mode, some tensor requiring grad, check mode, a failure."""
-        flags = wire.FLAG_GRAD_MODE if torch.is_grad_enabled() else 0
-        flags |= wire.FLAG_REQUIRES_GRAD if any(t.requires_grad for s in self.slots for t in s.tensors) else 0
-        flags |= wire.FLAG_CHECK if effective_check() else 0
-        return flags | (wire.FLAG_FAILED if self.failure is not None else 0)
-
-    def _complete_large(self) -> None:
-        """Step 1 completed for :mod:`.large`: its chosen ``cat`` states leave the payload, and the deferred states
-        that stay in it are joined."""
-        for s in large.chosen(self.slots):
-            described = self.slots[s].described
-            self.slots[s].described = replace(described, pieces=(replace(described.pieces[0], separate=True),))
-        for slot in self.slots:
-            if large.deferred(slot) and not slot.described.pieces[0].separate:
-                slot.tensors[:] = [_dim_zero_cat()(slot.value).contiguous()]
-
-    def _receive(self, words: list[int], inline: list[list[int] | None], buffers: list[torch.Tensor]) -> None:
-        """Every rank's description (inline, or at the start of its buffer) and pieces (views of its buffer)."""
         for r, (buffer, row) in enumerate(zip(buffers, self.rows, strict=True)):
             known = words if r == self.rank else inline[r]
             theirs = tuple(known if known is not None else wire.words_of(buffer, row[wire.WORDS]))
-            described = wire.read(theirs, self.skip)
+            described = wire.read(theirs, skip)
             self._described.append(described)
             self.words += (theirs,)
             self.tables.append(described.table)
@@ -291,44 +287,8 @@ class Exchange:
             else:
                 self.gathered.append(wire.unpack(buffer, described.views))
 
-    def _refuse(self, rows: list[list[int]]) -> None:
-        """What every rank refuses right after collective 1, alike: another format, a chunk size setting that is not
-        valid, other check settings, a rank that could not prepare its states."""
-        if len({row[wire.FORMAT] for row in rows}) > 1:
-            raise FusedSyncError(
-                "torchmetrics_gradpatch: fused sync: the ranks run different versions of the fused sync's format ("
-                + "; ".join(f"rank {r}: {row[wire.FORMAT]:#x}" for r, row in enumerate(rows))
-                + "); install the same torchmetrics_gradpatch on every rank."
-            )
-        wire.Group.of(self.group).agree(rows)  # every rank, from the same rows, before anything else can raise
-        refusal = chunk_refusal([row[wire.CHUNK] for row in rows])
-        if refusal is not None:
-            raise FusedSyncError(refusal)
-        checking = [bool(row[wire.FLAGS] & wire.FLAG_CHECK) for row in rows]
-        if len(set(checking)) > 1:
-            raise CheckSettingError(
-                "torchmetrics_gradpatch: fused sync: the ranks' check settings differ (check mode on rank(s) "
-                f"{[r for r, c in enumerate(checking) if c]}, off on rank(s) "
-                f"{[r for r, c in enumerate(checking) if not c]}). Every rank raised this error after the same "
-                "exchange, before changing any state. Set check the same way on every rank (patch(check=...), "
-                "patched(check=...) or TORCHMETRICS_GRADPATCH_CHECK)."
-            )
-        failed = [r for r, row in enumerate(rows) if row[wire.FLAGS] & wire.FLAG_FAILED]
-        if failed:
-            own = "" if self.failure is None else f"{type(self.failure).__name__}: {self.failure}"
-            texts = gather_texts(own, self.group, self.world_size, self.device)
-            raise FusedSyncError(
-                f"torchmetrics_gradpatch: fused sync of {self.name}: rank(s) {failed} could not prepare their states "
-                f"for the sync ({'; '.join(f'rank {r}: {texts[r]}' for r in failed)}). Every rank raised this error "
-                "after the same exchange, before changing any state; none is left waiting. torchmetrics' own sync "
-                "raises the same on those ranks alone; fix what they hold."
-            ) from self.failure
-
     def flagged(self, flag: int) -> bool:
-        """Whether some rank's header carries ``flag``."""
         return any(row[wire.FLAGS] & flag for row in self.rows)
-
-    # -- phase 3: what the descriptions allow --------------------------------------------------------------------
 
     def check_grad_modes(self) -> None:
         """In global mode, refuse alike where the ranks disagree on grad mode while some state requires grad."""
@@ -357,24 +317,23 @@ class Exchange:
                     raise structure_error(name, state.attr, rule, {r: "an unknown dtype"})
             if kind[self.rank] == wire.KIND_TENSOR:
                 pieces = {r: d.pieces[0] for r, d in described.items()}
-                if len({(p.dtype, p.shape) for p in pieces.values()}) > 1:
-                    rule = (
-                        "a tensor state must have one dtype and shape on every rank (its gathered values are stacked)"
-                    )
-                    raise structure_error(name, state.attr, rule, _held(pieces))
+                rule = "a tensor state must have one dtype and shape on every rank (its gathered values are stacked)"
+                broken = len({(p.dtype, p.shape) for p in pieces.values()}) > 1
             elif is_cat(state.reduction):
                 pieces = {r: d.pieces[0] for r, d in described.items() if d.pieces and not d.placeholder}
-                dtypes = {p.dtype for p in pieces.values()}
-                if len(dtypes) > 1 or len({wire.cat_key(p.shape) for p in pieces.values()} - {None}) > 1:
-                    rule = "the tensors of a 'cat' state must agree in dtype, number of dimensions and every size but "
-                    raise structure_error(name, state.attr, rule + "the first", _held(pieces))
+                rule = "the tensors of a 'cat' state must agree in dtype, number of dimensions and every size but "
+                rule += "the first"
+                shapes = {wire.cat_key(p.shape) for p in pieces.values()} - {None}
+                broken = len({p.dtype for p in pieces.values()}) > 1 or len(shapes) > 1
+            else:
+                continue
+            if broken:
+                held = {r: f"{p.dtype} {list(p.shape)}" for r, p in pieces.items()}
+                raise structure_error(name, state.attr, rule, held)
         remember(_VALID, key, None)
 
-    # -- phase 4: the side channels ------------------------------------------------------------------------------
-
     def settle(self) -> None:
-        """The side channels, alike on every rank: the streamed pieces, the agreed reductions and the large ``cat``
-        states cross (no collective where the descriptions call for none)."""
+        """The side channels, alike on every rank, where the descriptions call for them: streamed, reduced, large."""
         chunk = min(row[wire.CHUNK] for row in self.rows)
         with torch.no_grad():
             if any(each.streams for each in self._described):
@@ -385,21 +344,11 @@ class Exchange:
             if self.skip:
                 self.reduced = reduced.run(self._proposal, self.slots, self.group, self.device, self.staging, chunk)
             if any(each.separates for each in self._described):
-                apart = large.run(self.tables, self.every, self.slots, self.rank, self.group, self.device)
-                for r, s, i, piece in apart.pieces:
-                    self.gathered[r][s][i] = piece
-                for s, written in apart.written.items():  # the buffer holds them now: the local tensors can go
-                    self.slots[s].tensors[:] = [written]
-                    if isinstance(self.slots[s].value, list):
-                        self.slots[s].value.clear()
-                self.reduced.update(apart.joined)
-
-    # -- phase 5: every rank's entries -----------------------------------------------------------------------------
+                large.run(self)
 
     def entries(self, keep: list[list[bool]]) -> list[list[list[torch.Tensor]]]:
-        """Per rank, per slot, the entries torchmetrics' step 3 sees: this rank's own tensors, every other rank's
-        pieces (in global mode with a graph anywhere, through one node). ``keep[r][s]``: rank ``r``'s slot ``s``
-        becomes list-state content, so its entries are copies, not views of the buffers."""
+        """Per rank, per slot, the entries torchmetrics' step 3 sees (in global mode with a graph anywhere, through one
+        node); ``keep[r][s]``: rank ``r``'s slot ``s`` becomes list-state content, so its entries are copies."""
         rank = self.rank
         result = [
             [list(slot.tensors) for slot in self.slots] if r == rank else [list(pieces) for pieces in gathered]
@@ -431,13 +380,6 @@ class Exchange:
         return result
 
 
-def _held(pieces: dict[int, wire.Piece]) -> dict[int, str]:
-    return {r: f"{p.dtype} {list(p.shape)}" for r, p in pieces.items()}
-
-
-_KINDS = {wire.KIND_TENSOR: "a tensor", wire.KIND_LIST: "a list of tensors", wire.KIND_OTHER: "something else"}
-
-
 def set_states(
     metric: Any,
     states: Sequence[State],
@@ -445,9 +387,8 @@ def set_states(
     entries: list[list[list[torch.Tensor]]],
     values: Sequence[torch.Tensor | None] = (),
 ) -> None:
-    """torchmetrics' step 3 for ``metric``: per state, stack or flatten, reduce and set. ``views[r][i]`` and
-    ``entries[r][i]`` are rank ``r``'s description and entries of ``states[i]``; ``values[i]``, where given and not
-    ``None``, is its value reduced across the ranks already."""
+    """torchmetrics' step 3 for ``metric``: per state, stack or flatten, reduce and set (``values[i]``, if given and
+    not ``None``: ``states[i]`` reduced). ``views[r][i]``, ``entries[r][i]``: rank ``r``'s description and entries."""
     if uneven_lists:  # in check mode: the list states whose lengths differ between ranks
         for i, state in enumerate(states):
             if len({len(held[i].pieces) for held in views}) > 1:
@@ -458,27 +399,22 @@ def set_states(
         if values and values[i] is not None:
             internals.put(metric, {state.attr: values[i]})
             continue
-        gathered: Any
+        fn = state.reduction
         if views[0][i].kind == wire.KIND_TENSOR:
-            gathered = torch.stack([entries[r][i][0] for r in ranks])
+            gathered: Any = torch.stack([entries[r][i][0] for r in ranks])
         else:
             per_rank = [entries[r][i] for r in ranks]
-            if is_cat(state.reduction):  # torchmetrics' placeholder where no rank holds data, else the holders'
+            if is_cat(fn):  # torchmetrics' placeholder where no rank holds data, else the holders'
                 holders = [r for r, held in enumerate(views) if held[i].pieces and not held[i].placeholder]
                 holders = holders or [r for r, held in enumerate(views) if held[i].pieces]
                 gathered = [per_rank[r][0] for r in holders]
             else:
-                longest = max(len(pieces) for pieces in per_rank)
-                gathered = [pieces[k] for k in range(longest) for pieces in per_rank if k < len(pieces)]
-            if not gathered:
-                internals.put(metric, {state.attr: []})
-                continue
-        if state.reduction is None:
-            internals.put(metric, {state.attr: gathered})
-        elif callable(state.reduction):
-            internals.put(metric, {state.attr: state.reduction(gathered)})
-        else:
+                gathered = [e for at in itertools.zip_longest(*per_rank) for e in at if e is not None]
+            if not gathered:  # set as it is, not reduced
+                fn = None
+        if fn is not None and not callable(fn):
             raise TypeError("reduction_fn must be callable or None")
+        internals.put(metric, {state.attr: gathered if fn is None else fn(gathered)})
 
 
 def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) -> bool:
@@ -487,19 +423,19 @@ def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) ->
     this rank: it sends its header alone); then every rank runs torchmetrics' own ``_sync_dist``."""
     exchange = Exchange(type(metric).__name__, process_group or metric.process_group, metric.device, mode)
     states: list[State] = []
-    try:
-        states = [] if aside_here else exchange.add_metric(metric)
+    try:  # step 1 for every state, in _sync_dist's order, a slot each
+        if not aside_here:
+            placeholders, reductions = internals.placeholder_rule(metric), internals.reductions(metric)
+            states = [State(attr, fn, exchange.add(metric, attr, fn, placeholders)) for attr, fn in reductions.items()]
     except Exception as error:  # this rank's states cannot be sent: its header says so, and every rank raises
         exchange.fail(error)
-        states = []
     exchange.send(wire.FLAG_ASIDE if aside_here else 0, fingerprint(metric))
     if exchange.flagged(wire.FLAG_ASIDE):
         return False
     slots = exchange.slots
     # sync()'s copies of the states sent apart are freed before the buffer is made, and made again after
-    released = large.release_cache(
-        metric, [s.attr for s in states if any(p.separate for p in slots[s.slot].described.pieces)]
-    )
+    apart = [s.attr for s in states if any(p.separate for p in slots[s.slot].described.pieces)]
+    released = large.release_cache(metric, apart)
     if len({row[wire.FINGERPRINT] for row in exchange.rows}) > 1:
         held = gather_texts(describe(metric), exchange.group, exchange.world_size, exchange.device)
         rule = "the ranks are syncing different metrics (another class, or other states or reductions)"
@@ -512,8 +448,5 @@ def sync_metric(metric: Any, process_group: Any, mode: str, aside_here: bool) ->
     entries = exchange.entries([keep] * exchange.world_size)
     set_states(metric, states, exchange.every, entries, [exchange.reduced.get(s.slot) for s in states])
     # the local tensors are no longer held but by sync()'s cache: its copies are made from the buffer now
-    large.recopy(
-        metric,
-        {s.attr: slots[s.slot].tensors[0] if slots[s.slot].tensors else None for s in states if s.attr in released},
-    )
+    large.recopy(metric, {s.attr: slots[s.slot].tensors[0] for s in states if s.attr in released})
     return True

@@ -12,7 +12,8 @@ import ctypes
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,17 +27,17 @@ LARGE_MIN_BYTES = 1 << 20
 #: Called with every buffer this module allocates (tests count the bytes a sync allocates beyond its result).
 on_buffer: Callable[[torch.Tensor], None] | None = None
 
+_DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is joined or sent apart
+
 
 def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.State] | None:
     """Step 1 for a ``cat`` list of several tensors (or one conjugate or negative view), deferred: a stand-in and the
     description of the one tensor ``dim_zero_cat`` would make (``None``: they do not join as plain bytes). Sent apart,
-    each tensor is written into the buffer in turn, never joined on this rank; else the exchange joins them."""
-    if not all(isinstance(t, torch.Tensor) for t in value):
-        return None
+    each tensor is written into the buffer in turn, never joined on this rank; else :func:`complete` joins them."""
     first = value[0]
-    if not _bytes.plain(first.dtype) or (stream_cpu and first.device.type == "cpu"):
+    if not all(isinstance(t, torch.Tensor) for t in value) or not _bytes.plain(first.dtype):
         return None
-    if any(
+    if (stream_cpu and first.device.type == "cpu") or any(
         t.requires_grad or (t.dtype, t.device, t.layout) != (first.dtype, first.device, torch.strided) for t in value
     ):
         return None
@@ -46,54 +47,43 @@ def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.
         shape = (sum(t.shape[0] for t in value), *first.shape[1:])
     else:
         return None
-    described = wire.State(wire.KIND_LIST, (wire.Piece(first.dtype, shape, False),))
-    return [_DEFERRED], described
+    return [_DEFERRED], wire.State(wire.KIND_LIST, (wire.Piece(first.dtype, shape, False),))
 
 
-_DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is joined or sent apart
-
-
-def deferred(slot: Any) -> bool:
-    """Whether ``slot``'s step 1 is deferred (:func:`defer`): its tensors are joined, or written one by one, later."""
-    return bool(slot.tensors) and slot.tensors[0] is _DEFERRED
-
-
-def chosen(slots: Sequence[Any]) -> list[int]:
-    """The slots whose tensors this rank sends apart: its ``cat`` states of one plain piece, where together they
-    reach :data:`LARGE_MIN_BYTES`."""
+def complete(slots: Sequence[Any]) -> None:
+    """Step 1 completed: this rank's ``cat`` states of one plain piece leave the payload where together they reach
+    :data:`LARGE_MIN_BYTES`, and the deferred states that stay in it are joined."""
     picked = []
     for s, slot in enumerate(slots):
         described = slot.described
-        if (
-            slot.is_cat
-            and described.kind == wire.KIND_LIST
-            and not described.placeholder
-            and len(described.pieces) == 1
-        ):
-            piece = described.pieces[0]
-            if piece.dtype is not None and not piece.requires_grad and not piece.streamed and piece.nbytes > 0:
+        if slot.is_cat and described.kind == wire.KIND_LIST and len(described.pieces) == 1:
+            piece = described.pieces[0]  # its nbytes is 0 where its dtype is unknown
+            if not (described.placeholder or piece.requires_grad or piece.streamed) and piece.nbytes > 0:
                 picked.append(s)
-    return picked if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES else []
+    if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES:
+        for s in picked:
+            piece = replace(slots[s].described.pieces[0], separate=True)
+            slots[s].described = replace(slots[s].described, pieces=(piece,))
+    for slot in slots:
+        if slot.tensors and slot.tensors[0] is _DEFERRED and not slot.described.pieces[0].separate:
+            from torchmetrics.utilities.data import dim_zero_cat
+
+            slot.tensors[:] = [dim_zero_cat(slot.value).contiguous()]
 
 
 def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
-    """Put this rank's own tensors in place of the copies ``sync()`` has just cached of the ``cat`` states ``attrs``
-    (sent apart), so that those copies are freed before the buffer is made; :func:`recopy` makes them again once the
-    synced states are set. Returns the states so released."""
+    """The ``cat`` states ``attrs`` (sent apart) whose copies ``sync()`` has just cached are freed before the buffer is
+    made, this rank's own tensors in their place (:func:`recopy` copies again): returns them."""
     cache = internals.sync_cache(metric)
     if cache is None or internals.flag(metric, "is_synced"):  # not the fresh cache sync() has just made
         return []
     released = []
     for attr in attrs:
-        current, cached = getattr(metric, attr, None), cache.get(attr)
-        if not (isinstance(current, list) and isinstance(cached, list) and len(current) == len(cached)):
+        current, cached = getattr(metric, attr), cache.get(attr)
+        if not isinstance(cached, list) or cached is current:  # before 1.4 sync() caches the state itself
             continue
-        if cached is current:  # torchmetrics before 1.4 caches the state itself: there is no copy to free
-            continue
-        if all(
-            isinstance(c, torch.Tensor)
-            and isinstance(t, torch.Tensor)
-            and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
+        if len(current) == len(cached) and all(  # current: a list of tensors (the exchange sent it apart)
+            isinstance(c, torch.Tensor) and (c.shape, c.dtype, c.device) == (t.shape, t.dtype, t.device)
             for c, t in zip(cached, current, strict=True)
         ):
             cache[attr] = [t.detach() for t in current]
@@ -120,7 +110,6 @@ def _malloc_trim() -> Callable[[int], int] | None:
     except (OSError, AttributeError):  # musl has none
         return None
     trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
     return cast(Callable[[int], int], trim)
 
 
@@ -131,7 +120,7 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
     cache = internals.sync_cache(metric)
     if cache is None:
         return
-    planned: list[tuple[list[Any], torch.Tensor, list[tuple[torch.Tensor, torch.device]]]] = []
+    planned = []
     for attr, own in parts.items():
         cached = cache.get(attr)
         if not isinstance(cached, list) or not all(isinstance(c, torch.Tensor) for c in cached):
@@ -140,18 +129,15 @@ def recopy(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> None:
         if flat is None or sum(c.numel() for c in cached) != flat.numel() or any(c.dtype != flat.dtype for c in cached):
             cached[:] = [c.detach().clone() for c in cached]
             continue
-        likes = [(torch.empty_like(c, device="meta"), c.device) for c in cached]  # what clone() gives, no memory
-        cached[:] = [like for like, _ in likes]  # this rank's tensors go first
-        planned.append((cached, flat, likes))
-    if not planned:
-        return
-    _return_freed_memory()  # else the copies land beside the freed tensors' pages, which stay resident
-    for cached, flat, likes in planned:
-        at = 0
-        for i, (like, device) in enumerate(likes):
+        planned.append((cached, torch.split(flat, [c.numel() for c in cached]), [c.device for c in cached]))
+        # the cached tensors go first: in their place what clone() would give, on the meta device (no memory)
+        cached[:] = [torch.empty_like(c, device="meta") for c in cached]
+    if planned:
+        _return_freed_memory()  # else the copies land beside the freed tensors' pages, which stay resident
+    for cached, pieces, devices in planned:
+        for i, (like, piece, device) in enumerate(zip(cached, pieces, devices, strict=True)):
             copy = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
-            cached[i] = copy.copy_(flat[at : at + like.numel()].view(like.shape))
-            at += like.numel()
+            cached[i] = copy.copy_(piece.view(like.shape))
 
 
 @contextlib.contextmanager
@@ -184,13 +170,9 @@ def uncopied(metric: Any, parts: Mapping[str, torch.Tensor | None]) -> Iterator[
         recopy(metric, {attr: parts[attr] for attr in lists})
 
 
-def _concatenation(
-    described: Sequence[wire.State | None], own: Any, same_tables: bool
-) -> tuple[list[int], torch.dtype, tuple[int, ...]] | None:
-    """Per rank the bytes it contributes to the concatenated state, its dtype and shape; ``None`` where the slot
-    is not one ``cat`` state alike on every rank that can be concatenated in place."""
-    if not same_tables or own is None or not own.is_cat or own.described.kind != wire.KIND_LIST:
-        return None
+def _concatenation(described: Sequence[wire.State | None]) -> tuple[list[int], torch.dtype, tuple[int, ...]] | None:
+    """For a ``cat`` slot's descriptions on every rank: per rank the bytes it contributes to the concatenated state,
+    its dtype and shape; ``None`` where it is not one ``cat`` state alike on every rank, concatenated in place."""
     lists = [d for d in described if d is not None and d.kind == wire.KIND_LIST and len(d.pieces) <= 1]
     if len(lists) < len(described):
         return None
@@ -198,50 +180,32 @@ def _concatenation(
         return None
     real = {r: d.pieces[0] for r, d in enumerate(lists) if d.pieces and not d.placeholder}
     keys = {key for key in (wire.cat_key(p.shape) for p in real.values()) if key is not None}
-    dtypes = {p.dtype for p in real.values()}
+    dtypes = {p.dtype for p in real.values() if p.dtype is not None}  # none is unknown (checked above)
     if len(keys) != 1 or len(dtypes) != 1:
         return None
     key, dtype = keys.pop(), dtypes.pop()
-    assert dtype is not None  # checked above; for mypy
     rows = sum((p.shape[0] if p.shape else 1) for p in real.values())
     return [real[r].nbytes if r in real else 0 for r in range(len(lists))], dtype, (rows, *key[1:])
 
 
-class Moved(NamedTuple):
-    """What :func:`run` brought: other ranks' separate pieces as ``(rank, slot, index, piece)``, this rank's tensors
-    as the buffer holds them now (slot -> view), and the slots concatenated in place (slot -> synced value)."""
-
-    pieces: list[tuple[int, int, int, torch.Tensor]]
-    written: dict[int, torch.Tensor]
-    joined: dict[int, torch.Tensor]
-
-
-def run(
-    tables: Sequence[Any],
-    every: Sequence[Sequence[wire.State]],
-    slots: Sequence[Any],
-    rank: int,
-    group: Any,
-    device: Any,
-) -> Moved:
-    """After validation, alike on every rank: one collective for every slot that has a separate piece on some rank
-    (``every[r]``: rank ``r``'s descriptions; ``tables``: the member tables; ``slots``: this rank's)."""
-    same_tables = all(table == tables[0] for table in tables)
+def run(exchange: Any) -> None:
+    """After validation, alike on every rank: one collective for ``exchange``'s separate pieces, set into its
+    ``gathered`` (its slots concatenated in place: into ``reduced``), this rank's own ones viewed back in its slots."""
+    slots, rank = exchange.slots, exchange.rank
+    same_tables = all(table == exchange.tables[0] for table in exchange.tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
     places: list[tuple[int, int, int, int, wire.Piece]] = []  # rank, slot, position, offset, piece
     writes: list[tuple[int, int, wire.Piece]] = []  # this rank's: offset, slot, the piece its tensors make there
     end = 0
-    for s in range(max((len(states) for states in every), default=0)):
-        described = [states[s] if s < len(states) else None for states in every]
+    for s in range(max((len(states) for states in exchange.every), default=0)):
+        described = [states[s] if s < len(states) else None for states in exchange.every]
         if not any(p.separate for d in described if d is not None for p in d.pieces):
             continue
-        own = slots[s] if s < len(slots) else None
-        whole = _concatenation(described, own, same_tables)
+        whole = _concatenation(described) if same_tables and s < len(slots) and slots[s].is_cat else None
         if whole is not None:  # the slot's region is the concatenation itself
             sizes, dtype, shape = whole
             if sizes[rank]:
-                assert own is not None  # this rank holds the slot; for mypy
-                writes.append((end + sum(sizes[:rank]), s, own.described.pieces[0]))
+                writes.append((end + sum(sizes[:rank]), s, slots[s].described.pieces[0]))
             wholes.append((s, end, sum(sizes), dtype, shape))
             end += _bytes.aligned(sum(sizes))
             continue
@@ -252,24 +216,25 @@ def run(
                         writes.append((end, s, piece))
                     places.append((r, s, i, end, piece))
                     end += _bytes.aligned(piece.nbytes)
-    if end == 0:
-        return Moved([], {}, {})
-    buffer = torch.zeros(end, dtype=torch.uint8, device=device)
+    buffer = torch.zeros(end, dtype=torch.uint8, device=exchange.device)
     if on_buffer is not None:
         on_buffer(buffer)
-    written = {}
     for at, s, piece in writes:
-        written[s] = _view(buffer, at, piece)
+        written = _view(buffer, at, piece)
         # this rank's tensors (a deferred list's in turn), copied as the values they read as (a conjugate view
         # resolved, as torch.cat resolves it), never through a byte view, which could fail on this rank alone
-        for tensor in list(slots[s].value) if deferred(slots[s]) else [slots[s].tensors[0]]:
+        for tensor in list(slots[s].value) if slots[s].tensors[0] is _DEFERRED else [slots[s].tensors[0]]:
             n = _bytes.nbytes(tensor.shape, tensor.dtype)
             buffer[at : at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             at += n
+        slots[s].tensors[:] = [written]  # the buffer holds them now: the local tensors can go
+        if isinstance(slots[s].value, list):
+            slots[s].value.clear()
     # the ranks' bytes never overlap, so summing them as int64 words carries nothing: every bit arrives as written
-    dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, group)
-    pieces = [(r, s, i, _view(buffer, at, piece)) for r, s, i, at, piece in places]
-    return Moved(pieces, written, {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
+    dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, exchange.group)
+    for r, s, i, at, piece in places:
+        exchange.gathered[r][s][i] = _view(buffer, at, piece)
+    exchange.reduced.update({s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
 
 
 def _view(buffer: torch.Tensor, at: int, piece: wire.Piece) -> torch.Tensor:
