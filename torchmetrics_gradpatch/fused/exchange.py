@@ -12,7 +12,7 @@ import functools
 import itertools
 import zlib
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -210,7 +210,12 @@ class Exchange:
         flags |= wire.FLAG_REQUIRES_GRAD if any(t.requires_grad for s in self.slots for t in s.tensors) else 0
         flags |= wire.FLAG_CHECK if effective_check() else 0
         flags |= wire.FLAG_FAILED if self.failure is not None else 0
-        large.complete(self.slots)
+        for s in large.chosen(self.slots):  # step 1 completed: they leave the payload
+            piece = replace(self.slots[s].described.pieces[0], separate=True)
+            self.slots[s].described = replace(self.slots[s].described, pieces=(piece,))
+        for slot in self.slots:  # and the deferred states that stay in it are joined
+            if large.deferred(slot) and not slot.described.pieces[0].separate:
+                slot.tensors[:] = [_dim_zero_cat()(slot.value).contiguous()]
         words = wire.encode([s.described for s in self.slots], table)
         self._proposal = proposal = reduced.propose(self.slots, placement)
         whole = wire.read(tuple(words))
@@ -344,7 +349,14 @@ class Exchange:
             if self.skip:
                 self.reduced = reduced.run(self._proposal, self.slots, self.group, self.device, self.staging, chunk)
             if any(each.separates for each in self._described):
-                large.run(self)
+                apart = large.run(self)
+                for r, s, i, piece in apart.pieces:
+                    self.gathered[r][s][i] = piece
+                for s, written in apart.written.items():  # the buffer holds them now: the local tensors can go
+                    self.slots[s].tensors[:] = [written]
+                    if isinstance(self.slots[s].value, list):
+                        self.slots[s].value.clear()
+                self.reduced.update(apart.joined)
 
     def entries(self, keep: list[list[bool]]) -> list[list[list[torch.Tensor]]]:
         """Per rank, per slot, the entries torchmetrics' step 3 sees (in global mode with a graph anywhere, through one

@@ -12,8 +12,7 @@ import ctypes
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ _DEFERRED = torch.empty(0)  # a deferred state's stand-in tensor, until it is jo
 def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.State] | None:
     """Step 1 for a ``cat`` list of several tensors (or one conjugate or negative view), deferred: a stand-in and the
     description of the one tensor ``dim_zero_cat`` would make (``None``: they do not join as plain bytes). Sent apart,
-    each tensor is written into the buffer in turn, never joined on this rank; else :func:`complete` joins them."""
+    each tensor is written into the buffer in turn, never joined on this rank; else the exchange joins them."""
     first = value[0]
     if not all(isinstance(t, torch.Tensor) for t in value) or not _bytes.plain(first.dtype):
         return None
@@ -50,9 +49,9 @@ def defer(value: list[Any], stream_cpu: bool) -> tuple[list[torch.Tensor], wire.
     return [_DEFERRED], wire.State(wire.KIND_LIST, (wire.Piece(first.dtype, shape, False),))
 
 
-def complete(slots: Sequence[Any]) -> None:
-    """Step 1 completed: this rank's ``cat`` states of one plain piece leave the payload where together they reach
-    :data:`LARGE_MIN_BYTES`, and the deferred states that stay in it are joined."""
+def chosen(slots: Sequence[Any]) -> list[int]:
+    """The slots whose tensors this rank sends apart: its ``cat`` states of one plain piece, where together they
+    reach :data:`LARGE_MIN_BYTES`."""
     picked = []
     for s, slot in enumerate(slots):
         described = slot.described
@@ -60,15 +59,12 @@ def complete(slots: Sequence[Any]) -> None:
             piece = described.pieces[0]  # its nbytes is 0 where its dtype is unknown
             if not (described.placeholder or piece.requires_grad or piece.streamed) and piece.nbytes > 0:
                 picked.append(s)
-    if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES:
-        for s in picked:
-            piece = replace(slots[s].described.pieces[0], separate=True)
-            slots[s].described = replace(slots[s].described, pieces=(piece,))
-    for slot in slots:
-        if slot.tensors and slot.tensors[0] is _DEFERRED and not slot.described.pieces[0].separate:
-            from torchmetrics.utilities.data import dim_zero_cat
+    return picked if sum(slots[s].described.pieces[0].nbytes for s in picked) >= LARGE_MIN_BYTES else []
 
-            slot.tensors[:] = [dim_zero_cat(slot.value).contiguous()]
+
+def deferred(slot: Any) -> bool:
+    """Whether ``slot``'s step 1 is deferred (:func:`defer`): its tensors are joined, or written one by one, later."""
+    return bool(slot.tensors) and slot.tensors[0] is _DEFERRED
 
 
 def release_cache(metric: Any, attrs: Iterable[str]) -> list[str]:
@@ -188,9 +184,18 @@ def _concatenation(described: Sequence[wire.State | None]) -> tuple[list[int], t
     return [real[r].nbytes if r in real else 0 for r in range(len(lists))], dtype, (rows, *key[1:])
 
 
-def run(exchange: Any) -> None:
-    """After validation, alike on every rank: one collective for ``exchange``'s separate pieces, set into its
-    ``gathered`` (its slots concatenated in place: into ``reduced``), this rank's own ones viewed back in its slots."""
+class Moved(NamedTuple):
+    """What :func:`run` brought: other ranks' separate pieces as ``(rank, slot, index, piece)``, this rank's tensors
+    as the buffer holds them now (slot -> view), and the slots concatenated in place (slot -> synced value)."""
+
+    pieces: list[tuple[int, int, int, torch.Tensor]]
+    written: dict[int, torch.Tensor]
+    joined: dict[int, torch.Tensor]
+
+
+def run(exchange: Any) -> Moved:
+    """After validation, alike on every rank: one collective for every slot of ``exchange`` (read, not changed)
+    that has a separate piece on some rank."""
     slots, rank = exchange.slots, exchange.rank
     same_tables = all(table == exchange.tables[0] for table in exchange.tables)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
@@ -219,22 +224,19 @@ def run(exchange: Any) -> None:
     buffer = torch.zeros(end, dtype=torch.uint8, device=exchange.device)
     if on_buffer is not None:
         on_buffer(buffer)
+    written = {}
     for at, s, piece in writes:
-        written = _view(buffer, at, piece)
+        written[s] = _view(buffer, at, piece)
         # this rank's tensors (a deferred list's in turn), copied as the values they read as (a conjugate view
         # resolved, as torch.cat resolves it), never through a byte view, which could fail on this rank alone
-        for tensor in list(slots[s].value) if slots[s].tensors[0] is _DEFERRED else [slots[s].tensors[0]]:
+        for tensor in list(slots[s].value) if deferred(slots[s]) else [slots[s].tensors[0]]:
             n = _bytes.nbytes(tensor.shape, tensor.dtype)
             buffer[at : at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             at += n
-        slots[s].tensors[:] = [written]  # the buffer holds them now: the local tensors can go
-        if isinstance(slots[s].value, list):
-            slots[s].value.clear()
     # the ranks' bytes never overlap, so summing them as int64 words carries nothing: every bit arrives as written
     dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, exchange.group)
-    for r, s, i, at, piece in places:
-        exchange.gathered[r][s][i] = _view(buffer, at, piece)
-    exchange.reduced.update({s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
+    pieces = [(r, s, i, _view(buffer, at, piece)) for r, s, i, at, piece in places]
+    return Moved(pieces, written, {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
 
 
 def _view(buffer: torch.Tensor, at: int, piece: wire.Piece) -> torch.Tensor:
