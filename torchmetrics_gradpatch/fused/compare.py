@@ -17,16 +17,17 @@ import sys
 import traceback
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torchmetrics import Metric
 
 from torchmetrics_gradpatch import _gather
 from torchmetrics_gradpatch._errors import FusedSyncError, GradModeMismatchError
 from torchmetrics_gradpatch.fused import internals
-from torchmetrics_gradpatch.fused.exchange import uneven_lists
+from torchmetrics_gradpatch.fused.exchange import CheckSettingError, gather_texts, uneven_lists
 
 T = TypeVar("T")
 #: the flags torchmetrics' paths set, compared (not ``_cache``: the local states as each path copied them)
@@ -38,27 +39,20 @@ _FLAGS = [
 _RETURNED, _RAISED, _BROKE, _REFUSED = 0, 1, 2, 3
 _EXCHANGE = ("exchange", "wire", "large", "reduced", "transit", "grad")  # the fused exchange's modules
 _EXCHANGE_FILES = tuple(f"{os.sep}fused{os.sep}{name}.py" for name in _EXCHANGE)
+_Rng = list[tuple[Callable[[Any], Any], Any]]
+_Taken = list[tuple[str, torch.nn.Module, dict[str, Any]]]
+_Run = tuple[Any, BaseException | None, _Taken]  # a run's result, error and modules' attributes
 
 
-def _in_exchange(error: BaseException) -> bool:
-    """Whether ``error`` was raised inside the fused exchange, not in a Metric's own code run around it."""
-    return any(f.f_code.co_filename.endswith(_EXCHANGE_FILES) for f, _ in traceback.walk_tb(error.__traceback__))
-
-
-def _rng() -> tuple[Any, ...]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call,unused-ignore]
+def _rng() -> _Rng:
+    """The random states, each with its setter: torch's, Python's, CUDA's where initialised, NumPy's where imported."""
+    states: _Rng = [(torch.set_rng_state, torch.get_rng_state()), (random.setstate, random.getstate())]
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call,unused-ignore]
+        states.append((torch.cuda.set_rng_state_all, torch.cuda.get_rng_state_all()))
     numpy = sys.modules.get("numpy")
-    return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state() if numpy is not None else None
-
-
-def _set_rng(state: tuple[Any, ...]) -> None:
-    cpu, cuda, python, numpy = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(python)
     if numpy is not None:
-        sys.modules["numpy"].random.set_state(numpy)
+        states.append((numpy.random.set_state, numpy.random.get_state()))
+    return states
 
 
 def _copy(value: Any, memo: dict[int, Any]) -> Any:
@@ -96,33 +90,21 @@ def _copy(value: Any, memo: dict[int, Any]) -> Any:
     return made
 
 
-def _modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every module in ``root``'s tree once, by its path (a member by its key; ``root`` by its class name)."""
-    return [(name or type(root).__name__, module) for name, module in root.named_modules()]
+def _take(root: torch.nn.Module) -> _Taken:
+    """Each module in ``root``'s tree once, by path (``root``'s: its class name), with its attributes (``__dict__``)."""
+    return [(name or type(root).__name__, module, dict(vars(module))) for name, module in root.named_modules()]
 
 
-_Taken = list[tuple[str, torch.nn.Module, dict[str, Any]]]
-
-
-def _take(root: torch.nn.Module, copied: bool) -> _Taken:
-    """Every module's attributes (``__dict__``) in ``root``'s tree: as they are, or copied (the start)."""
-    memo: dict[int, Any] = {}
-    return [
-        (path, module, {k: _copy(v, memo) for k, v in vars(module).items()} if copied else dict(vars(module)))
-        for path, module in _modules(root)
-    ]
-
-
-def _put(taken: _Taken) -> None:
+def _put(taken: _Taken, rng: _Rng) -> None:
     for _, module, attributes in taken:
         vars(module).clear()
         vars(module).update(attributes)
+    for set_state, state in rng:
+        set_state(state)
 
 
 def _compared(taken: _Taken) -> dict[str, dict[str, Any]]:
     """Every module's buffers, every Metric's states and :data:`_FLAGS`, by module path."""
-    from torchmetrics import Metric
-
     found: dict[str, dict[str, Any]] = {}
     for path, module, attributes in taken:
         buffers, defaults = internals.held_in(attributes)
@@ -133,77 +115,6 @@ def _compared(taken: _Taken) -> dict[str, dict[str, Any]]:
     return found
 
 
-class _Comparison:
-    """One comparison: :meth:`first` difference, and what could not be judged (``unchecked``)."""
-
-    def __init__(self) -> None:
-        self.unchecked: list[str] = []
-        self._seen: set[tuple[int, int]] = set()  # pairs under comparison: a cycle is not followed twice
-
-    def first(self, a: Any, b: Any, at: str = "") -> str | None:
-        if a is b or (id(a), id(b)) in self._seen:
-            return None
-        self._seen.add((id(a), id(b)))
-        try:
-            return self._first(a, b, at)
-        finally:
-            self._seen.discard((id(a), id(b)))
-
-    def _first(self, a: Any, b: Any, at: str) -> str | None:
-        where = f"{at} " if at else ""
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            found = _tensors(a, b)
-            return None if found is None else where + found
-        if type(a) is not type(b):
-            return f"{where}a {type(a).__name__} where torchmetrics' is a {type(b).__name__}"
-        if isinstance(a, (float, complex)):  # by their bits: NaN equals NaN, -0.0 is not 0.0
-            return None if _bits(a) == _bits(b) else f"{where}{a!r} where torchmetrics' is {b!r}"
-        if isinstance(a, (bool, int, str, bytes, type, types.FunctionType, types.BuiltinFunctionType, set, frozenset)):
-            return None if a == b else f"{where}{a!r} where torchmetrics' is {b!r}"
-        if hasattr(a, "tobytes") and hasattr(a, "dtype") and hasattr(a, "shape"):  # a NumPy array or scalar
-            alike = (str(a.dtype), a.shape, a.tobytes()) == (str(b.dtype), b.shape, b.tobytes())
-            return None if alike else f"{where}{a!r} where torchmetrics' is {b!r}"
-        if isinstance(a, dict):
-            if a.keys() != b.keys():
-                return f"{where}keys {sorted(map(str, a))} where torchmetrics' are {sorted(map(str, b))}"
-            return self._each((f"{at}[{key!r}]", a[key], b[key]) for key in a)
-        if isinstance(a, (list, tuple, collections.deque)):
-            if len(a) != len(b):
-                return f"{where}{len(a)} elements where torchmetrics' has {len(b)}"
-            return self._each((f"{at}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b, strict=True)))
-        if dataclasses.is_dataclass(a):
-            names = [f.name for f in dataclasses.fields(a)]
-        else:
-            names = [*getattr(a, "__dict__", {}), *(s for c in type(a).__mro__ for s in getattr(c, "__slots__", ()))]
-        if names:  # an object: its attributes, one by one
-            unset = object()
-            return self._each((f"{at}.{n}", getattr(a, n, unset), getattr(b, n, unset)) for n in dict.fromkeys(names))
-        try:
-            equal = bool(a == b)
-        except Exception as error:
-            equal = None
-            why = f"== raised {type(error).__name__}"
-        else:
-            why = "== compares identity only"
-        if equal is True:
-            return None
-        if equal is False and getattr(type(a), "__eq__", None) is not object.__eq__:
-            return f"{where}{a!r} where torchmetrics' is {b!r}"
-        self.unchecked.append(f"{at or 'the result'} (a {type(a).__name__}: {why})")
-        return None
-
-    def _each(self, pairs: Any) -> str | None:
-        for at, x, y in pairs:
-            found = self.first(x, y, at)
-            if found is not None:
-                return found
-        return None
-
-
-def _bits(x: float | complex) -> bytes:
-    return struct.pack("<dd", x.real, x.imag) if isinstance(x, complex) else struct.pack("<d", x)
-
-
 def _tensors(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """How tensor ``a`` differs from ``b``: dtype, shape, device, ``requires_grad``, then the bytes."""
     if (a.dtype, tuple(a.shape), a.device) != (b.dtype, tuple(b.shape), b.device):
@@ -211,8 +122,7 @@ def _tensors(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if a.requires_grad != b.requires_grad:
         return f"requires_grad={a.requires_grad} where torchmetrics' is {b.requires_grad}"
     x, y = (t.detach().resolve_conj().resolve_neg() for t in (a, b))  # a byte view refuses conj and neg views
-    x, y = (t.to_dense() if t.layout != torch.strided else t for t in (x, y))
-    x, y = x.contiguous(), y.contiguous()
+    x, y = ((t if t.layout == torch.strided else t.to_dense()).contiguous() for t in (x, y))
     if x.numel() == 0:
         return None
     bytes_x, bytes_y = x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
@@ -228,31 +138,79 @@ def difference(a: Any, b: Any, unchecked: list[str] | None = None) -> str | None
     """How ``a`` (the fused run's) first differs from ``b`` (torchmetrics'), bit for bit; ``None`` when alike. A
     value it cannot judge (no attributes, and an ``==`` that raises or compares identity only) is described in
     ``unchecked``; without that list, it counts as a difference."""
-    comparison = _Comparison()
-    found = comparison.first(a, b)
-    if found is None and comparison.unchecked:
+    cannot: list[str] = []
+    seen: set[tuple[int, int]] = set()  # pairs under comparison: a cycle is not followed twice
+
+    def first(pairs: Iterable[tuple[str, Any, Any]]) -> str | None:
+        for at, a, b in pairs:
+            if a is b or (id(a), id(b)) in seen:
+                continue
+            seen.add((id(a), id(b)))
+            try:
+                found = one(at, a, b)
+            finally:
+                seen.discard((id(a), id(b)))
+            if found is not None:
+                return found
+        return None
+
+    def one(at: str, a: Any, b: Any) -> str | None:
+        where = f"{at} " if at else ""
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            found = _tensors(a, b)
+            return None if found is None else where + found
+        if type(a) is not type(b):
+            return f"{where}a {type(a).__name__} where torchmetrics' is a {type(b).__name__}"
+        if isinstance(a, (float, complex)):  # by their bits: NaN equals NaN, -0.0 is not 0.0
+            alike = struct.pack("<dd", a.real, a.imag) == struct.pack("<dd", b.real, b.imag)
+            return None if alike else f"{where}{a!r} where torchmetrics' is {b!r}"
+        if isinstance(a, (bool, int, str, bytes, type, types.FunctionType, types.BuiltinFunctionType, set, frozenset)):
+            return None if a == b else f"{where}{a!r} where torchmetrics' is {b!r}"
+        if hasattr(a, "tobytes") and hasattr(a, "dtype") and hasattr(a, "shape"):  # a NumPy array or scalar
+            alike = (str(a.dtype), a.shape, a.tobytes()) == (str(b.dtype), b.shape, b.tobytes())
+            return None if alike else f"{where}{a!r} where torchmetrics' is {b!r}"
+        if isinstance(a, dict):
+            if a.keys() != b.keys():
+                return f"{where}keys {sorted(map(str, a))} where torchmetrics' are {sorted(map(str, b))}"
+            return first((f"{at}[{key!r}]", a[key], b[key]) for key in a)
+        if isinstance(a, (list, tuple, collections.deque)):
+            if len(a) != len(b):
+                return f"{where}{len(a)} elements where torchmetrics' has {len(b)}"
+            return first((f"{at}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b, strict=True)))
+        if dataclasses.is_dataclass(a):
+            names = [f.name for f in dataclasses.fields(a)]
+        else:
+            names = [*getattr(a, "__dict__", {}), *(s for c in type(a).__mro__ for s in getattr(c, "__slots__", ()))]
+        if names:  # an object: its attributes, one by one
+            unset = object()
+            return first((f"{at}.{n}", getattr(a, n, unset), getattr(b, n, unset)) for n in dict.fromkeys(names))
+        try:
+            alike = bool(a == b)
+        except Exception as error:
+            why = f"== raised {type(error).__name__}"
+        else:
+            why = "== compares identity only"
+            if alike or getattr(type(a), "__eq__", None) is not object.__eq__:
+                return None if alike else f"{where}{a!r} where torchmetrics' is {b!r}"
+        cannot.append(f"{at or 'the result'} (a {type(a).__name__}: {why})")
+        return None
+
+    found = first([("", a, b)])
+    if found is None and cannot:
         if unchecked is None:
-            return f"cannot be compared: {comparison.unchecked[0]}"
-        unchecked.extend(comparison.unchecked)
+            return f"cannot be compared: {cannot[0]}"
+        unchecked.extend(cannot)
     return found
 
 
-def _outcome(error: BaseException | None) -> str:
-    return "returned" if error is None else f"raised {type(error).__name__}: {error}"
-
-
-def _first(
-    what: str,
-    fused: tuple[Any, BaseException | None, _Taken],
-    reference: tuple[Any, BaseException | None, _Taken],
-    unchecked: list[str],
-) -> str | None:
+def _first(what: str, fused: _Run, reference: _Run, unchecked: list[str]) -> str | None:
     """The first difference between the two runs: their outcomes, results, then every module's compared values."""
     (result, error, after), (expected, expected_error, taken) = fused, reference
     if error is not None or expected_error is not None:
         if type(error) is type(expected_error) and str(error) == str(expected_error):
             return None  # both raised alike: the fused run's error goes up, as torchmetrics' would
-        return f"{what} {_outcome(error)} where torchmetrics' own path {_outcome(expected_error)}"
+        outcomes = ["returned" if e is None else f"raised {type(e).__name__}: {e}" for e in (error, expected_error)]
+        return f"{what} {outcomes[0]} where torchmetrics' own path {outcomes[1]}"
     found = difference(result, expected, unchecked)
     if found is not None:
         return f"{what}'s result: {found}"
@@ -269,24 +227,7 @@ def _first(
 def _facts(mine: list[int], group: Any) -> list[list[int]]:
     """Every rank's ``mine`` (as many small integers on every rank): one collective, on the group's device."""
     found = torch.tensor(mine, dtype=torch.int64, device=_gather.staging_device(group))
-    return [[int(v) for v in row] for row in _gather.exchange(found, group, dist.get_world_size(group)).tolist()]
-
-
-def _agree(text: str | None, what: str, group: Any, cause: BaseException | None) -> None:
-    """Every rank learns every rank's finding (one collective, three where one differs) and raises alike."""
-    from torchmetrics_gradpatch.fused.exchange import gather_texts
-
-    if not any(row[0] for row in _facts([int(text is not None)], group)):
-        return
-    texts = gather_texts(text or "", group, dist.get_world_size(group), _gather.staging_device(group))
-    differing = [(r, t) for r, t in enumerate(texts) if t]
-    rank, first = differing[0]
-    raise FusedSyncError(
-        f"torchmetrics_gradpatch: check mode: the fused sync of {what} differs from torchmetrics' own sync on "
-        f"rank(s) {[r for r, _ in differing]}; on rank {rank}, {first}. Every rank raised this error after the "
-        "same exchange; the states hold the fused sync's result. Sync with torchmetrics' own path "
-        "(sync='torchmetrics') for this workload, and report the difference."
-    ) from cause
+    return _gather.exchange(found, group, dist.get_world_size(group)).tolist()
 
 
 def _not_checked(what: str, why: str) -> None:
@@ -297,9 +238,7 @@ def _not_checked(what: str, why: str) -> None:
 def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], Any], group: Any = None) -> T:
     """``fused()``, checked against ``reference()`` from the same start; ``root``: the Metric or collection both
     change, ``what``: how messages name it. Collective over ``group`` (default: the world): every rank checks."""
-    from torchmetrics_gradpatch.fused.exchange import CheckSettingError
-
-    before, rng = _take(root, copied=True), _rng()
+    before, rng = _copy(_take(root), {}), _rng()  # the start: its modules kept, their attributes copied
     nested = bool(uneven_lists)  # inside another check's fused run (a member's own sync): that check warns
     uneven: list[tuple[Any, str]] = []
     uneven_lists.append(uneven)
@@ -313,42 +252,51 @@ def run(what: str, root: Any, fused: Callable[[], T], reference: Callable[[], An
         error = raised
     finally:
         uneven_lists.pop()
+    frames = traceback.walk_tb(error.__traceback__) if error is not None else ()
+    in_exchange = any(f.f_code.co_filename.endswith(_EXCHANGE_FILES) for f, _ in frames)
     refused = isinstance(error, (FusedSyncError, GradModeMismatchError))
-    kind = _REFUSED if refused else _RETURNED if error is None else _BROKE if _in_exchange(error) else _RAISED
+    kind = _REFUSED if refused else _RETURNED if error is None else _BROKE if in_exchange else _RAISED
     facts = _facts([kind, int(bool(uneven))], group)
-    if any(row[1] for row in facts) and not nested:
-        paths = {id(module): path for path, module in _modules(root)}
+    lengths_differ = any(row[1] for row in facts)
+    if lengths_differ and not nested:
+        paths = {id(module): path for path, module, _ in before}
         named = sorted({f"{paths.get(id(m), type(m).__name__)}.{attr}" for m, attr in uneven}) or ["(on another rank)"]
         _not_checked(
             what,
             f"the ranks hold list state(s) {named} with different numbers of elements, which torchmetrics' own sync "
             "gathers one by one and would wait on forever",
         )
-    kinds = {row[0] for row in facts}
-    partly = _RAISED in kinds and len(kinds) > 1
+    raised_ranks = [r for r, row in enumerate(facts) if row[0] == _RAISED]
+    partly = 0 < len(raised_ranks) < len(facts)
     if partly and not nested:
         _not_checked(
             what,
-            f"it raised on rank(s) {[r for r, row in enumerate(facts) if row[0] == _RAISED]} only, where torchmetrics' "
-            "own path can leave the other ranks waiting",
+            f"it raised on rank(s) {raised_ranks} only, where torchmetrics' own path can leave the other ranks waiting",
         )
-    if not (_REFUSED in kinds or any(row[1] for row in facts) or partly):  # else: as the fused run left it
-        after, rng_after = _take(root, copied=False), _rng()
+    if not (any(row[0] == _REFUSED for row in facts) or lengths_differ or partly):  # else: as the fused run left it
+        after, rng_after = _take(root), _rng()
         unchecked: list[str] = []
         try:
-            _put(before)
-            _set_rng(rng)
+            _put(before, rng)
             expected, expected_error = None, None
             try:
                 expected = reference()
             except Exception as raised:
                 expected_error = raised
-            theirs = _take(root, copied=False)
+            theirs = _take(root)
             text = _first(what, (result, error, after), (expected, expected_error, theirs), unchecked)
         finally:
-            _put(after)
-            _set_rng(rng_after)
-        _agree(text, what, group, error)
+            _put(after, rng_after)
+        # every rank learns every rank's finding (one collective, three where one differs) and raises alike
+        if any(row[0] for row in _facts([int(text is not None)], group)):
+            texts = gather_texts(text or "", group, dist.get_world_size(group), _gather.staging_device(group))
+            ranks = [r for r, t in enumerate(texts) if t]
+            raise FusedSyncError(
+                f"torchmetrics_gradpatch: check mode: the fused sync of {what} differs from torchmetrics' own sync "
+                f"on rank(s) {ranks}; on rank {ranks[0]}, {texts[ranks[0]]}. Every rank raised this error after "
+                "the same exchange; the states hold the fused sync's result. Sync with torchmetrics' own path "
+                "(sync='torchmetrics') for this workload, and report the difference."
+            ) from error
         if unchecked:
             more = len(dict.fromkeys(unchecked)) - 1
             _not_checked(what, f"{unchecked[0]}{f' and {more} more value(s)' if more else ''} cannot be compared")

@@ -14,36 +14,31 @@ from typing import Any
 
 from torchmetrics_gradpatch.fused import internals
 
-JOINS = 0
-# issue no collective
-NO_SYNC, NO_STEP_SYNC, NOT_DISTRIBUTED = 1, 2, 3
-# sync over a group of their own, or raise
-OWN_GROUP, SYNCED = 4, 5
-# run their own path over the default group
+#: the forms, by code (a code travels between ranks in the member table: these values are the wire's)
+JOINS, NO_SYNC, NO_STEP_SYNC, NOT_DISTRIBUTED, OWN_GROUP, SYNCED = range(6)
 OWN_SYNC_FN, OWN_SYNC_DIST, HOLDS_METRICS, OVERRIDES, MODULE_HOOKS, GLOBAL_HOOKS, DUPLICATE, NOT_A_METRIC = range(6, 14)
-# a step's member that has run its own forward before a second exchange
-RAN = 14
+RAN = 14  # a step's member that has run its own forward before a second exchange
 
 JOINED, QUIET, OTHER_GROUP, RAISES, OWN_PATH = "joins", "quiet", "other group", "raises", "own path"
-_KINDS = {JOINS: JOINED, NO_SYNC: QUIET, NO_STEP_SYNC: QUIET, NOT_DISTRIBUTED: QUIET, RAN: QUIET}
-_KINDS.update({OWN_GROUP: OTHER_GROUP, SYNCED: RAISES})
-_TEXTS = {
-    JOINS: "joins the collection's exchange",
-    NO_SYNC: "does not sync on compute (sync_on_compute=False)",
-    NO_STEP_SYNC: "does not sync on step (dist_sync_on_step=False)",
-    NOT_DISTRIBUTED: "is not distributed (its distributed_available_fn)",
-    OWN_GROUP: "syncs over a process group of its own",
-    SYNCED: "is synced already",
-    OWN_SYNC_FN: "syncs with a dist_sync_fn of its own",
-    OWN_SYNC_DIST: "overrides _sync_dist",
-    HOLDS_METRICS: "holds other metrics (a wrapper)",
-    OVERRIDES: "overrides a method the fused sync re-implements",
-    MODULE_HOOKS: "has module hooks",
-    GLOBAL_HOOKS: "runs under global module hooks",
-    DUPLICATE: "is held by the collection under another key too",
-    NOT_A_METRIC: "is not a torchmetrics Metric",
-    RAN: "has run its own forward in this step",
+#: each form's kind (a quiet member issues no collective) and how errors name it
+_FORMS = {
+    JOINS: (JOINED, "joins the collection's exchange"),
+    NO_SYNC: (QUIET, "does not sync on compute (sync_on_compute=False)"),
+    NO_STEP_SYNC: (QUIET, "does not sync on step (dist_sync_on_step=False)"),
+    NOT_DISTRIBUTED: (QUIET, "is not distributed (its distributed_available_fn)"),
+    OWN_GROUP: (OTHER_GROUP, "syncs over a process group of its own"),
+    SYNCED: (RAISES, "is synced already"),
+    OWN_SYNC_FN: (OWN_PATH, "syncs with a dist_sync_fn of its own"),
+    OWN_SYNC_DIST: (OWN_PATH, "overrides _sync_dist"),
+    HOLDS_METRICS: (OWN_PATH, "holds other metrics (a wrapper)"),
+    OVERRIDES: (OWN_PATH, "overrides a method the fused sync re-implements"),
+    MODULE_HOOKS: (OWN_PATH, "has module hooks"),
+    GLOBAL_HOOKS: (OWN_PATH, "runs under global module hooks"),
+    DUPLICATE: (OWN_PATH, "is held by the collection under another key too"),
+    NOT_A_METRIC: (OWN_PATH, "is not a torchmetrics Metric"),
+    RAN: (QUIET, "has run its own forward in this step"),
 }
+_KINDS = {code: form_kind for code, (form_kind, _) in _FORMS.items()}  # read per member on every sync: one lookup
 
 
 def kind(code: int) -> str:
@@ -54,7 +49,7 @@ def kind(code: int) -> str:
 
 def describe(code: int) -> str:
     """The form as errors name it."""
-    return _TEXTS.get(code, f"form {code}")
+    return _FORMS[code][1] if code in _FORMS else f"form {code}"
 
 
 def inside(module: Any) -> Iterator[Any]:
@@ -70,19 +65,19 @@ def inside(module: Any) -> Iterator[Any]:
 
 
 @functools.cache
-def _torch_and_torchmetrics() -> tuple[Any, Any, Any]:  # imported on first use, once
+def _torch_and_torchmetrics() -> tuple[Any, Any, Any, Any]:  # imported on first use, once
+    import torch
     import torch.distributed as dist
     import torchmetrics.utilities.distributed as tm_distributed
     from torchmetrics import Metric
 
-    return dist, Metric, tm_distributed
+    return dist, Metric, tm_distributed, torch.nn.Module
 
 
-def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bool | None = None) -> int:
+def form(metric: Any, on_step: bool, duplicate: bool, hooked: bool) -> int:
     """:data:`JOINS` where ``metric`` joins the exchange of ``compute()`` (``on_step``: of a step's ``forward``),
-    else why not, in the order of torchmetrics' own tests. ``duplicate``: the collection holds it under an earlier
-    key too; ``hooked``: global module hooks are registered (default: looked up)."""
-    dist, Metric, tm_distributed = _torch_and_torchmetrics()  # noqa: N806 (the class)
+    else why not, in the order of torchmetrics' own tests; ``hooked``: global module hooks are registered."""
+    dist, Metric, tm_distributed, _ = _torch_and_torchmetrics()  # noqa: N806 (the class)
 
     if not isinstance(metric, Metric):
         return NOT_A_METRIC
@@ -113,33 +108,24 @@ def form(metric: Any, on_step: bool = False, duplicate: bool = False, hooked: bo
         return OWN_GROUP
     if internals.hooked(metric):
         return MODULE_HOOKS
-    if internals.global_hooks() if hooked is None else hooked:
+    if hooked:
         return GLOBAL_HOOKS
     return JOINS
 
 
 def detail(metric: Any) -> int:
     """A digest of how ``metric`` and every Metric inside it sync (classes, sync functions, groups, flags, hooks)."""
-    import torch
-
-    dist, Metric, tm_distributed = _torch_and_torchmetrics()  # noqa: N806 (the class)
+    dist, Metric, tm_distributed, Module = _torch_and_torchmetrics()  # noqa: N806 (the classes)
     facts: list[str] = []
-    for each in (metric, *inside(metric)) if isinstance(metric, torch.nn.Module) else (metric,):
+    for each in (metric, *inside(metric)) if isinstance(metric, Module) else (metric,):
         if isinstance(each, Metric):
-            fn = getattr(each, "dist_sync_fn", None)
-            group = getattr(each, "process_group", None)
-            fact = (
-                type(each).__qualname__,
-                "gather"
-                if fn in (None, tm_distributed.gather_all_tensors)
-                else f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}",
-                "world" if group in (None, dist.group.WORLD) else "own group",
-                str(bool(getattr(each, "dist_sync_on_step", False))),
-                str(bool(internals.flag(each, "to_sync", False))),
-                str(bool(internals.flag(each, "is_synced", False))),
-                str(internals.hooked(each)),
-            )
-            facts.append("|".join(fact))
+            fn, group = getattr(each, "dist_sync_fn", None), getattr(each, "process_group", None)
+            own_fn = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+            sync = "gather" if fn in (None, tm_distributed.gather_all_tensors) else own_fn
+            world = "world" if group in (None, dist.group.WORLD) else "own group"
+            on_step, to_sync = getattr(each, "dist_sync_on_step", False), internals.flag(each, "to_sync", False)
+            flags = (on_step, to_sync, internals.flag(each, "is_synced", False), internals.hooked(each))
+            facts.append("|".join([type(each).__qualname__, sync, world, *(str(bool(f)) for f in flags)]))
     return zlib.crc32("/".join(facts).encode())
 
 

@@ -79,10 +79,8 @@ def explain(collection: Any, step: bool = False) -> dict[str, str]:
     members = [(str(key), metric) for key, metric in internals.children(collection).items()]
     codes = forms.forms_of(members, on_step=step)
     part = recognise.STEP if step else recognise.COMPUTE
-    why = untrusted(collection, members)
     missing = [name for name, parts in recognise.aside().items() if part in parts]
-    if missing:
-        why = f"{missing[0]} is not recognised"
+    why = f"{missing[0]} is not recognised" if missing else untrusted(collection, members)
     if why is not None:
         return {key: f"runs torchmetrics' own path: {why}" for key, _ in members}
     return {key: forms.describe(code) for (key, _), code in zip(members, codes, strict=True)}
