@@ -416,7 +416,7 @@ def test_a_decorators_wrapper_must_be_the_one_its_source_names(monkeypatch: pyte
 def test_a_steady_look_judges_nothing_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert recognise.unrecognised() == ()
     with monkeypatch.context() as m:
-        m.setattr(recognise, "_judge", lambda: pytest.fail("judged again"))
+        m.setattr(recognise, "_Judgement", lambda: pytest.fail("judged again"))
         m.setattr(inspect, "getsource", lambda _: pytest.fail("read again"))
         assert recognise.unrecognised() == recognise.unrecognised() == ()
     changed = with_line(tm_data._flatten, tmp_path)

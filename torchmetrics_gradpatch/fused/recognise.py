@@ -9,13 +9,15 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import functools
 import hashlib
 import inspect
-import operator
 import sys
 import tokenize
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter, is_
 from types import CodeType, FunctionType, ModuleType
 from typing import Any, NamedTuple
 
@@ -42,14 +44,12 @@ PARTS = {
 }
 
 
-#: The code of the wrapper each of these decorators returns, one for all its uses (here made around print): such a
-#: wrapper is looked through to the function its source decorates.
+#: The code of the wrapper each decorator returns, one for all its uses (made here around print): looked through.
 _WRAPPERS = {name: getattr(contextlib, name)(print).__code__ for name in ("contextmanager", "asynccontextmanager")}
 #: Decorators that return the very function they get, by the last part of their name (``torch.jit.unused`` and
 #: ``ignore``, ``abc.abstractmethod``, ``typing.final`` and ``override``).
 _SAME_FUNCTION = frozenset({"unused", "ignore", "abstractmethod", "final", "override"})
-#: Fields that cannot change behaviour: annotations, type comments, a string's ``u`` prefix (positions are
-#: ``_attributes``, never read).
+#: Fields that cannot change behaviour: annotations, type comments, a string's ``u`` prefix (positions: never read).
 _SKIPPED_FIELDS = frozenset({"annotation", "returns", "type_comment", "kind"})
 _DOCUMENTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)  # a docstring is left out of digests
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
@@ -62,18 +62,24 @@ def _emit(value: object, out: list[str]) -> None:
     if isinstance(value, ast.AST):
         out += (type(value).__name__, "(")
         for field in sorted(value._fields):
-            if field in _SKIPPED_FIELDS:
-                continue
             item = getattr(value, field, None)
             if field == "body" and isinstance(value, _DOCUMENTED) and ast.get_docstring(value, clean=False) is not None:
                 item = value.body[1:]
-            elif field == "values" and isinstance(value, ast.JoinedStr) and isinstance(item, list):
-                item = _joined(item)
-            if item is None or (isinstance(item, list) and not item):
-                continue
-            out += (field, "=")
-            _emit(item, out)
-            out.append(",")
+            elif isinstance(value, ast.JoinedStr) and field == "values":
+                # adjacent strings joined, empty ones left out: 3.10 and 3.12 put an empty string after a nested
+                # format spec's last field, 3.11 and 3.13 do not
+                item = []
+                for part in value.values:
+                    if not isinstance(part, ast.Constant):
+                        item.append(part)
+                    elif item and isinstance(item[-1], ast.Constant):
+                        item[-1] = ast.Constant(f"{item[-1].value!s}{part.value!s}")
+                    elif part.value:
+                        item.append(part)
+            if field not in _SKIPPED_FIELDS and item is not None and item != []:
+                out += (field, "=")
+                _emit(item, out)
+                out.append(",")
         out.append(")")
     elif isinstance(value, list):
         out.append("[")
@@ -83,22 +89,6 @@ def _emit(value: object, out: list[str]) -> None:
         out.append("]")
     else:
         out.append(f"{type(value).__name__}:{value!r}")
-
-
-def _joined(values: list[ast.expr]) -> list[ast.expr]:
-    """An f-string's parts, adjacent strings joined and empty ones left out (3.10 and 3.12 put an empty string after
-    a nested format spec's last field, 3.11 and 3.13 do not)."""
-    out: list[ast.expr] = []
-    for part in values:
-        if isinstance(part, ast.Constant) and isinstance(part.value, str):
-            if not part.value:
-                continue
-            last = out[-1] if out else None
-            if isinstance(last, ast.Constant) and isinstance(last.value, str):
-                out[-1] = ast.Constant(last.value + part.value)
-                continue
-        out.append(part)
-    return out
 
 
 def _digest_node(node: ast.AST) -> str:
@@ -113,10 +103,9 @@ def module_digest(source: str) -> str:
 
 
 def _decorator_name(node: ast.expr) -> str:
+    """The last part of a decorator's name, called or not (``""`` where it is no name)."""
     node = node.func if isinstance(node, ast.Call) else node
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return node.id if isinstance(node, ast.Name) else ""
+    return str(getattr(node, "attr", getattr(node, "id", "")))
 
 
 def _table() -> dict[str, dict[str, str]]:
@@ -161,7 +150,7 @@ class _Scope:
             elif isinstance(node, ast.ImportFrom):
                 origin = node.module or ""
                 if node.level:  # relative: from the module's package upwards
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = package.rsplit(".", node.level - 1)[0]
                     origin = f"{base}.{origin}" if origin else base
                 for alias in node.names:
                     if alias.name != "*":  # a star import binds what the module's digest vouches for
@@ -176,10 +165,6 @@ class _Scope:
                 names = (child for child in ast.walk(node) if isinstance(child, ast.Name))
                 self.other.update(name.id for name in names if not isinstance(name.ctx, ast.Load))
 
-    def names(self) -> set[str]:
-        """The names bound by ``def``, ``class`` or ``import`` alone: those judged."""
-        return (set(self.defs) | set(self.classes) | set(self.imports)) - self.other
-
 
 class _Source(NamedTuple):
     """A module's source as read once: its digest, its top-level scope, its code objects by (first line, name)."""
@@ -189,84 +174,77 @@ class _Source(NamedTuple):
     codes: dict[tuple[int, str], CodeType]
 
 
-#: module name -> (the module object, its source; None where it has none). A cache that outlives ``fused.reset()``:
-#: a module object's source does not change under it.
-_sources: dict[str, tuple[ModuleType, _Source | None]] = {}
-
-
+@functools.lru_cache(maxsize=len(MODULES))  # a module object's source does not change under it: kept across reset()
 def _source(name: str, module: ModuleType) -> _Source | None:
-    hit = _sources.get(name)
-    if hit is not None and hit[0] is module:
-        return hit[1]
-    found = None
     try:
         text = inspect.getsource(module)
         tree = ast.parse(text)
         # dont_inherit: this module's own future flags must not change the code compiled
         compiled = compile(text, getattr(module, "__file__", None) or name, "exec", dont_inherit=True)
     except (OSError, TypeError, SyntaxError, ValueError, tokenize.TokenError):
-        pass
-    else:
-        codes: dict[tuple[int, str], CodeType] = {}
-        todo = [compiled]
-        while todo:
-            for const in todo.pop().co_consts:
-                if isinstance(const, CodeType):
-                    codes[const.co_firstlineno, const.co_name] = const
-                    todo.append(const)
-        found = _Source(_digest_node(tree), tree, codes)
-    _sources[name] = (module, found)
-    return found
+        return None
+    codes: dict[tuple[int, str], CodeType] = {}
+    todo = [compiled]
+    while todo:
+        for const in todo.pop().co_consts:
+            if isinstance(const, CodeType):
+                codes[const.co_firstlineno, const.co_name] = const
+                todo.append(const)
+    return _Source(_digest_node(tree), tree, codes)
 
 
-class _Look:
-    """What one judgement looked at (namespaces, their sizes and the names read in them; functions; cells), to tell
-    by identity whether anything changed since: :meth:`freeze` takes the objects, :meth:`same` compares."""
+class _Judgement:
+    """One judgement of the modules, made when created (:attr:`answer`: what :func:`unrecognised` returns), and what
+    it looked at (namespaces, their sizes and the names read in them; functions and their cells), to tell by identity
+    whether anything changed since (:meth:`freeze`, :meth:`same`)."""
 
     def __init__(self) -> None:
         self.namespaces: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
         self.functions: list[FunctionType] = []
-        self.cells: list[Any] = []
-        self._checks: list[tuple[Callable[[Any], object], tuple[Any, ...], tuple[object, ...]]] = []
-        self._sizes: tuple[int, ...] = ()
+        bad: list[str] = []
+        for name in MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            source = _source(name, module)
+            if source is None or source.digest not in _table().get(name, {}):
+                bad.append(name)
+                continue
+            self.source, self.module, self.namespace = source, module, vars(module)
+            bad += self.scope(source.tree.body, self.namespace, None, f"{name}.")
+        self.answer = tuple(bad)
 
-    def freeze(self) -> None:
-        """Take the live objects now. Raises where one is gone (a name deleted, a cell emptied)."""
+    def freeze(self) -> bool:
+        """Take the live objects now; False where one is gone already (a name deleted, a cell emptied)."""
         # __defaults__ where a function has some, __kwdefaults__ where it has keyword-only arguments: set on another,
         # they only let through a call that would raise for a missing argument (the judgement still names them)
-        defaulted = tuple(fn for fn in self.functions if fn.__code__.co_argcount and fn.__defaults__)
-        keyworded = tuple(fn for fn in self.functions if fn.__code__.co_kwonlyargcount)
-        groups: list[tuple[Callable[[Any], object], tuple[Any, ...]]] = [(sys.modules.get, tuple(MODULES))]
+        defaulted = [fn for fn in self.functions if fn.__code__.co_argcount and fn.__defaults__]
+        keyworded = [fn for fn in self.functions if fn.__code__.co_kwonlyargcount]
+        cells = [cell for fn in self.functions for cell in fn.__closure__ or ()]
+        groups: list[tuple[Callable[[Any], object], Sequence[Any]]] = [(sys.modules.get, tuple(MODULES))]
         groups += [(namespace.__getitem__, names) for namespace, names in self.namespaces if names]
-        get = operator.attrgetter
-        groups += [(get("__code__"), tuple(self.functions)), (get("__defaults__"), defaulted)]
-        groups += [(get("__kwdefaults__"), keyworded), (get("cell_contents"), tuple(self.cells))]
-        self._checks = [(read, items, tuple(map(read, items))) for read, items in groups]
-        self._sizes = tuple(len(namespace) for namespace, _ in self.namespaces)
+        groups += [(attrgetter("__code__"), self.functions), (attrgetter("__defaults__"), defaulted)]
+        groups += [(attrgetter("__kwdefaults__"), keyworded), (attrgetter("cell_contents"), cells)]
+        try:
+            self.checks = [(read, items, tuple(map(read, items))) for read, items in groups]
+        except (KeyError, AttributeError, ValueError):
+            return False
+        self.sizes = [len(namespace) for namespace, _ in self.namespaces]
+        return True
 
     def same(self) -> bool:
         """Whether every object :meth:`freeze` took is still the one there (identity, never ``==``)."""
         try:
-            return tuple(len(namespace) for namespace, _ in self.namespaces) == self._sizes and all(
-                all(map(operator.is_, map(read, items), last)) for read, items, last in self._checks
+            return [len(namespace) for namespace, _ in self.namespaces] == self.sizes and all(
+                all(map(is_, map(read, items), last)) for read, items, last in self.checks
             )
         except (KeyError, AttributeError, ValueError):  # a name deleted, a cell emptied: changed
             return False
 
-
-class _Judge:
-    """One module's judgement against its source: :meth:`scope` lists the names not recognised."""
-
-    def __init__(self, module: ModuleType, source: _Source, look: _Look) -> None:
-        self.source, self.look = source, look
-        self.namespace: dict[str, Any] = vars(module)
-        self.prefix = module.__name__
-        self.package = module.__package__ or ""
-
     def scope(self, body: list[ast.stmt], namespace: Mapping[str, Any], owner: type | None, where: str) -> list[str]:
-        scope = _Scope(body, self.package)
-        names = tuple(sorted(scope.names()))
-        self.look.namespaces.append((namespace, tuple(name for name in names if name in namespace)))
+        scope = _Scope(body, self.module.__package__ or "")
+        names = sorted({*scope.defs, *scope.classes, *scope.imports} - scope.other)
+        self.namespaces.append((namespace, tuple(name for name in names if name in namespace)))
         bad: list[str] = []
         for name in names:
             live = namespace.get(name, _MISSING)
@@ -276,7 +254,7 @@ class _Judge:
             if not ok:
                 bad.append(f"{where}{name}")
         if owner is None:  # a global the source does not bind would shadow a builtin of the same name
-            shadowing = (set(self.namespace) & set(vars(builtins))) - scope.names() - scope.other
+            shadowing = (self.namespace.keys() & vars(builtins).keys()) - {*names, *scope.other}
             bad += sorted(f"{where}{name}" for name in shadowing if not name.startswith("__"))
         return bad
 
@@ -285,44 +263,35 @@ class _Judge:
         return live is (module if origin[1] is None else getattr(module, origin[1], _MISSING))
 
     def is_class(self, live: object, node: ast.ClassDef, qualified: str, bad: list[str]) -> bool:
-        qualname = qualified[len(self.prefix) + 1 :]
-        if not isinstance(live, type) or live.__module__ != self.prefix or live.__qualname__ != qualname:
+        prefix = self.module.__name__
+        if not isinstance(live, type) or live.__module__ != prefix or live.__qualname__ != qualified[len(prefix) + 1 :]:
             return False
-        if not node.keywords:  # its bases as the source names them (no bases: object)
-            bases = tuple(self.value(base, self.namespace) for base in node.bases) or (("is", object),)
-            if not _same_value(live.__bases__, bases):
-                return False
+        if not node.keywords:  # its bases as the source names them (no bases: object alone)
+            bases = live.__bases__
+            if not (self.is_made(bases, ast.Tuple(node.bases), self.namespace) if node.bases else bases[0] is object):
+                return False  # object is never a base beside another
         bad += self.scope(node.body, vars(live), live, f"{qualified}.")
         return True
 
     def defined(self, live: object, nodes: list[_Def], namespace: Mapping[str, Any], owner: type | None) -> bool:
-        # only _site makes a replacement carrying its marker (not imported: there is none; and this module stays
-        # loadable by its path, as scripts/recognised.py loads it)
+        # only _site marks a replacement (not imported: there is none; this module stays loadable by its path)
         site = sys.modules.get("torchmetrics_gradpatch._site")
         if type(live) is FunctionType and site is not None and any(map(live.__dict__.get, site.MARKS)):
             live = live.__dict__.get("__wrapped__")  # this package's replacement: judge the original
-        if type(live) is property:
-            getters = [node for node in nodes if "property" in map(_decorator_name, node.decorator_list)]
-            plain = len(getters) == len(nodes) == 1 and live.fset is None and live.fdel is None
-            return plain and self.function(live.fget, getters[0], namespace, owner, ("property",))
-        return any(self.function(live, node, namespace, owner, ()) for node in nodes)
+        if type(live) is property and (len(nodes) != 1 or live.fset is not None or live.fdel is not None):
+            return False  # only a property with a getter alone is looked through
+        return any(self.function(live, node, namespace, owner) for node in nodes)
 
-    def function(
-        self, live: object, node: _Def, namespace: Mapping[str, Any], owner: type | None, through: tuple[str, ...]
-    ) -> bool:
-        """Whether ``live`` is what ``node`` makes, ``through`` the decorators already looked through."""
+    def function(self, live: object, node: _Def, namespace: Mapping[str, Any], owner: type | None) -> bool:
+        """Whether ``live`` is what ``node`` makes, looked through the wrappers its decorators name."""
         decorators = [name for name in map(_decorator_name, node.decorator_list) if name not in _SAME_FUNCTION]
-        if decorators[: len(through)] != list(through):
-            return False
-        for name in decorators[len(through) :]:
-            if name in ("staticmethod", "classmethod"):
-                if type(live).__name__ != name or type(live) not in (staticmethod, classmethod):
-                    return False
+        for position, name in enumerate(decorators):
+            if name == "property" and not position and type(live) is property:
+                live = live.fget
+            elif name in ("staticmethod", "classmethod") and type(live) is getattr(builtins, name):
                 live = live.__func__  # type: ignore[attr-defined]
-            elif name in ("contextmanager", "asynccontextmanager"):
-                if type(live) is not FunctionType:
-                    return False
-                self.watch(live)
+            elif name in _WRAPPERS and type(live) is FunctionType:
+                self.functions.append(live)
                 inner = live.__dict__.get("__wrapped__")
                 cells = live.__closure__ or ()
                 if live.__code__ is not _WRAPPERS[name] or len(cells) != 1 or _contents(cells[0]) is not inner:
@@ -332,45 +301,55 @@ class _Judge:
                 return False  # a decorator whose wrapper this module does not know
         if type(live) is not FunctionType:
             return False
-        self.watch(live)  # what is judged is watched, recognised or not, so that putting it back is noticed
-        if live.__globals__ is not self.namespace:
-            return False
-        code = live.__code__
+        self.functions.append(live)  # what is judged is watched, recognised or not, so that putting it back is noticed
         engine = sys.modules.get("torchmetrics_gradpatch._engine")
         state = getattr(engine, "_state", None)
+        code = live.__code__
         if state is not None and live is state.function and code is engine._TRAMPOLINE_CODE:  # type: ignore[union-attr]
             code = state.original_code  # torchmetrics' gather running the patch's trampoline: judge its own code
         first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-        if code != self.source.codes.get((first, node.name)):
-            return False
-        cells = live.__closure__ or ()
-        if live.__code__.co_freevars not in ((), ("__class__",)) or any(_contents(cell) is not owner for cell in cells):
-            return False
         args = node.args
-        defaults = tuple(self.value(expr, namespace) for expr in args.defaults) or None
-        kw = {a.arg: self.value(e, namespace) for a, e in zip(args.kwonlyargs, args.kw_defaults, strict=True) if e}
-        return _same_values(live.__defaults__, defaults) and _same_values(live.__kwdefaults__, kw or None)
+        kw = {arg.arg: expr for arg, expr in zip(args.kwonlyargs, args.kw_defaults, strict=True) if expr}
+        if (
+            live.__globals__ is not self.namespace
+            or code != self.source.codes.get((first, node.name))
+            or live.__code__.co_freevars not in ((), ("__class__",))
+            or any(_contents(cell) is not owner for cell in live.__closure__ or ())
+            or (live.__defaults__ is None) != (not args.defaults)  # None where the source has none, and only there
+            or (live.__kwdefaults__ is None) != (not kw)
+        ):
+            return False
+        kwdefaults = live.__kwdefaults__ or {}
+        return (
+            kwdefaults.keys() == kw.keys()
+            and self.is_made(live.__defaults__ or (), ast.Tuple(args.defaults), namespace)
+            and all(self.is_made(kwdefaults[name], expr, namespace) for name, expr in kw.items())
+        )
 
-    def watch(self, fn: FunctionType) -> None:
-        self.look.functions.append(fn)
-        self.look.cells.extend(fn.__closure__ or ())
+    def is_made(self, live: object, expr: ast.expr, namespace: Mapping[str, Any]) -> bool:
+        """Whether ``live`` is what a default's or a base's expression makes: a constant (equal, of its type), the
+        very object a name or attribute chain names, a tuple of these. Anything else is not."""
+        if isinstance(expr, ast.Tuple):
+            if type(live) is not tuple or len(live) != len(expr.elts):
+                return False
+            return all(map(self.is_made, live, expr.elts, repeat(namespace)))
+        made = self.made(expr, namespace)
+        if made is _MISSING:
+            return False
+        return live is made if isinstance(expr, ast.Name | ast.Attribute) else type(live) is type(made) and live == made
 
-    def value(self, expr: ast.expr, namespace: Mapping[str, Any]) -> object:
-        """What a default's expression makes: a constant (``("=", value)``), the object a name or attribute chain
-        names (``("is", obj)``), a tuple of these; :data:`_MISSING` for anything else."""
+    def made(self, expr: ast.expr, namespace: Mapping[str, Any]) -> object:
+        """What a constant, a negated number, a name or an attribute chain makes; :data:`_MISSING` for the rest."""
         if isinstance(expr, ast.Constant):
-            return ("=", expr.value)
+            return expr.value
         if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub) and isinstance(expr.operand, ast.Constant):
             value = expr.operand.value
-            return ("=", -value) if isinstance(value, int | float | complex) else _MISSING
+            return -value if isinstance(value, int | float | complex) else _MISSING
         if isinstance(expr, ast.Name):  # a class body's default reads the class's names, then the module's
-            found = namespace.get(expr.id, self.namespace.get(expr.id, vars(builtins).get(expr.id, _MISSING)))
-            return ("is", found)
+            return namespace.get(expr.id, self.namespace.get(expr.id, vars(builtins).get(expr.id, _MISSING)))
         if isinstance(expr, ast.Attribute):
-            base = self.value(expr.value, namespace)
-            return ("is", getattr(base[1], expr.attr, _MISSING)) if isinstance(base, tuple) else _MISSING
-        if isinstance(expr, ast.Tuple):
-            return tuple(self.value(item, namespace) for item in expr.elts)
+            base = self.made(expr.value, namespace)
+            return _MISSING if base is _MISSING else getattr(base, expr.attr, _MISSING)
         return _MISSING
 
 
@@ -381,48 +360,8 @@ def _contents(cell: Any) -> object:
         return _MISSING
 
 
-def _same_values(live: object, expected: object) -> bool:
-    """Whether ``live`` (``__defaults__`` or ``__kwdefaults__``) is what :meth:`_Judge.value` said."""
-    if expected is None or live is None:
-        return live is expected
-    if isinstance(expected, dict):
-        return (
-            isinstance(live, dict)
-            and live.keys() == expected.keys()
-            and all(_same_value(live[k], v) for k, v in expected.items())
-        )
-    return _same_value(live, expected)
-
-
-def _same_value(live: object, expected: object) -> bool:
-    if expected is _MISSING:
-        return False
-    if isinstance(expected, tuple) and len(expected) == 2 and expected[0] in ("=", "is"):
-        how, value = expected
-        if how == "is":
-            return live is value and value is not _MISSING
-        return type(live) is type(value) and live == value
-    assert isinstance(expected, tuple)  # a tuple's elements
-    return type(live) is tuple and len(live) == len(expected) and all(map(_same_value, live, expected))
-
-
-def _judge() -> tuple[_Look, tuple[str, ...]]:
-    look = _Look()
-    bad: list[str] = []
-    for name in MODULES:
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        source = _source(name, module)
-        if source is None or source.digest not in _table().get(name, {}):
-            bad.append(name)
-            continue
-        bad += _Judge(module, source, look).scope(source.tree.body, vars(module), None, f"{name}.")
-    return look, tuple(bad)
-
-
-#: The last judgement (what it looked at, and its answer), one slot replaced whole (threads read it whole). A cache.
-_last: list[tuple[_Look, tuple[str, ...]] | None] = [None]
+#: The last judgement, one slot replaced whole (threads read it whole). A cache.
+_last: list[_Judgement | None] = [None]
 #: name -> the live object last warned of (held, so that a new object never shares an old one's id). A cache.
 _warned: dict[str, object] = {}
 
@@ -431,16 +370,11 @@ def unrecognised() -> tuple[str, ...]:
     """What is not recognised now, in :data:`MODULES`' order: a module (its source is no known release's, or it has
     none) or a binding (``module.name``, ``module.Class.name``). Judged again where a live object looked at changed."""
     last = _last[0]
-    if last is not None and last[0].same():
-        return last[1]
-    look, answer = _judge()
-    try:
-        look.freeze()
-    except (KeyError, AttributeError, ValueError):
-        _last[0] = None  # something judged is gone already: judged again next time
-    else:
-        _last[0] = (look, answer)
-    return answer
+    if last is not None and last.same():
+        return last.answer
+    judgement = _Judgement()
+    _last[0] = judgement if judgement.freeze() else None  # None: something judged is gone already, judged again
+    return judgement.answer
 
 
 def _module_of(name: str) -> str:
@@ -448,29 +382,27 @@ def _module_of(name: str) -> str:
     return max((module for module in MODULES if name == module or name.startswith(module + ".")), key=len)
 
 
-def _parts(name: str) -> tuple[str, ...]:
-    return tuple(part for part, modules in PARTS.items() if _module_of(name) in modules)
-
-
 def aside() -> dict[str, tuple[str, ...]]:
     """Each thing not recognised now, with the parts that step aside for it (what ``status()`` reports)."""
-    return {name: _parts(name) for name in unrecognised()}
+    return {
+        name: tuple(part for part, modules in PARTS.items() if _module_of(name) in modules) for name in unrecognised()
+    }
 
 
 def stepping_aside(part: str) -> bool:
     """Whether ``part`` (of :data:`PARTS`) steps aside now; warns once per live object not recognised."""
-    missing = [name for name in unrecognised() if _module_of(name) in PARTS[part]]
-    for name in missing:
+    missing = {name: parts for name, parts in aside().items() if part in parts}
+    for name, parts in missing.items():
         module = _module_of(name)
         live: object = sys.modules.get(module)  # what ``name`` holds now: the module, or what its namespace binds
-        for attr in name[len(module) + 1 :].split(".") if name != module else ():
-            live = vars(live).get(attr) if hasattr(live, "__dict__") else None
+        for attr in name.removeprefix(module).split(".")[1:]:
+            live = getattr(live, "__dict__", {}).get(attr)
         if _warned.get(name, _warned) is not live:
             _warned[name] = live
             warnings.warn(
                 f"torchmetrics_gradpatch: {name} is not recognised (it is not what the source of a release this "
                 "package knows makes of it: a newer torchmetrics, or another tool's replacement, wrapper or "
-                f"rebinding); the fused sync steps aside from {', '.join(_parts(name))}: torchmetrics' own path "
+                f"rebinding); the fused sync steps aside from {', '.join(parts)}: torchmetrics' own path "
                 "runs there, with this package's gather. status() lists what it steps aside from.",
                 RuntimeWarning,
                 stacklevel=4,
