@@ -13,7 +13,7 @@ Each part is timed by a wrapper around the function that does it (``time.perf_co
 ``time.thread_time`` for the rank's CPU time, which a collective's wait does not use; a wrapper costs about a
 microsecond a call, a few dozen calls a step), per step, on every rank: the forward and the backward of the metric
 loss; within the fused forward, the first halves (``step._Step.begin``: torchmetrics' lines before ``compute()``),
-the exchange (``collection.sync_members``) and its collective (``wire._gather_rows``), the reductions of the gathered
+the exchange (``collection.sync_members``) and its collective (``wire.gather_rows``), the reductions of the gathered
 states (``exchange.set_states``: torchmetrics' stacking, reductions); in both arms, torchmetrics' ``compute()`` of the
 members (each member's ``compute``), on local states in the floor and on synced states in the fused step. Reported
 per part, wall time and CPU time: the median per step over all steps of a rank, the largest rank's. The exchange's
@@ -93,7 +93,7 @@ def _parts(rounds: int, steps: int) -> dict[str, dict[str, float]]:
             member.compute = timed(member.compute, "compute")  # the instance's wrapped compute, as forward calls it
     places = [(step._Step, "begin", "begin"), (collection, "sync_members", "exchange")]
     places.append((exchange, "set_states", "reduce"))
-    places.append((wire, "_gather_rows", "collective"))
+    places.append((wire, "gather_rows", "collective"))
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in places]
     for owner, name, part in places:
         setattr(owner, name, timed(getattr(owner, name), part))

@@ -61,7 +61,7 @@ def _settle(
     all) or where torchmetrics' own sync could not complete."""
     from torchmetrics_gradpatch.fused.exchange import describe, gather_texts, structure_error
 
-    tables = [_rows(table) for table in exchange.tables]
+    tables = [_rows(described.table) for described in exchange.described]
     sizes = {len(table) for table in tables}
     differing = [i for i in range(min(sizes)) if len({table[i].fingerprint for table in tables}) > 1]
     if len(sizes) > 1 or differing:

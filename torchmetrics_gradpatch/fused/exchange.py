@@ -151,9 +151,8 @@ class Exchange:
         self.failure: Exception | None = None
         self.rows: list[list[int]] = []
         self.words: tuple[tuple[int, ...], ...] = ()
-        self.tables: list[tuple[int, ...]] = []
         self.every: list[tuple[wire.State, ...]] = []
-        self._described: list[wire.Described] = []  # every rank's description as read back (what settle needs)
+        self.described: list[wire.Described] = []  # every rank's description as read back
         self.gathered: list[list[list[torch.Tensor]]] = []
         self.skip: tuple[int, ...] = ()
         self.reduced: dict[int, torch.Tensor] = {}
@@ -276,15 +275,14 @@ class Exchange:
             ):
                 largest = max(row[wire.SIZE_REDUCED if skip else wire.SIZE] for row in self.rows)
                 payload = wire.pack(words, sent, (proposed if skip else whole).offsets, largest, self.device)
-                buffers = wire.gather_payloads(payload, self.group, self.world_size)
+                buffers = list(wire.gather_rows(payload, self.group, self.world_size))  # collective 2
             del regions
         for r, (buffer, row) in enumerate(zip(buffers, self.rows, strict=True)):
             known = words if r == self.rank else inline[r]
             theirs = tuple(known if known is not None else wire.words_of(buffer, row[wire.WORDS]))
             described = wire.read(theirs, skip)
-            self._described.append(described)
+            self.described.append(described)
             self.words += (theirs,)
-            self.tables.append(described.table)
             self.every.append(described.states)
             if r == self.rank:  # its own pieces are its own tensors: viewed back only where global mode's node needs
                 self.gathered.append([[] if v is None else [wire.ABSENT] * len(v) for v in described.views])
@@ -341,22 +339,22 @@ class Exchange:
         """The side channels, alike on every rank, where the descriptions call for them: streamed, reduced, large."""
         chunk = min(row[wire.CHUNK] for row in self.rows)
         with torch.no_grad():
-            if any(each.streams for each in self._described):
+            if any(each.streams for each in self.described):
                 own = [s.tensors for s in self.slots]
                 moved = transit.receive_stream(own, self.every, self.skip, self.rank, self.group, self.staging, chunk)
                 for r, s, i, piece in moved:
                     self.gathered[r][s][i] = piece
             if self.skip:
                 self.reduced = reduced.run(self._proposal, self.slots, self.group, self.device, self.staging, chunk)
-            if any(each.separates for each in self._described):
-                apart = large.run(self)
-                for r, s, i, piece in apart.pieces:
+            if any(each.separates for each in self.described):
+                pieces, written, joined = large.run(self)
+                for r, s, i, piece in pieces:
                     self.gathered[r][s][i] = piece
-                for s, written in apart.written.items():  # the buffer holds them now: the local tensors can go
-                    self.slots[s].tensors[:] = [written]
+                for s, view in written.items():  # the buffer holds them now: the local tensors can go
+                    self.slots[s].tensors[:] = [view]
                     if isinstance(self.slots[s].value, list):
                         self.slots[s].value.clear()
-                self.reduced.update(apart.joined)
+                self.reduced.update(joined)
 
     def entries(self, keep: list[list[bool]]) -> list[list[list[torch.Tensor]]]:
         """Per rank, per slot, the entries torchmetrics' step 3 sees (in global mode with a graph anywhere, through one
@@ -369,8 +367,7 @@ class Exchange:
         if self.mode == "global" and self.flagged(wire.FLAG_REQUIRES_GRAD) and torch.is_grad_enabled():
             viewed = wire.unpack(*self._own) if self._own is not None else self.gathered[rank]
             group = None if self.group is dist.group.WORLD else self.group
-            plan = grad.Node([], rank, self.world_size, group, self.device)
-            places, inputs = [], []
+            places, inputs, entries = [], [], []
             for r, described in enumerate(self.every):
                 for s, state in enumerate(described):
                     for i, piece in enumerate(state.pieces):
@@ -381,9 +378,10 @@ class Exchange:
                             inputs.append(self.slots[s].tensors[i])
                             if value is wire.ABSENT:  # not sent apart nor streamed: in the buffer
                                 value = viewed[s][i]
-                        plan.entries.append(grad.Entry(r, value, keep[r][s]))
+                        entries.append(grad.Entry(r, value, keep[r][s]))
                         places.append((r, s, i))
-            for (r, s, i), output in zip(places, grad.apply(plan, inputs), strict=True):
+            outputs = grad.apply(entries, inputs, rank, self.world_size, group, self.device)
+            for (r, s, i), output in zip(places, outputs, strict=True):
                 result[r][s][i] = output
         for r in range(self.world_size):
             for s, pieces in enumerate(result[r]):

@@ -23,26 +23,18 @@ class Entry(NamedTuple):
     copy: bool
 
 
-class Node(NamedTuple):
-    """What the node needs: ``entries`` in owner-rank order, then state order (a rank's own are its inputs' order)."""
-
-    entries: list[Entry]
-    rank: int
-    world_size: int
-    group: Any  # None for the default group: a graph alive at exit must not hold the group object
-    device: torch.device
-
-
 class _FusedGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, plan: Node, leaf: torch.Tensor | None, *own: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, entries: list[Entry], rank: int, world_size: int, group: Any, device: Any, leaf: Any, *own: Any
+    ) -> tuple[torch.Tensor, ...]:
         # owners, dtypes and shapes only: a graph that outlives the sync must not keep the receive buffers alive
-        ctx.owners = [e.owner for e in plan.entries]
-        ctx.dtypes = [e.value.dtype for e in plan.entries]
-        ctx.shapes = [e.value.shape for e in plan.entries]
-        ctx.rank, ctx.world_size, ctx.group, ctx.device = plan.rank, plan.world_size, plan.group, plan.device
+        ctx.owners = [e.owner for e in entries]
+        ctx.dtypes = [e.value.dtype for e in entries]
+        ctx.shapes = [e.value.shape for e in entries]
+        ctx.rank, ctx.world_size, ctx.group, ctx.device = rank, world_size, group, device
         ctx.set_materialize_grads(False)  # an entry the loss does not use sends zeros without a gradient tensor
-        return tuple(entry.value.clone() if entry.copy else entry.value for entry in plan.entries)
+        return tuple(entry.value.clone() if entry.copy else entry.value for entry in entries)
 
     @staticmethod
     @once_differentiable
@@ -53,13 +45,17 @@ class _FusedGather(torch.autograd.Function):
             (total if total is not None else torch.zeros(ctx.shapes[k], dtype=ctx.dtypes[k], device=ctx.device))
             if need
             else None
-            for k, total, need in zip(mine, totals, ctx.needs_input_grad[2:], strict=True)
+            for k, total, need in zip(mine, totals, ctx.needs_input_grad[6:], strict=True)
         ]
-        return (None, None, *inputs)
+        return (None, None, None, None, None, None, *inputs)
 
 
-def apply(plan: Node, own: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The differentiable entries as outputs of one node whose inputs are ``own``; a rank with none ties the node to a
-    zero-element leaf, so its ``backward()`` issues the same collective."""
-    leaf = None if own else torch.empty(0, device=plan.device, requires_grad=True)
-    return list(_FusedGather.apply(plan, leaf, *own))  # type: ignore[no-untyped-call,unused-ignore]
+def apply(
+    entries: list[Entry], own: Sequence[torch.Tensor], rank: int, world_size: int, group: Any, device: torch.device
+) -> list[torch.Tensor]:
+    """The differentiable ``entries`` (in owner-rank order, then state order) as outputs of one node whose inputs are
+    ``own`` (in the same order); a rank with none ties the node to a zero-element leaf, so its ``backward()`` issues
+    the same collective. ``group``: ``None`` for the default group (a graph alive at exit must not hold it)."""
+    leaf = None if own else torch.empty(0, device=device, requires_grad=True)
+    outputs = _FusedGather.apply(entries, rank, world_size, group, device, leaf, *own)  # type: ignore[no-untyped-call,unused-ignore]
+    return list(outputs)

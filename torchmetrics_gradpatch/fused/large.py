@@ -12,7 +12,7 @@ import ctypes
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -184,20 +184,13 @@ def _concatenation(described: Sequence[wire.State | None]) -> tuple[list[int], t
     return [real[r].nbytes if r in real else 0 for r in range(len(lists))], dtype, (rows, *key[1:])
 
 
-class Moved(NamedTuple):
-    """What :func:`run` brought: other ranks' separate pieces as ``(rank, slot, index, piece)``, this rank's tensors
-    as the buffer holds them now (slot -> view), and the slots concatenated in place (slot -> synced value)."""
-
-    pieces: list[tuple[int, int, int, torch.Tensor]]
-    written: dict[int, torch.Tensor]
-    joined: dict[int, torch.Tensor]
-
-
-def run(exchange: Any) -> Moved:
+def run(exchange: Any) -> tuple[list[tuple[int, int, int, torch.Tensor]], dict[int, Any], dict[int, Any]]:
     """After validation, alike on every rank: one collective for every slot of ``exchange`` (read, not changed)
-    that has a separate piece on some rank."""
+    that has a separate piece on some rank. Returns what it brought: other ranks' separate pieces as ``(rank, slot,
+    index, piece)``, this rank's tensors as the buffer holds them now (slot -> view), and the slots concatenated in
+    place (slot -> synced value)."""
     slots, rank = exchange.slots, exchange.rank
-    same_tables = all(table == exchange.tables[0] for table in exchange.tables)
+    same_tables = all(each.table == exchange.described[0].table for each in exchange.described)
     wholes: list[tuple[int, int, int, torch.dtype, tuple[int, ...]]] = []  # slot, offset, bytes, dtype, shape
     places: list[tuple[int, int, int, int, wire.Piece]] = []  # rank, slot, position, offset, piece
     writes: list[tuple[int, int, wire.Piece]] = []  # this rank's: offset, slot, the piece its tensors make there
@@ -236,7 +229,7 @@ def run(exchange: Any) -> Moved:
     # the ranks' bytes never overlap, so summing them as int64 words carries nothing: every bit arrives as written
     dist.all_reduce(buffer.view(torch.int64), dist.ReduceOp.SUM, exchange.group)
     pieces = [(r, s, i, _view(buffer, at, piece)) for r, s, i, at, piece in places]
-    return Moved(pieces, written, {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes})
+    return pieces, written, {s: buffer[at : at + n].view(dtype).view(shape) for s, at, n, dtype, shape in wholes}
 
 
 def _view(buffer: torch.Tensor, at: int, piece: wire.Piece) -> torch.Tensor:

@@ -333,7 +333,7 @@ def gather_first(
         words, tensors, offsets = [], [], []
     total = _HEAD_BYTES + agreed.data
     mine = pack([*row, *words], tensors, offsets, total, device, _HEAD_BYTES, kept)
-    flat = _gather_rows(mine, group, world_size)
+    flat = gather_rows(mine, group, world_size)
     del mine
     # the exchange's one device-to-host read: every header and every inline description at once
     table = flat[:, : _HEAD_BYTES + 8 * agreed.words].view(torch.int64).tolist()
@@ -341,9 +341,10 @@ def gather_first(
     return [t[:HEADER_WORDS] for t in table], inline_words, list(flat[:, _HEAD_BYTES:].unbind(0))
 
 
-def _gather_rows(mine: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
-    """Every rank's ``mine`` in its row of a new tensor, gathered into it where the backend takes one tensor (on the
-    CPU from torch 2.13's ``all_gather_single`` on, saving ``all_gather``'s copy and list checks)."""
+def gather_rows(mine: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
+    """Every rank's ``mine`` (collective 1's row, or collective 2's payload, padded alike) in its row of a new tensor,
+    gathered into it where the backend takes one tensor (on the CPU from torch 2.13's ``all_gather_single`` on,
+    saving ``all_gather``'s copy and list checks)."""
     flat = torch.empty((world_size, mine.numel()), dtype=mine.dtype, device=mine.device)
     into = getattr(dist, "all_gather_single", None)
     if into is None and flat.device.type == "cuda":
@@ -353,11 +354,6 @@ def _gather_rows(mine: torch.Tensor, group: Any, world_size: int) -> torch.Tenso
     else:
         dist.all_gather(list(flat), mine, group)
     return flat
-
-
-def gather_payloads(buffer: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:
-    """Collective 2: every rank's payload (all padded to the same size), in group-rank order."""
-    return list(_gather_rows(buffer, group, world_size))
 
 
 def words_of(buffer: torch.Tensor, count: int) -> list[int]:
