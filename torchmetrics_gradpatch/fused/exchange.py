@@ -156,7 +156,7 @@ class Exchange:
         self.gathered: list[list[list[torch.Tensor]]] = []
         self.skip: tuple[int, ...] = ()
         self.reduced: dict[int, torch.Tensor] = {}
-        self._proposal = reduced.Proposal()
+        self.proposal = reduced.Proposal()
         self._own: tuple[torch.Tensor, wire.Views] | None = None
         self._sending: tuple[Any, ...] = ()  # between send and receive: what collective 2 may need
 
@@ -216,7 +216,7 @@ class Exchange:
             if large.deferred(slot) and not slot.described.pieces[0].separate:
                 slot.tensors[:] = [_dim_zero_cat()(slot.value).contiguous()]
         words = wire.encode([s.described for s in self.slots], table)
-        self._proposal = proposal = reduced.propose(self.slots, placement)
+        self.proposal = proposal = reduced.propose(self.slots, placement)
         whole = wire.read(tuple(words))
         # the payload collective 1 carries leaves out what this rank proposes to reduce
         proposed = wire.read(tuple(words), proposal.slots) if proposal.slots else whole
@@ -265,7 +265,7 @@ class Exchange:
         """Collective 2 where some payload did not fit the first, then every rank's description and pieces."""
         words, sent, whole, proposed, inline, regions = self._sending
         del self._sending  # the receive buffers live on in the pieces' views only
-        self.skip = skip = self._proposal.slots if reduced.agreed(self.rows, self._proposal) else ()
+        self.skip = skip = self.proposal.slots if reduced.agreed(self.rows, self.proposal) else ()
         with torch.no_grad():
             # an inline payload leaves out what its rank proposed to reduce: usable where that was agreed, or empty
             buffers = regions
@@ -340,12 +340,10 @@ class Exchange:
         chunk = min(row[wire.CHUNK] for row in self.rows)
         with torch.no_grad():
             if any(each.streams for each in self.described):
-                own = [s.tensors for s in self.slots]
-                moved = transit.receive_stream(own, self.every, self.skip, self.rank, self.group, self.staging, chunk)
-                for r, s, i, piece in moved:
+                for r, s, i, piece in transit.receive_stream(self, chunk):
                     self.gathered[r][s][i] = piece
             if self.skip:
-                self.reduced = reduced.run(self._proposal, self.slots, self.group, self.device, self.staging, chunk)
+                self.reduced = reduced.run(self, chunk)
             if any(each.separates for each in self.described):
                 pieces, written, joined = large.run(self)
                 for r, s, i, piece in pieces:

@@ -106,23 +106,18 @@ def agreed(rows: Sequence[Sequence[int]], proposal: Proposal) -> bool:
     return proposal.digest != 0 and all(row[wire.PROPOSAL] == proposal.digest for row in rows)
 
 
-def run(
-    proposal: Proposal,
-    slots: Sequence[Any],
-    group: Any,
-    device: torch.device,
-    staging: torch.device | None,
-    chunk: int,
-) -> dict[int, torch.Tensor]:
-    """The agreed reductions: per slot, its value as torchmetrics' stacked reduction gives it. Streamed slots are
-    reduced on the CPU, crossing on ``staging`` in chunks of ``chunk`` bytes, and come back there."""
+def run(exchange: Any, chunk: int) -> dict[int, torch.Tensor]:
+    """``exchange``'s agreed reductions (read, not changed): per slot, its value as torchmetrics' stacked reduction
+    gives it. Streamed slots are reduced on the CPU, crossing on its staging device in chunks of ``chunk`` bytes, and
+    come back there."""
+    proposal, slots, group, staging = exchange.proposal, exchange.slots, exchange.group, exchange.staging
     groups: dict[tuple[Any, torch.dtype, bool], list[Reduced]] = {}
     for entry in proposal.entries:
         reduce_op = dist.ReduceOp.SUM if entry.op == "sum" else dist.ReduceOp.MAX
         groups.setdefault((reduce_op, entry.transport, entry.streamed), []).append(entry)
     out: dict[int, torch.Tensor] = {}
     for (reduce_op, _, streamed), members in groups.items():
-        where = torch.device("cpu") if streamed else device
+        where = torch.device("cpu") if streamed else exchange.device
         # a min crosses as the max of its bitwise complement (integers) or of its negation
         flat = torch.cat(
             [_flip(e, slots[e.slot].tensors[0].detach().to(where, e.transport).reshape(-1)) for e in members]

@@ -6,7 +6,6 @@ CPU")."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,24 +31,17 @@ def _stream_layout(states: tuple[wire.State, ...], skip: tuple[int, ...]) -> tup
     return offsets, size, wire.views(states, offsets, skip)
 
 
-def receive_stream(
-    own: Sequence[Sequence[torch.Tensor]],
-    every: Sequence[Sequence[wire.State]],
-    skip: Sequence[int],
-    rank: int,
-    group: Any,
-    staging: torch.device | None,
-    chunk: int,
-) -> list[tuple[int, int, int, torch.Tensor]]:
-    """Every other rank's streamed pieces as ``(rank, slot, index, piece)``, CPU tensors. ``own[s]``: this rank's
-    tensors of slot ``s``; ``every[r]``: rank ``r``'s description; ``skip``: the reduced slots."""
-    layouts = [_stream_layout(tuple(states), tuple(skip)) for states in every]
+def receive_stream(exchange: Any, chunk: int) -> list[tuple[int, int, int, torch.Tensor]]:
+    """Every other rank's streamed pieces in ``exchange`` (read, not changed) as ``(rank, slot, index, piece)``, CPU
+    tensors, crossing in chunks of ``chunk`` bytes where a staging device carries them."""
+    rank, staging = exchange.rank, exchange.staging
+    layouts = [_stream_layout(tuple(states), exchange.skip) for states in exchange.every]
     total = max(size for _, size, _ in layouts)
     if total == 0:
         return []
     mine = [
         (offset, _bytes.as_bytes(tensor))
-        for tensors, offsets in zip(own, layouts[rank][0], strict=True)
+        for tensors, offsets in zip([slot.tensors for slot in exchange.slots], layouts[rank][0], strict=True)
         for tensor, offset in zip(tensors, offsets, strict=True)
         if offset >= 0
     ]
@@ -64,7 +56,8 @@ def receive_stream(
 
     receive = [None if r == rank else torch.empty(size, dtype=torch.uint8) for r, (_, size, _) in enumerate(layouts)]
     transit = staging if staging is not None else torch.device("cpu")
-    _gather.all_gather_chunked(receive, fill, total, group, rank, transit, chunk if staging is not None else total)
+    chunk = chunk if staging is not None else total
+    _gather.all_gather_chunked(receive, fill, total, exchange.group, rank, transit, chunk)
     return [
         (r, s, i, piece)
         for r, buffer in enumerate(receive)
