@@ -51,14 +51,21 @@ def _rows(table: tuple[int, ...]) -> list[_Row]:
     return rows
 
 
-def _settle(
-    exchange: Any, members: Members, codes: list[int]
-) -> tuple[list[int], list[int], list[int], dict[int, Any]]:
-    """What the tables settle, alike on every rank: the members whose forms differ between ranks, which every rank
-    syncs with torchmetrics' own ``_sync_dist``; the members that join; the ones computed anew; and per member the
-    exchange syncs (``joined[i]``) every rank's slots and their descriptions and which of this rank's slots an
-    earlier member holds. Raises alike where the ranks hold other members (gathered, two collectives, to name them
-    all) or where torchmetrics' own sync could not complete."""
+class _Settled(NamedTuple):
+    """What the member tables settle, alike on every rank: the members whose forms differ between ranks (every rank
+    syncs them with torchmetrics' own ``_sync_dist``), the members that join, the ones computed anew, and per member
+    the exchange syncs (``joined[i]``) every rank's slots, their descriptions, and which of this rank's slots an
+    earlier member holds."""
+
+    own: list[int]
+    joins: list[int]
+    recompute: list[int]
+    joined: dict[int, tuple[list[tuple[int, ...]], list[list[Any]], list[bool]]]
+
+
+def _settle(exchange: Any, members: Members, codes: list[int]) -> _Settled:
+    """What the tables settle. Raises alike where the ranks hold other members (gathered, two collectives, to name
+    them all) or where torchmetrics' own sync could not complete."""
     from torchmetrics_gradpatch.fused.exchange import describe, gather_texts, structure_error
 
     tables = [_rows(described.table) for described in exchange.described]
@@ -95,7 +102,7 @@ def _settle(
     if exchange.flagged(wire.FLAG_ASIDE):
         joins = []
     recompute = [i for i, need in enumerate(needed) if need and (i in own or forms.kind(codes[i]) == forms.OWN_PATH)]
-    joined: dict[int, Any] = {}
+    joined: dict[int, tuple[list[tuple[int, ...]], list[list[Any]], list[bool]]] = {}
     given: set[int] = set()  # slots a member already holds: the next member of its group gets copies
     for i in [] if exchange.flagged(wire.FLAG_UNSTAGED) else joins:
         if needed[i]:
@@ -103,11 +110,11 @@ def _settle(
             views = [[exchange.every[r][ref] for ref in refs[r]] for r in range(exchange.world_size)]
             joined[i] = (refs, views, [ref in given for ref in refs[exchange.rank]])
             given.update(refs[exchange.rank])
-    return own, joins, recompute, joined
+    return _Settled(own, joins, recompute, joined)
 
 
 #: (every rank's description, which flags some rank sent, this rank) -> what it settled, where its checks passed
-_SETTLED: dict[tuple[Any, ...], tuple[list[int], list[int], list[int], dict[int, Any]]] = {}
+_SETTLED: dict[tuple[Any, ...], _Settled] = {}
 
 
 class Synced(NamedTuple):
@@ -200,11 +207,7 @@ def _table(exchange: Any, members: Members, codes: list[int], staged: bool) -> t
 
 
 def sync_members(
-    members: Members,
-    mode: str,
-    codes: list[int] | None = None,
-    staged: bool = True,
-    aside_here: bool = False,
+    members: Members, mode: str, codes: list[int] | None = None, staged: bool = True, aside_here: bool = False
 ) -> Outcome:
     """The one exchange over the default group for a collection's ``members`` (``codes``: their forms, by default
     for ``compute()``), a collective of every rank where some member syncs (:func:`adapt`). ``staged``: the joining
@@ -228,8 +231,8 @@ def sync_members(
     # what the tables settle depends on the descriptions and flags alone: a steady exchange settles them once
     key = (exchange.words, everywhere, exchange.flagged(wire.FLAG_ASIDE), exchange.rank)
     settled = _SETTLED.get(key) or _settle(exchange, members, codes)
-    own, joins, recompute, joined = settled
-    for i in recompute:
+    joined = settled.joined
+    for i in settled.recompute:
         internals.set_flags(members[i][1], computed=None)  # a peer syncs it: computed from the same states here too
     if joined:
         exchange.check_grad_modes()
@@ -238,7 +241,7 @@ def sync_members(
     remember(_SETTLED, key, settled)
     if everywhere:
         exchange.settle()
-    outcome = Outcome(everywhere, joins, own_sync=[members[i][1] for i in own])
+    outcome = Outcome(everywhere, settled.joins, own_sync=[members[i][1] for i in settled.own])
     if not joined:
         return outcome
     rank, slots = exchange.rank, exchange.slots
