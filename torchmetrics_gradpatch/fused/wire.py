@@ -214,7 +214,7 @@ def pack(
         found = kept.sends.get(key)
     if found is None:
         buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        found = (buffer, [buffer[base + at : base + at + t.nbytes].view(t.dtype).view(t.shape) for at, t in sent])
+        found = (buffer, [buffer[base + at :].view(t.dtype)[: t.numel()].view(t.shape) for at, t in sent])
         if kept is not None and key is not None:
             kept.sends[key] = found
             while len(kept.sends) > KEPT:
